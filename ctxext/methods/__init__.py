@@ -1,0 +1,10 @@
+"""RoPE context-extension methods: pure math, no model code.
+
+`METHODS` maps a name to a `Method` (parameters dataclass + inv_freq function); see METHODS.md.
+"""
+
+from . import frequency, native  # noqa: F401  (registers the methods)
+from .frequency import rope_inv_freq
+from .registry import METHODS, Method, MethodParams, compute_inv_freq, get_method
+
+__all__ = ["METHODS", "Method", "MethodParams", "compute_inv_freq", "get_method", "rope_inv_freq"]

@@ -1,0 +1,292 @@
+"""Frequency methods: each returns new inverse frequencies θ'_i and an attention factor a.
+
+Formulas and conventions follow METHODS.md (the project's reference). θ_i = b^(-2i/d) is computed in
+float32 exactly as transformers computes its default RoPE, so that an unscaled method is bit-identical
+to the unpatched model; per-pair scale factors are computed in float64 and applied at the end.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CtxextError
+from .registry import DynamicParams, Method, MethodParams, _check_number, param, register
+
+
+def rope_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
+    """Plain RoPE: θ_i = base^(-2i/d), float32, computed the way transformers does."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    return 1.0 / (base**exponents)
+
+
+def _divide(inv_freq: torch.Tensor, divisors: torch.Tensor) -> torch.Tensor:
+    return (inv_freq.double() / divisors.double()).to(torch.float32)
+
+
+def _pair_index(rotary_dim: int) -> torch.Tensor:
+    return torch.arange(rotary_dim // 2, dtype=torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------- none
+def none_inv_freq(rotary_dim, base, original_max_position_embeddings, params, seq_len=None):
+    return rope_inv_freq(rotary_dim, base), 1.0
+
+
+register(Method(
+    name="none",
+    summary="no scaling: direct extrapolation past the original length (the baseline)",
+    source="Su et al. 2021, RoFormer",
+    params_cls=MethodParams,
+    inv_freq_fn=none_inv_freq,
+    hf_rope_type="default",
+))
+
+
+# -------------------------------------------------------------------------------------------- linear
+def linear_inv_freq(rotary_dim, base, original_max_position_embeddings, params, seq_len=None):
+    # Dividing θ by s is the same as reading position m as m/s.
+    return rope_inv_freq(rotary_dim, base) / params.factor, 1.0
+
+
+register(Method(
+    name="linear",
+    summary="Position Interpolation: every frequency divided by s",
+    source="Chen et al. 2023, Extending Context Window of LLMs via Positional Interpolation",
+    params_cls=DynamicParams,
+    inv_freq_fn=linear_inv_freq,
+    hf_rope_type="linear",
+))
+
+
+# ----------------------------------------------------------------------------------------------- ntk
+@dataclass
+class NtkParams(DynamicParams):
+    alpha: float | None = param(
+        None, "NTK alpha: the lowest frequency is interpolated by exactly alpha (default: factor)"
+    )
+
+    def validate(self):
+        super().validate()
+        _check_number("alpha", self.alpha, minimum=1.0, allow_none=True)
+
+
+def ntk_inv_freq(rotary_dim, base, original_max_position_embeddings, params, seq_len=None):
+    alpha = params.factor if params.alpha is None else params.alpha
+    return rope_inv_freq(rotary_dim, base * alpha ** (rotary_dim / (rotary_dim - 2))), 1.0
+
+
+register(Method(
+    name="ntk",
+    summary="NTK-aware: a larger base b' = b*alpha^(d/(d-2)); high frequencies kept, lowest divided by alpha",
+    source="bloc97 2023, NTK-Aware Scaled RoPE (r/LocalLLaMA)",
+    params_cls=NtkParams,
+    inv_freq_fn=ntk_inv_freq,
+))
+
+
+# ----------------------------------------------------------------------------------------- ntk_fixed
+def ntk_fixed_inv_freq(rotary_dim, base, original_max_position_embeddings, params, seq_len=None):
+    # θ_i / μ^(i+1) with μ = s^(2/d): the lowest pair (i = d/2-1) is divided by exactly s.
+    i = _pair_index(rotary_dim)
+    divisors = torch.tensor(float(params.factor), dtype=torch.float64) ** (2.0 * (i + 1) / rotary_dim)
+    return _divide(rope_inv_freq(rotary_dim, base), divisors), 1.0
+
+
+register(Method(
+    name="ntk_fixed",
+    summary="NTK-RoPE-fixed: a true base conversion, theta_i / s^(2(i+1)/d); lowest divided by exactly s",
+    source="Su 2023, kexue.fm/archives/9706",
+    params_cls=DynamicParams,
+    inv_freq_fn=ntk_fixed_inv_freq,
+))
+
+
+# ----------------------------------------------------------------------------------------- ntk_mixed
+@dataclass
+class NtkMixedParams(DynamicParams):
+    beta: float = param(0.625, "exponent beta: 1 gives ntk_fixed, 0 gives linear")
+
+    def validate(self):
+        super().validate()
+        _check_number("beta", self.beta, minimum=0.0)
+
+
+def ntk_mixed_inv_freq(rotary_dim, base, original_max_position_embeddings, params, seq_len=None):
+    # θ_i / exp(c·(i+1)^β), c = ln(s)/(d/2)^β: the lowest pair is divided by exactly s.
+    i = _pair_index(rotary_dim)
+    c = math.log(params.factor) / (rotary_dim / 2) ** params.beta
+    return _divide(rope_inv_freq(rotary_dim, base), torch.exp(c * (i + 1) ** params.beta)), 1.0
+
+
+register(Method(
+    name="ntk_mixed",
+    summary="NTK-RoPE-mixed: theta_i / exp(c*(i+1)^beta); fast pairs extrapolate, slow pairs interpolate",
+    source="Su 2023, kexue.fm/archives/9706",
+    params_cls=NtkMixedParams,
+    inv_freq_fn=ntk_mixed_inv_freq,
+))
+
+
+# --------------------------------------------------------------------------------- ntk_by_parts, yarn
+@dataclass
+class ByPartsParams(DynamicParams):
+    beta_fast: float = param(32.0, "pairs that turn more than beta_fast times within L are kept (extrapolated)")
+    beta_slow: float = param(1.0, "pairs that turn fewer than beta_slow times within L are interpolated by s")
+    ramp: str = param("index", "'index': ramp linear in the pair index, as the YaRN code and transformers;"
+                               " 'ratio': linear in r = L/wavelength, as the YaRN paper")
+    truncate: bool = param(True, "round the ramp ends to whole pairs (floor/ceil), as the YaRN code does")
+
+    def validate(self):
+        super().validate()
+        _check_number("beta_fast", self.beta_fast, minimum=0.0, strict=True)
+        _check_number("beta_slow", self.beta_slow, minimum=0.0, strict=True)
+        if self.beta_fast <= self.beta_slow:
+            raise CtxextError(f"'beta_fast' ({self.beta_fast}) must be greater than 'beta_slow' ({self.beta_slow})")
+        if self.ramp not in ("index", "ratio"):
+            raise CtxextError(f"'ramp' must be 'index' or 'ratio', got {self.ramp!r}")
+
+    def transformers_compatible(self) -> bool:
+        return self.ramp == "index"
+
+
+def yarn_correction_dim(rotations: float, rotary_dim: int, base: float, original_max_position_embeddings: int):
+    """The (fractional) pair index whose wavelength fits `rotations` times into L."""
+    return rotary_dim * math.log(original_max_position_embeddings / (2 * math.pi * rotations)) / (2 * math.log(base))
+
+
+def by_parts_ramp(rotary_dim, base, original_max_position_embeddings, params) -> torch.Tensor:
+    """Per pair, 0 = keep θ_i (extrapolate), 1 = use θ_i/s (interpolate), linear in between."""
+    if params.ramp == "ratio":
+        # Paper form: r_i = L/λ_i; pairs with r > beta_fast are kept, r < beta_slow interpolated.
+        wavelengths = 2 * math.pi / rope_inv_freq(rotary_dim, base).double()
+        ratio = original_max_position_embeddings / wavelengths
+        return 1.0 - ((ratio - params.beta_slow) / (params.beta_fast - params.beta_slow)).clamp(0.0, 1.0)
+    low = yarn_correction_dim(params.beta_fast, rotary_dim, base, original_max_position_embeddings)
+    high = yarn_correction_dim(params.beta_slow, rotary_dim, base, original_max_position_embeddings)
+    if params.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # avoids a division by zero, as the YaRN code does
+    i = torch.arange(rotary_dim // 2, dtype=torch.float32)
+    return ((i - low) / (high - low)).clamp(0.0, 1.0)
+
+
+def ntk_by_parts_inv_freq(rotary_dim, base, original_max_position_embeddings, params, seq_len=None):
+    if params.factor == 1:
+        return rope_inv_freq(rotary_dim, base), 1.0
+    ramp = by_parts_ramp(rotary_dim, base, original_max_position_embeddings, params).to(torch.float32)
+    wavelength_terms = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim)
+    kept = 1 - ramp
+    # This order of float32 operations is the one transformers' yarn uses, so that a `yarn` checkpoint
+    # reloaded in plain transformers gives bit-identical logits.
+    return (1.0 / (params.factor * wavelength_terms)) * (1 - kept) + (1.0 / wavelength_terms) * kept, 1.0
+
+
+register(Method(
+    name="ntk_by_parts",
+    summary="NTK-by-parts: short wavelengths kept, long ones divided by s, a linear ramp in between",
+    source="bloc97 2023; Peng et al. 2023, YaRN (section 3.2)",
+    params_cls=ByPartsParams,
+    inv_freq_fn=ntk_by_parts_inv_freq,
+))
+
+
+@dataclass
+class YarnParams(ByPartsParams):
+    attention_factor: float | None = param(
+        None, "override the attention factor a (default: 0.1*ln(s)+1, or the mscale ratio)"
+    )
+    mscale: float | None = param(None, "DeepSeek-style: a = m(s, mscale)/m(s, mscale_all_dim), with both set")
+    mscale_all_dim: float | None = param(None, "see mscale")
+
+    def validate(self):
+        super().validate()
+        _check_number("attention_factor", self.attention_factor, minimum=0.0, strict=True, allow_none=True)
+        _check_number("mscale", self.mscale, allow_none=True)
+        _check_number("mscale_all_dim", self.mscale_all_dim, allow_none=True)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature: sqrt(1/t) = 0.1*mscale*ln(s) + 1 (1 inside the original length)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_attention_factor(params: YarnParams) -> float:
+    if params.attention_factor is not None:
+        return float(params.attention_factor)
+    if params.mscale and params.mscale_all_dim:
+        return yarn_mscale(params.factor, params.mscale) / yarn_mscale(params.factor, params.mscale_all_dim)
+    return yarn_mscale(params.factor)
+
+
+def yarn_inv_freq(rotary_dim, base, original_max_position_embeddings, params, seq_len=None):
+    inv_freq, _ = ntk_by_parts_inv_freq(rotary_dim, base, original_max_position_embeddings, params)
+    return inv_freq, yarn_attention_factor(params)
+
+
+YARN_SUMMARY = "YaRN: NTK-by-parts frequencies plus attention temperature a = 0.1*ln(s)+1"
+register(Method(
+    name="yarn",
+    summary=YARN_SUMMARY,
+    source="Peng et al. 2023, YaRN: Efficient Context Window Extension of LLMs",
+    params_cls=YarnParams,
+    inv_freq_fn=yarn_inv_freq,
+    hf_rope_type="yarn",
+))
+register(Method(
+    name="dynamic_yarn",
+    summary="YaRN with the scale recomputed from the current length (s_eff = max(1, l/L))",
+    source="Peng et al. 2023, YaRN (section 3.3)",
+    params_cls=YarnParams,
+    inv_freq_fn=yarn_inv_freq,
+    forced={"dynamic": True},
+))
+
+
+# ------------------------------------------------------------------------------------------- theta
+@dataclass
+class ThetaParams(MethodParams):
+    new_base: float | None = param(None, "the new RoPE base b' (e.g. 1e6, as Code Llama); required")
+
+    def validate(self):
+        super().validate()
+        if self.new_base is None:
+            raise CtxextError("method 'theta' needs 'new_base' (e.g. --new-base 1000000)")
+        _check_number("new_base", self.new_base, minimum=1.0, strict=True)
+
+
+def theta_inv_freq(rotary_dim, base, original_max_position_embeddings, params, seq_len=None):
+    return rope_inv_freq(rotary_dim, params.new_base), 1.0
+
+
+register(Method(
+    name="theta",
+    summary="base change (ABF): RoPE with an explicitly given larger base b'",
+    source="Roziere et al. 2023, Code Llama; Xiong et al. 2023 (ABF)",
+    params_cls=ThetaParams,
+    inv_freq_fn=theta_inv_freq,
+))
+
+
+# ------------------------------------------------------------------------------------- dynamic_ntk
+def dynamic_ntk_inv_freq(rotary_dim, base, original_max_position_embeddings, params, seq_len=None):
+    # transformers' `dynamic`: b' = b·((s·l/L) - (s-1))^(d/(d-2)) for l > L, plain RoPE up to L.
+    length = max(seq_len or 0, original_max_position_embeddings)
+    s = params.factor
+    grown = (s * length / original_max_position_embeddings) - (s - 1)
+    return rope_inv_freq(rotary_dim, base * grown ** (rotary_dim / (rotary_dim - 2))), 1.0
+
+
+register(Method(
+    name="dynamic_ntk",
+    summary="dynamic NTK: the base grows with the current length past L (transformers' 'dynamic')",
+    source="emozilla 2023, Dynamically Scaled RoPE (r/LocalLLaMA)",
+    params_cls=MethodParams,
+    inv_freq_fn=dynamic_ntk_inv_freq,
+    length_dependent=True,
+    hf_rope_type="dynamic",
+))

@@ -1,0 +1,85 @@
+"""`patch(model, method, factor=...)` and `unpatch(model)`: the public way to apply a method to a model."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+from torch import nn
+
+from ..errors import CtxextError
+from ..methods import get_method
+from .families import rotary_dim, rotary_host
+from .rope_types import rope_parameters_for
+from .rotary import ScaledRotaryEmbedding
+
+
+def _check_original_length(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise CtxextError(f"'original_max_position_embeddings' must be a positive integer, got {value!r}")
+    if int(value) != value:
+        raise CtxextError(f"'original_max_position_embeddings' must be a whole number, got {value!r}")
+    return int(value)
+
+
+def patch(model: nn.Module, method: str, factor: float = 1.0, original_max_position_embeddings: int | None = None,
+          **params) -> nn.Module:
+    """Replace the model's rotary embedding with `method` at scale `factor`; returns the same model.
+
+    `original_max_position_embeddings` (L) defaults to the model's `max_position_embeddings`. The config is
+    updated so that `save_pretrained` records the method: `rope_parameters` names it and
+    `max_position_embeddings` becomes L*factor (dynamic methods keep L there, because transformers reads
+    it as the length where scaling starts). Patching a patched model replaces the earlier patch.
+    """
+    host = rotary_host(model)
+    spec = get_method(method)
+    method_params = spec.make_params(factor=factor, **params)
+    unpatch(model)
+
+    config = host.config
+    L = _check_original_length(
+        config.max_position_embeddings if original_max_position_embeddings is None else original_max_position_embeddings
+    )
+    base = float(config.rope_parameters["rope_theta"])
+    dim = rotary_dim(config)
+    scaled = ScaledRotaryEmbedding(spec, method_params, dim, base, L, original=host.rotary_emb)
+    scaled.saved_config = {
+        "rope_parameters": copy.deepcopy(config.rope_parameters),
+        "max_position_embeddings": config.max_position_embeddings,
+    }
+    scaled.to(next(host.parameters()).device)
+
+    config.rope_parameters = rope_parameters_for(
+        spec, method_params, dim, base, L, config.rope_parameters.get("partial_rotary_factor")
+    )
+    config.max_position_embeddings = L if scaled.dynamic else int(round(L * method_params.factor))
+    host.rotary_emb = scaled
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Undo `patch`: the original rotary module and config values come back, bit for bit. No-op if unpatched."""
+    host = rotary_host(model)
+    scaled = host.rotary_emb
+    if isinstance(scaled, ScaledRotaryEmbedding):
+        host.rotary_emb = scaled.original
+        host.config.rope_parameters = scaled.saved_config["rope_parameters"]
+        host.config.max_position_embeddings = scaled.saved_config["max_position_embeddings"]
+    return model
+
+
+def applied_method(model: nn.Module) -> dict | None:
+    """What `patch` applied to this model (method, parameters, original length), or None."""
+    scaled = rotary_host(model).rotary_emb
+    if not isinstance(scaled, ScaledRotaryEmbedding):
+        return None
+    return {
+        "method": scaled.method.name,
+        "params": scaled.params.to_dict(),
+        "original_max_position_embeddings": scaled.original_max_position_embeddings,
+        "rope_type": host_rope_type(model),
+    }
+
+
+def host_rope_type(model: nn.Module) -> str:
+    return rotary_host(model).config.rope_parameters["rope_type"]

@@ -1,0 +1,95 @@
+"""Config round trip: the `rope_parameters` a patched model records, and ctxext's rope types in transformers.
+
+Methods with an exact transformers equivalent (linear, dynamic, yarn, llama3, longrope) are written with
+transformers' own rope_type, so the saved checkpoint loads anywhere transformers' configs are understood.
+The others are written as `ctxext_<method>` (`ctxext_<method>_dynamic` when dynamic) and registered here,
+in `ROPE_INIT_FUNCTIONS` and as a validation method on the config mixin, when `ctxext` is imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RotaryEmbeddingConfigMixin
+
+from ..errors import CtxextError
+from ..methods import METHODS, Method, MethodParams, compute_inv_freq
+from ..methods.registry import method_for_rope_type
+from .families import rotary_dim
+
+# Keys transformers accepts for its own types, beyond rope_type/rope_theta/partial_rotary_factor.
+_TRANSFORMERS_KEYS = {
+    "default": set(),
+    "linear": {"factor"},
+    "dynamic": {"factor"},
+    "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
+             "mscale", "mscale_all_dim", "truncate"},
+    "llama3": {"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"},
+    "longrope": {"factor", "original_max_position_embeddings", "short_factor", "long_factor", "attention_factor"},
+}
+
+
+def rope_parameters_for(method: Method, params: MethodParams, rotary_dim: int, base: float,
+                        original_max_position_embeddings: int, partial_rotary_factor: float | None = None) -> dict:
+    """The `rope_parameters` dict that reproduces `method` with `params` when a config is loaded again."""
+    rope_type = method.rope_type(params)
+    values = {k: v for k, v in params.to_dict().items() if v is not None and k not in method.forced}
+    if rope_type in _TRANSFORMERS_KEYS:
+        values = {k: v for k, v in values.items() if k in _TRANSFORMERS_KEYS[rope_type]}
+        if "original_max_position_embeddings" in _TRANSFORMERS_KEYS[rope_type]:
+            values["original_max_position_embeddings"] = original_max_position_embeddings
+        if rope_type == "longrope":  # transformers needs the lists written out
+            values.setdefault("short_factor", [1.0] * (rotary_dim // 2))
+            values.setdefault("long_factor", [float(params.factor)] * (rotary_dim // 2))
+    else:
+        values.pop("dynamic", None)  # implied by the type's name
+        values["original_max_position_embeddings"] = original_max_position_embeddings
+    rope_parameters = {"rope_type": rope_type, "rope_theta": base, **values}
+    if partial_rotary_factor is not None:
+        rope_parameters["partial_rotary_factor"] = partial_rotary_factor
+    return rope_parameters
+
+
+def params_from_rope_parameters(rope_parameters: dict) -> tuple[Method, MethodParams]:
+    """Rebuild (method, params) from a ctxext rope_type's saved parameters."""
+    method, implied = method_for_rope_type(rope_parameters["rope_type"])
+    fields = {f.name for f in dataclasses.fields(method.params_cls)}
+    skip = {"rope_type", "rope_theta", "partial_rotary_factor", "original_max_position_embeddings"}
+    unknown = set(rope_parameters) - fields - skip
+    if unknown:
+        raise CtxextError(
+            f"rope_parameters for '{rope_parameters['rope_type']}' has unknown keys: {', '.join(sorted(unknown))}"
+        )
+    values = {k: v for k, v in rope_parameters.items() if k in fields}
+    return method, method.make_params(**values, **implied)
+
+
+def _ctxext_rope_init(config, device=None, seq_len=None, layer_type=None):
+    rope_parameters = config.rope_parameters
+    method, params = params_from_rope_parameters(rope_parameters)
+    if seq_len is not None:
+        seq_len = int(seq_len)
+    inv_freq, attention_factor = compute_inv_freq(
+        method, params, rotary_dim(config), rope_parameters["rope_theta"],
+        rope_parameters["original_max_position_embeddings"], seq_len,
+    )
+    return inv_freq.to(device), attention_factor
+
+
+def _ctxext_rope_validate(self, rope_parameters, ignore_keys=None):
+    if "original_max_position_embeddings" not in rope_parameters:
+        raise KeyError(f"rope_parameters of type '{rope_parameters['rope_type']}' need 'original_max_position_embeddings'")
+    params_from_rope_parameters({k: v for k, v in rope_parameters.items() if k not in (ignore_keys or ())})
+
+
+def ctxext_rope_types() -> list[str]:
+    """Every name `Method.rope_type` can produce outside transformers' own types."""
+    names = {method.name.removeprefix("dynamic_") for method in METHODS.values()}
+    return sorted({f"ctxext_{name}" for name in names} | {f"ctxext_{name}_dynamic" for name in names})
+
+
+def register_rope_types() -> None:
+    """Make ctxext's rope types loadable by transformers (idempotent)."""
+    for rope_type in ctxext_rope_types():
+        ROPE_INIT_FUNCTIONS[rope_type] = _ctxext_rope_init
+        setattr(RotaryEmbeddingConfigMixin, f"_validate_{rope_type}_rope_parameters", _ctxext_rope_validate)

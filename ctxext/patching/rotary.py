@@ -1,0 +1,71 @@
+"""The scaled rotary embedding that replaces a model's `rotary_emb`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..methods import Method, MethodParams, compute_inv_freq
+
+
+class ScaledRotaryEmbedding(nn.Module):
+    """Drop-in `rotary_emb`: forward(x, position_ids) -> (cos, sin), computed in float32, cast to x.dtype.
+
+    Dynamic methods recompute their frequencies from the current length l = max(position_ids) + 1,
+    statelessly: the same positions always give the same (cos, sin).
+    """
+
+    def __init__(
+        self,
+        method: Method,
+        params: MethodParams,
+        rotary_dim: int,
+        base: float,
+        original_max_position_embeddings: int,
+        original: nn.Module | None = None,
+    ):
+        super().__init__()
+        self.method = method
+        self.params = params
+        self.rotary_dim = rotary_dim
+        self.base = base
+        self.original_max_position_embeddings = original_max_position_embeddings
+        self.dynamic = method.is_dynamic(params)
+        # The module we replaced, kept so that `unpatch` can put it back (it follows .to() with the model).
+        self.original = original
+        inv_freq, self.attention_scaling = self.frequencies(None)
+        # float32 always: a model cast to bf16 must not round the frequencies.
+        self._inv_freq_fp32 = inv_freq
+        self._cached_length = None
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return self._inv_freq_fp32
+
+    def frequencies(self, seq_len: int | None) -> tuple[torch.Tensor, float]:
+        return compute_inv_freq(
+            self.method, self.params, self.rotary_dim, self.base, self.original_max_position_embeddings, seq_len
+        )
+
+    def _inv_freq_for(self, position_ids: torch.Tensor, device) -> tuple[torch.Tensor, float]:
+        if not self.dynamic:
+            inv_freq, scaling = self._inv_freq_fp32, self.attention_scaling
+        else:
+            length = int(position_ids.max()) + 1
+            if length != self._cached_length:
+                self._dynamic_inv_freq, self._dynamic_scaling = self.frequencies(length)
+                self._cached_length = length
+            inv_freq, scaling = self._dynamic_inv_freq, self._dynamic_scaling
+        return inv_freq.to(device), scaling
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq, scaling = self._inv_freq_for(position_ids, x.device)
+        freqs = position_ids[..., None].float() * inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos = angles.cos() * scaling
+        sin = angles.sin() * scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"method={self.method.name}, params={self.params.to_dict()}, L={self.original_max_position_embeddings}"

