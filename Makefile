@@ -1,0 +1,29 @@
+# The two commands: `make demo` (the offline end-to-end demo) and `make test` (the test suite).
+# Both create or reuse .venv, installing torch first so that pip never pulls a multi-GB CUDA build by accident.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+export CTXEXT_CACHE_DIR ?= $(CURDIR)/.cache
+
+.PHONY: demo test setup assets clean-cache
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+assets: setup
+	$(BIN)/python -m ctxext.assets
+
+demo: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python scripts/demo.py
+
+test: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+clean-cache:
+	rm -rf $(CTXEXT_CACHE_DIR)

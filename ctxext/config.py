@@ -1,0 +1,113 @@
+"""Method configs: YAML files and CLI flags -> a validated `MethodConfig` -> `patch(model, ...)`.
+
+A method YAML is a flat mapping (see configs/methods/*.yaml):
+
+    method: yarn
+    factor: 4
+    original_max_position_embeddings: 4096   # optional; default: the model's max_position_embeddings
+    beta_fast: 32                             # any parameter of the method
+
+Flags given on the command line override keys from the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import CtxextError, did_you_mean
+from .methods import get_method
+from .patching import patch
+
+TOP_LEVEL_KEYS = ("method", "factor", "original_max_position_embeddings")
+
+
+@dataclass
+class MethodConfig:
+    """What to apply to a model: a method, its scale, the original length and the method's parameters."""
+
+    method: str = "none"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> "MethodConfig":
+        """Raise a CtxextError for anything `patch` would reject, before any model is loaded."""
+        spec = get_method(self.method)
+        spec.make_params(factor=self.factor, **self.params)
+        if self.original_max_position_embeddings is not None:
+            value = self.original_max_position_embeddings
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise CtxextError(f"'original_max_position_embeddings' must be a positive integer, got {value!r}")
+        return self
+
+    def apply(self, model):
+        return patch(model, self.method, factor=self.factor,
+                     original_max_position_embeddings=self.original_max_position_embeddings, **self.params)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat YAML form (the same shape `from_mapping` reads)."""
+        out = {"method": self.method, "factor": self.factor}
+        if self.original_max_position_embeddings is not None:
+            out["original_max_position_embeddings"] = self.original_max_position_embeddings
+        return {**out, **self.params}
+
+    @property
+    def label(self) -> str:
+        """A short name for tables and plots, e.g. 'yarn x4'."""
+        return self.method if self.method == "none" else f"{self.method} x{self.factor:g}"
+
+    @classmethod
+    def from_mapping(cls, mapping: dict[str, Any], source: str | None = None) -> "MethodConfig":
+        """Validate a flat mapping; `source` (e.g. the YAML path) prefixes error messages."""
+        try:
+            return cls._from_mapping(mapping)
+        except CtxextError as error:
+            raise CtxextError(f"{source}: {error}" if source else str(error)) from None
+
+    @classmethod
+    def _from_mapping(cls, mapping: dict[str, Any]) -> "MethodConfig":
+        if not isinstance(mapping, dict):
+            raise CtxextError(f"a method config must be a mapping of keys to values, got {type(mapping).__name__}")
+        values = dict(mapping)
+        method = values.pop("method", "none")
+        if not isinstance(method, str):
+            raise CtxextError(f"'method' must be a method name, got {method!r}")
+        spec = get_method(method)
+        allowed = list(TOP_LEVEL_KEYS) + [f.name for f in dataclasses.fields(spec.params_cls) if f.name != "factor"]
+        for key in values:
+            if key not in allowed:
+                raise CtxextError(f"unknown key '{key}' for method '{method}'{did_you_mean(key, allowed)}")
+        config = cls(
+            method=method,
+            factor=values.pop("factor", 1.0),
+            original_max_position_embeddings=values.pop("original_max_position_embeddings", None),
+            params=values,
+        )
+        return config.validate()
+
+
+def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise CtxextError(f"config file '{path}' does not exist")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise CtxextError(f"config file '{path}' is not valid YAML{where}") from None
+    if not isinstance(data, dict):
+        raise CtxextError(f"config file '{path}' must be a YAML mapping of keys to values, got {type(data).__name__}")
+    return data
+
+
+def load_method_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> MethodConfig:
+    """Read a method YAML (optional) and apply overrides (from CLI flags); validated."""
+    mapping = read_yaml_mapping(path) if path is not None else {}
+    source = f"config file '{path}'" if path is not None else None
+    return MethodConfig.from_mapping({**mapping, **(overrides or {})}, source=source)
