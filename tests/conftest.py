@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny random models of every supported family, and the offline SmolLM2 checkpoint."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+
+
+def tiny_config(family: str, **overrides):
+    config_cls, _ = FAMILIES[family]
+    values = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rope_theta=10000.0,
+        tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+    if family == "mistral":
+        values["sliding_window"] = None
+    values.update(overrides)
+    return config_cls(**values)
+
+
+def tiny_model(family: str, seed: int = 0, **overrides):
+    """A random 2-layer model of `family` in fp32 eval mode (deterministic for a seed)."""
+    _, model_cls = FAMILIES[family]
+    torch.manual_seed(seed)
+    return model_cls(tiny_config(family, **overrides)).eval()
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from ctxext import assets
+
+    return assets.smollm2_checkpoint()
