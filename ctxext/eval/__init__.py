@@ -1,0 +1,5 @@
+"""Evaluation: sliding-window perplexity (METHODS.md protocol), passkey retrieval, data loading and reports."""
+
+from .perplexity import Window, perplexity, plan_windows, sliding_window_nll, window_nll
+
+__all__ = ["Window", "perplexity", "plan_windows", "sliding_window_nll", "window_nll"]
