@@ -273,8 +273,17 @@ register(Method(
 
 
 # ------------------------------------------------------------------------------------- dynamic_ntk
+@dataclass
+class DynamicNtkParams(MethodParams):
+    def transformers_compatible(self) -> bool:
+        # transformers' formula still grows the base at s = 1; ctxext keeps "factor 1 = no scaling".
+        return self.factor != 1
+
+
 def dynamic_ntk_inv_freq(rotary_dim, base, original_max_position_embeddings, params, seq_len=None):
     # transformers' `dynamic`: b' = b·((s·l/L) - (s-1))^(d/(d-2)) for l > L, plain RoPE up to L.
+    if params.factor == 1:
+        return rope_inv_freq(rotary_dim, base), 1.0
     length = max(seq_len or 0, original_max_position_embeddings)
     s = params.factor
     grown = (s * length / original_max_position_embeddings) - (s - 1)
@@ -285,7 +294,7 @@ register(Method(
     name="dynamic_ntk",
     summary="dynamic NTK: the base grows with the current length past L (transformers' 'dynamic')",
     source="emozilla 2023, Dynamically Scaled RoPE (r/LocalLLaMA)",
-    params_cls=MethodParams,
+    params_cls=DynamicNtkParams,
     inv_freq_fn=dynamic_ntk_inv_freq,
     length_dependent=True,
     hf_rope_type="dynamic",

@@ -146,8 +146,9 @@ def compute_inv_freq(
     seq_len: int | None = None,
 ) -> tuple[torch.Tensor, float]:
     """inv_freq and attention factor for `method`, at the current length where the method is dynamic."""
-    if getattr(params, "dynamic", False) and not method.length_dependent:
-        # The generic dynamic rule: the scale follows the length, never below 1.
+    if getattr(params, "dynamic", False) and not method.length_dependent and params.factor != 1:
+        # The generic dynamic rule: the scale follows the length, never below 1. factor 1 still means
+        # "no scaling" for every method, dynamic or not.
         length = original_max_position_embeddings if seq_len is None else seq_len
         s_eff = max(1.0, length / original_max_position_embeddings)
         params = dataclasses.replace(params, factor=s_eff)

@@ -52,7 +52,10 @@ def patch(model: nn.Module, method: str, factor: float = 1.0, original_max_posit
     config.rope_parameters = rope_parameters_for(
         spec, method_params, dim, base, L, config.rope_parameters.get("partial_rotary_factor")
     )
-    config.max_position_embeddings = L if scaled.dynamic else int(round(L * method_params.factor))
+    # transformers' dynamic update only recomputes frequencies past max_position_embeddings, so dynamic
+    # types must keep L there for a saved checkpoint to behave the same after reloading.
+    grows = "dynamic" in config.rope_parameters["rope_type"]
+    config.max_position_embeddings = L if grows else int(round(L * method_params.factor))
     host.rotary_emb = scaled
     return model
 
