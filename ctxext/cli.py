@@ -13,7 +13,7 @@ import yaml
 from .errors import CtxextError
 
 # Modules that add subcommands: each has `register(subparsers)`; a subcommand's handler is `args.handler(args)`.
-SUBCOMMAND_MODULES: tuple[str, ...] = ()
+SUBCOMMAND_MODULES: tuple[str, ...] = ("ctxext.eval.cli",)
 
 
 class Parser(argparse.ArgumentParser):
@@ -60,6 +60,9 @@ def add_method_arguments(parser: argparse.ArgumentParser, multiple: bool = False
     group.add_argument("--original-max-position-embeddings", dest="original_max_position_embeddings",
                        type=parse_value, default=argparse.SUPPRESS, metavar="L",
                        help="the pre-training context L (default: the model's max_position_embeddings)")
+    group.add_argument("--logn", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                       help="log-n query scaling on top of the method: the query at position n is multiplied by "
+                            "max(1, ln n / ln L)")
     for name in _method_param_names():
         group.add_argument(f"--{name.replace('_', '-')}", dest=f"param_{name}", type=parse_value,
                            default=argparse.SUPPRESS, metavar="V", help=argparse.SUPPRESS)
@@ -71,7 +74,7 @@ def method_overrides(args: argparse.Namespace) -> dict:
     for key, value in vars(args).items():
         if key.startswith("param_"):
             overrides[key.removeprefix("param_")] = value
-        elif key in ("factor", "original_max_position_embeddings"):
+        elif key in ("factor", "original_max_position_embeddings", "logn"):
             overrides[key] = value
     return overrides
 
@@ -105,13 +108,16 @@ def cmd_methods(args) -> int:
 
 # ------------------------------------------------------------------------------------------------ patch
 def cmd_patch(args) -> int:
-    from .loading import load_model, load_tokenizer
+    from .loading import load_config, load_model, load_tokenizer
     from .outputs import atomic_output_dir, check_output_dir
     from .patching import applied_method
+    from .patching.families import check_supported
 
     method_config = method_config_from_args(args)
     protected = [args.model] if Path(args.model).exists() else []
     check_output_dir(args.output, protected, args.overwrite)
+    config = load_config(args.model)
+    check_supported(config, f"'{args.model}' (model type '{config.model_type}')")
 
     model = load_model(args.model, dtype="auto", device="cpu")
     tokenizer = load_tokenizer(args.model)
@@ -138,7 +144,13 @@ def cmd_patch(args) -> int:
     print(f"  rope_parameters: {dict(model.config.rope_parameters)}")
     print(f"  max_position_embeddings: {original_length} -> {model.config.max_position_embeddings}")
     native = not applied["rope_type"].startswith("ctxext_")
-    print(f"  loads in plain transformers: {'yes' if native else 'after `import ctxext`'}")
+    if applied["attention"]:  # log-n / ReRoPE live in patched attention layers, re-installed by `import ctxext`
+        print(f"  attention: {applied['attention']}")
+        native_note = ("the frequencies only; log-n/ReRoPE need `import ctxext` first" if native
+                       else "after `import ctxext`")
+    else:
+        native_note = "yes" if native else "after `import ctxext`"
+    print(f"  loads in plain transformers: {native_note}")
     print(f"  saved to {Path(args.output).resolve()}")
     return 0
 

@@ -61,6 +61,18 @@ def check_model_source(name_or_path: str) -> None:
         raise CtxextError(f"model path '{name_or_path}' does not exist")
 
 
+def load_config(name_or_path: str):
+    """The model's config alone (cheap): lets commands reject unsupported models before loading weights."""
+    from transformers import AutoConfig
+
+    check_model_source(name_or_path)
+    try:
+        return AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError, KeyError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CtxextError(f"could not load the config of '{name_or_path}': {first_line}") from None
+
+
 def load_model(name_or_path: str, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu",
                attn_implementation: str | None = None):
     """A causal LM from a local directory or a hub id, as a clear CtxextError when it cannot be loaded."""

@@ -19,16 +19,22 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return get_base_model() if callable(get_base_model) else model
 
 
+def check_supported(config, what: str | None = None) -> None:
+    """A CtxextError naming the supported families unless `config` is one of them."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in SUPPORTED_FAMILIES:
+        return
+    what = what or (f"model type '{model_type}'" if model_type else "this model")
+    has_rope = bool(getattr(config, "rope_parameters", None))
+    reason = "is not a supported RoPE family" if has_rope else "has no rotary position embedding (RoPE)"
+    raise CtxextError(f"{what} {reason}; ctxext supports {', '.join(SUPPORTED_FAMILIES)}")
+
+
 def rotary_host(model: nn.Module) -> nn.Module:
     """The module that owns `rotary_emb` (the bare base model), or a CtxextError naming what is supported."""
     model = _unwrap(model)
     config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_FAMILIES:
-        what = f"model type '{model_type}'" if model_type else f"{type(model).__name__}"
-        has_rope = bool(getattr(config, "rope_parameters", None))
-        reason = "is not a supported RoPE family" if has_rope else "has no rotary position embedding (RoPE)"
-        raise CtxextError(f"{what} {reason}; ctxext supports {', '.join(SUPPORTED_FAMILIES)}")
+    check_supported(config, None if getattr(config, "model_type", None) else type(model).__name__)
     for host in (model, getattr(model, "model", None)):
         if host is not None and isinstance(getattr(host, "rotary_emb", None), nn.Module):
             return host

@@ -1,0 +1,180 @@
+"""`ctxext patch`, `ctxext methods` and `ctxext plot-freqs` from the command line, good and bad input."""
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+import ctxext
+from ctxext.cli import main
+from tests.conftest import tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def save_tiny_checkpoint(path: Path, model) -> Path:
+    vocab = {f"w{i}": i for i in range(256)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    model.save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("src") / "tiny-llama", tiny_model("llama"))
+
+
+def digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(folder.rglob("*")):
+        h.update(str(f.relative_to(folder)).encode())
+        if f.is_file():
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def run_cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_patch_writes_a_complete_checkpoint_and_leaves_the_source_alone(source, tmp_path, capsys):
+    before = digest(source)
+    out = tmp_path / "out"
+    code, stdout, _ = run_cli(capsys, "patch", source, "--method", "yarn", "--factor", "4", "-o", out)
+    assert code == 0, stdout
+    assert digest(source) == before
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "ctxext.yaml"} <= names
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging directory left behind
+    record = yaml.safe_load((out / "ctxext.yaml").read_text())
+    assert record["method"] == "yarn" and record["factor"] == 4
+    assert record["rope_parameters"]["rope_type"] == "yarn" and record["max_position_embeddings"] == 256
+
+    reference = ctxext.patch(tiny_model("llama"), "yarn", factor=4.0)
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, reference(tokens).logits)
+
+
+def test_flags_override_yaml_keys(source, tmp_path, capsys):
+    out = tmp_path / "out"
+    config = REPO / "configs/methods/ntk_mixed.yaml"
+    code, _, err = run_cli(capsys, "patch", source, "--config", config, "--factor", "2", "--beta", "0.5", "-o", out)
+    assert code == 0, err
+    record = yaml.safe_load((out / "ctxext.yaml").read_text())
+    assert record["rope_parameters"] == {"rope_type": "ctxext_ntk_mixed", "rope_theta": 10000.0, "factor": 2,
+                                         "beta": 0.5, "original_max_position_embeddings": 64}
+
+
+def test_every_method_yaml_is_valid_and_names_its_source():
+    from ctxext.config import load_method_config
+
+    files = sorted((REPO / "configs/methods").glob("*.yaml"))
+    covered = {load_method_config(f).method for f in files}
+    assert set(ctxext.METHODS) <= covered
+    for f in files:
+        assert f.read_text().startswith("#"), f"{f.name} should open with a comment naming its source"
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+BAD_INPUT = [
+    (["--method", "yran"], "unknown method 'yran' (did you mean 'yarn'?)"),
+    (["--method", "yarn", "--factor", "0.5"], "'factor' must be >= 1"),
+    (["--method", "yarn", "--factor", "abc"], "'factor' must be a number"),
+    (["--method", "yarn", "--factor", "2", "--original-max-position-embeddings", "0"], "positive integer"),
+    (["--method", "yarn", "--factor", "2", "--original-max-position-embeddings", "-4096"], "positive integer"),
+    (["--config", "@typo.yaml"], "unknown key 'beta_fsat' for method 'yarn' (did you mean 'beta_fast'?)"),
+    (["--config", "@list.yaml"], "must be a YAML mapping"),
+    (["--config", "@broken.yaml"], "is not valid YAML"),
+    (["--config", "@missing.yaml"], "does not exist"),
+    ([], "give a method"),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD_INPUT, ids=[m for _, m in BAD_INPUT])
+def test_bad_method_input_is_one_line_exit_2_nothing_written(source, tmp_path, capsys, extra, message):
+    write(tmp_path, "typo.yaml", "method: yarn\nfactor: 2\nbeta_fsat: 16\n")
+    write(tmp_path, "list.yaml", "- method: yarn\n")
+    write(tmp_path, "broken.yaml", "method: yarn\nfactor: [2\n")
+    extra = [str(tmp_path / e[1:]) if e.startswith("@") else e for e in extra]
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(capsys, "patch", source, *extra, "-o", out)
+    assert code == 2
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def test_bad_model_or_output_is_one_line_exit_2(source, tmp_path, capsys):
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(gpt2)
+    (tmp_path / "occupied").mkdir()
+    (tmp_path / "occupied" / "keep.txt").write_text("precious")
+    before = digest(source)
+    capsys.readouterr()  # drop what the set-up printed
+    cases = [
+        ([tmp_path / "nope"], tmp_path / "o1", "does not exist"),
+        ([gpt2], tmp_path / "o2", "has no rotary position embedding (RoPE); ctxext supports llama, mistral"),
+        ([source], source, "overlaps the input"),
+        ([source], source / "sub", "overlaps the input"),
+        ([source], tmp_path / "occupied", "already exists and is not empty; use --overwrite"),
+    ]
+    for model, out, message in cases:
+        code, _, err = run_cli(capsys, "patch", *model, "--method", "yarn", "--factor", "2", "-o", out)
+        assert code == 2 and err.count("\n") == 1 and message in err, err
+        assert out == source or out.name == "occupied" or not out.exists()
+    assert digest(source) == before
+    assert (tmp_path / "occupied" / "keep.txt").read_text() == "precious"
+
+
+def test_overwrite_replaces_an_existing_output(source, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    code, _, err = run_cli(capsys, "patch", source, "--method", "linear", "--factor", "2", "-o", out, "--overwrite")
+    assert code == 0, err
+    assert not (out / "stale.txt").exists() and (out / "model.safetensors").exists()
+
+
+def test_console_entry_point_exit_code_and_one_line_error(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "ctxext", "patch", str(tmp_path / "none"), "--method", "yarn",
+                             "-o", str(tmp_path / "o")], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"ctxext patch: error: model path '{tmp_path / 'none'}' does not exist"
+    ]
+
+
+def test_methods_lists_every_method_with_parameters(capsys):
+    code, out, _ = run_cli(capsys, "methods", "-v")
+    assert code == 0
+    for name, method in ctxext.METHODS.items():
+        assert f"{name} " in out and method.summary in out
+    assert "--beta-fast" in out and "--new-base" in out and "--low-freq-factor" in out
+
+
+def test_plot_freqs_draws_each_method(tmp_path, capsys):
+    png = tmp_path / "freqs.png"
+    code, out, _ = run_cli(capsys, "plot-freqs", "--method", "linear", "--method", "yarn", "--method", "ntk_mixed",
+                           "--factor", "4", "--head-dim", "128", "--base", "10000", "-o", png)
+    assert code == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = {line.split()[0]: line for line in out.splitlines() if "pairs" in line}
+    assert "kept   0, interpolated by s  64" in lines["linear"]
+    # YaRN with d=128, b=1e4, L=4096: pairs up to floor(corr(32)) = 20 kept, from ceil(corr(1)) = 46 interpolated.
+    assert "kept  21, interpolated by s  18" in lines["yarn"]

@@ -1,0 +1,79 @@
+"""Save a patched model, reload it in a fresh process, get identical logits.
+
+Types transformers knows must load in plain transformers (ctxext never imported); ctxext-only types must
+load after `import ctxext`."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ctxext
+from tests.conftest import tiny_model
+
+NATIVE = {
+    "linear": ("linear", {"factor": 4.0}),
+    "yarn": ("yarn", {"factor": 4.0}),
+    "yarn_mscale": ("yarn", {"factor": 4.0, "mscale": 0.707, "mscale_all_dim": 1.0}),
+    "dynamic": ("dynamic_ntk", {"factor": 2.0}),
+    "llama3": ("llama3", {"factor": 8.0}),
+    "longrope": ("longrope", {"factor": 4.0}),
+}
+CTXEXT_ONLY = {
+    "ntk": ("ntk", {"factor": 4.0, "alpha": 5.0}),
+    "ntk_fixed": ("ntk_fixed", {"factor": 4.0}),
+    "ntk_mixed": ("ntk_mixed", {"factor": 4.0, "beta": 0.5}),
+    "ntk_by_parts": ("ntk_by_parts", {"factor": 4.0}),
+    "yarn_ratio_ramp": ("yarn", {"factor": 4.0, "ramp": "ratio"}),
+    "dynamic_yarn": ("dynamic_yarn", {"factor": 4.0}),
+    "linear_dynamic": ("linear", {"factor": 4.0, "dynamic": True}),
+    "theta": ("theta", {"factor": 4.0, "new_base": 1e6}),
+}
+RELOAD = textwrap.dedent("""
+    import json, sys, torch
+    if sys.argv[1] == "with-ctxext":
+        import ctxext
+    from transformers import AutoModelForCausalLM
+    tokens = torch.load(sys.argv[2])
+    out = {"ctxext_imported": "ctxext" in sys.modules}
+    for name, path in json.loads(sys.argv[3]).items():
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        with torch.no_grad():
+            torch.save(model(tokens).logits, path + "/reloaded_logits.pt")
+        out[name] = model.config.rope_parameters["rope_type"]
+    print(json.dumps(out))
+""")
+
+
+def reload_in_fresh_process(mode, tokens_path, checkpoints):
+    result = subprocess.run(
+        [sys.executable, "-c", RELOAD, mode, str(tokens_path), json.dumps(checkpoints)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode,cases", [("plain", NATIVE), ("with-ctxext", CTXEXT_ONLY)])
+def test_saved_checkpoint_reloads_with_identical_logits(tmp_path, mode, cases):
+    tokens = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(3))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    expected, checkpoints = {}, {}
+    for i, (case, (method, params)) in enumerate(cases.items()):
+        family = ["llama", "mistral", "qwen2", "qwen3"][i % 4]
+        model = ctxext.patch(tiny_model(family, seed=i), method, **params)
+        with torch.no_grad():
+            expected[case] = (model(tokens).logits, model.config.rope_parameters["rope_type"])
+        model.save_pretrained(tmp_path / case)
+        checkpoints[case] = str(tmp_path / case)
+
+    reloaded = reload_in_fresh_process(mode, tmp_path / "tokens.pt", checkpoints)
+    assert reloaded["ctxext_imported"] == (mode == "with-ctxext")
+    for case in cases:
+        logits, rope_type = expected[case]
+        assert reloaded[case] == rope_type
+        assert rope_type.startswith("ctxext_") == (mode == "with-ctxext"), case
+        assert torch.equal(torch.load(tmp_path / case / "reloaded_logits.pt"), logits), case
