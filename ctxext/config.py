@@ -6,6 +6,7 @@ A method YAML is a flat mapping (see configs/methods/*.yaml):
     factor: 4
     original_max_position_embeddings: 4096   # optional; default: the model's max_position_embeddings
     beta_fast: 32                             # any parameter of the method
+    logn: true                                # optional: log-n query scaling on top (any method)
 
 Flags given on the command line override keys from the file.
 """
@@ -21,9 +22,10 @@ import yaml
 
 from .errors import CtxextError, did_you_mean
 from .methods import get_method
+from .methods.attention import ReRopeParams
 from .patching import patch
 
-TOP_LEVEL_KEYS = ("method", "factor", "original_max_position_embeddings")
+TOP_LEVEL_KEYS = ("method", "factor", "original_max_position_embeddings", "logn")
 
 
 @dataclass
@@ -34,11 +36,14 @@ class MethodConfig:
     factor: float = 1.0
     original_max_position_embeddings: int | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    logn: bool = False  # log-n query scaling, max(1, ln n / ln L), on top of the method
 
     def validate(self) -> "MethodConfig":
         """Raise a CtxextError for anything `patch` would reject, before any model is loaded."""
         spec = get_method(self.method)
         spec.make_params(factor=self.factor, **self.params)
+        if not isinstance(self.logn, bool):
+            raise CtxextError(f"'logn' must be true or false, got {self.logn!r}")
         if self.original_max_position_embeddings is not None:
             value = self.original_max_position_embeddings
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -47,19 +52,27 @@ class MethodConfig:
 
     def apply(self, model):
         return patch(model, self.method, factor=self.factor,
-                     original_max_position_embeddings=self.original_max_position_embeddings, **self.params)
+                     original_max_position_embeddings=self.original_max_position_embeddings, logn=self.logn,
+                     **self.params)
 
     def to_dict(self) -> dict[str, Any]:
         """The flat YAML form (the same shape `from_mapping` reads)."""
         out = {"method": self.method, "factor": self.factor}
         if self.original_max_position_embeddings is not None:
             out["original_max_position_embeddings"] = self.original_max_position_embeddings
+        if self.logn:
+            out["logn"] = True
         return {**out, **self.params}
 
     @property
     def label(self) -> str:
-        """A short name for tables and plots, e.g. 'yarn x4'."""
-        return self.method if self.method == "none" else f"{self.method} x{self.factor:g}"
+        """A short name for tables and plots, e.g. 'yarn x4', 'ntk_mixed x4 +logn', 'rerope w512'."""
+        params = get_method(self.method).make_params(factor=self.factor, **self.params)
+        if isinstance(params, ReRopeParams):  # no scale: name the window (and the leak factor)
+            name = f"{self.method} w{params.window}" + (f" k{params.k:g}" if hasattr(params, "k") else "")
+        else:
+            name = self.method if self.method == "none" else f"{self.method} x{self.factor:g}"
+        return f"{name} +logn" if self.logn else name
 
     @classmethod
     def from_mapping(cls, mapping: dict[str, Any], source: str | None = None) -> "MethodConfig":
@@ -86,6 +99,7 @@ class MethodConfig:
             method=method,
             factor=values.pop("factor", 1.0),
             original_max_position_embeddings=values.pop("original_max_position_embeddings", None),
+            logn=values.pop("logn", False),
             params=values,
         )
         return config.validate()

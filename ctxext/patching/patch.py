@@ -9,6 +9,8 @@ from torch import nn
 
 from ..errors import CtxextError
 from ..methods import get_method
+from ..methods.attention import AttentionSettings, check_original_length_for_logn
+from .attention import CONFIG_KEY, install_attention, record_attention_in_config, sync_attention_with_config
 from .families import rotary_dim, rotary_host
 from .rope_types import rope_parameters_for
 from .rotary import ScaledRotaryEmbedding
@@ -23,29 +25,43 @@ def _check_original_length(value) -> int:
 
 
 def patch(model: nn.Module, method: str, factor: float = 1.0, original_max_position_embeddings: int | None = None,
-          **params) -> nn.Module:
+          logn: bool = False, **params) -> nn.Module:
     """Replace the model's rotary embedding with `method` at scale `factor`; returns the same model.
 
     `original_max_position_embeddings` (L) defaults to the model's `max_position_embeddings`. The config is
     updated so that `save_pretrained` records the method: `rope_parameters` names it and
     `max_position_embeddings` becomes L*factor (dynamic methods keep L there, because transformers reads
     it as the length where scaling starts). Patching a patched model replaces the earlier patch.
+
+    `logn=True` adds log-n query scaling (any method); `rerope`/`leaky_rerope` patch the attention layers
+    too. Attention settings are recorded as `ctxext_attention` in the config (see patching/attention.py).
     """
     host = rotary_host(model)
     spec = get_method(method)
     method_params = spec.make_params(factor=factor, **params)
+    if not isinstance(logn, bool):
+        raise CtxextError(f"'logn' must be true or false, got {logn!r}")
+    if original_max_position_embeddings is None:
+        # The length the model has once an earlier patch is undone.
+        current = host.rotary_emb
+        original_max_position_embeddings = (
+            current.saved_config["max_position_embeddings"] if isinstance(current, ScaledRotaryEmbedding)
+            else getattr(host.config, "max_position_embeddings", None)
+        )
+    if logn:
+        check_original_length_for_logn(original_max_position_embeddings)
+    L = _check_original_length(original_max_position_embeddings)
+    attention = AttentionSettings.for_method(method_params, logn, L)
     unpatch(model)
 
     config = host.config
-    L = _check_original_length(
-        config.max_position_embeddings if original_max_position_embeddings is None else original_max_position_embeddings
-    )
     base = float(config.rope_parameters["rope_theta"])
     dim = rotary_dim(config)
     scaled = ScaledRotaryEmbedding(spec, method_params, dim, base, L, original=host.rotary_emb)
     scaled.saved_config = {
         "rope_parameters": copy.deepcopy(config.rope_parameters),
         "max_position_embeddings": config.max_position_embeddings,
+        CONFIG_KEY: copy.deepcopy(getattr(config, CONFIG_KEY, None)),
     }
     scaled.to(next(host.parameters()).device)
 
@@ -57,6 +73,8 @@ def patch(model: nn.Module, method: str, factor: float = 1.0, original_max_posit
     grows = "dynamic" in config.rope_parameters["rope_type"]
     config.max_position_embeddings = L if grows else int(round(L * method_params.factor))
     host.rotary_emb = scaled
+    record_attention_in_config(config, attention)
+    install_attention(host, attention)
     return model
 
 
@@ -68,11 +86,17 @@ def unpatch(model: nn.Module) -> nn.Module:
         host.rotary_emb = scaled.original
         host.config.rope_parameters = scaled.saved_config["rope_parameters"]
         host.config.max_position_embeddings = scaled.saved_config["max_position_embeddings"]
+        saved_attention = scaled.saved_config.get(CONFIG_KEY)
+        if saved_attention is not None:
+            setattr(host.config, CONFIG_KEY, saved_attention)
+        elif hasattr(host.config, CONFIG_KEY):
+            delattr(host.config, CONFIG_KEY)
+        sync_attention_with_config(host)
     return model
 
 
 def applied_method(model: nn.Module) -> dict | None:
-    """What `patch` applied to this model (method, parameters, original length), or None."""
+    """What `patch` applied to this model (method, parameters, original length, attention settings), or None."""
     scaled = rotary_host(model).rotary_emb
     if not isinstance(scaled, ScaledRotaryEmbedding):
         return None
@@ -81,6 +105,7 @@ def applied_method(model: nn.Module) -> dict | None:
         "params": scaled.params.to_dict(),
         "original_max_position_embeddings": scaled.original_max_position_embeddings,
         "rope_type": host_rope_type(model),
+        "attention": copy.deepcopy(getattr(rotary_host(model).config, CONFIG_KEY, None)),  # log-n, ReRoPE
     }
 
 
