@@ -57,8 +57,10 @@ def check_model_source(name_or_path: str) -> None:
             raise CtxextError(f"'{name_or_path}' is not a model directory (it has no config.json)")
         return
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
-    if looks_local or os.environ.get("HF_HUB_OFFLINE") == "1":
+    if looks_local:
         raise CtxextError(f"model path '{name_or_path}' does not exist")
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise CtxextError(f"model '{name_or_path}' is not a local directory, and HF_HUB_OFFLINE=1 rules out the hub")
 
 
 def load_config(name_or_path: str):
