@@ -22,7 +22,7 @@ import yaml
 
 from .errors import CtxextError, did_you_mean
 from .methods import get_method
-from .methods.attention import ReRopeParams
+from .methods.attention import ReRopeParams, check_original_length_for_logn
 from .patching import patch
 
 TOP_LEVEL_KEYS = ("method", "factor", "original_max_position_embeddings", "logn")
@@ -48,6 +48,8 @@ class MethodConfig:
             value = self.original_max_position_embeddings
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise CtxextError(f"'original_max_position_embeddings' must be a positive integer, got {value!r}")
+            if self.logn:
+                check_original_length_for_logn(value)
         return self
 
     def apply(self, model):

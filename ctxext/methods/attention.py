@@ -30,9 +30,8 @@ def check_original_length_for_logn(original_max_position_embeddings) -> int:
     value = original_max_position_embeddings
     if value is None:
         raise CtxextError(
-            "log-n scaling needs the original context length L, but the model config has no "
-            "max_position_embeddings; give it with --original-max-position-embeddings (API: "
-            "original_max_position_embeddings=...)"
+            "log-n scaling needs the original context length L (original_max_position_embeddings) and none is "
+            "known; give it with --original-max-position-embeddings (API: original_max_position_embeddings=...)"
         )
     if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < 2:
         # ln L must be positive: L = 1 would divide by zero.
