@@ -1,0 +1,143 @@
+"""Results as a table (stdout), results.json (with provenance), results.csv and PNG plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+
+def format_perplexity(value: float) -> str:
+    if not math.isfinite(value):
+        return "n/a"
+    return f"{value:.2f}" if value < 1e4 else f"{value:.3g}"
+
+
+def perplexity_table(rows: list[dict], methods: list[str], lengths: list[int]) -> str:
+    """Methods x lengths, then per length: tokens scored (the same for every method) and documents skipped."""
+    by_key = {(r["method"], r["length"]): r for r in rows}
+    label_width = max([len("method")] + [len(m) for m in methods] + [len("documents skipped")])
+    width = max(10, *(len(str(n)) + 2 for n in lengths))
+    lines = ["perplexity".ljust(label_width) + "".join(f"{n:>{width}}" for n in lengths)]
+    lines.append("-" * len(lines[0]))
+    for method in methods:
+        cells = [format_perplexity(by_key[(method, n)]["perplexity"]) if (method, n) in by_key else "-"
+                 for n in lengths]
+        lines.append(method.ljust(label_width) + "".join(f"{c:>{width}}" for c in cells))
+    lines.append("-" * len(lines[0]))
+    first = methods[0]
+    for key, title in (("tokens_scored", "tokens scored"), ("windows", "windows"),
+                       ("documents", "documents"), ("documents_skipped", "documents skipped")):
+        cells = [str(by_key[(first, n)][key]) if (first, n) in by_key else "-" for n in lengths]
+        lines.append(title.ljust(label_width) + "".join(f"{c:>{width}}" for c in cells))
+    return "\n".join(lines)
+
+
+def environment() -> dict:
+    """Library versions, machine and time: enough to tell where a number came from."""
+    import accelerate
+    import datasets
+    import transformers
+
+    from .. import __version__
+
+    info = {
+        "ctxext": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__, "datasets": datasets.__version__, "python": sys.version.split()[0],
+        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    if torch.cuda.is_available():
+        info["cuda"] = torch.version.cuda
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+
+
+def _jsonable(value):
+    if isinstance(value, (Path, torch.device, torch.dtype)):
+        return str(value)
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"cannot write {type(value).__name__} to JSON")
+
+
+def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: (";".join(v) if isinstance(v, list) else v) for k, v in row.items()})
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_perplexity(rows: list[dict], methods: list[str], path: Path, title: str,
+                    original_length: int | None = None) -> None:
+    """Perplexity against evaluated length, one line per method (log y: unscaled RoPE blows up past L)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for method in methods:
+        points = sorted((r["length"], r["perplexity"]) for r in rows
+                        if r["method"] == method and math.isfinite(r["perplexity"]))
+        if points:
+            ax.plot(*zip(*points), marker="o", label=method)
+    if original_length:
+        ax.axvline(original_length, color="grey", lw=0.8, ls="--")
+        ax.text(original_length, ax.get_ylim()[1], " original context L", va="top", fontsize=8, color="grey")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    lengths = sorted({r["length"] for r in rows})
+    ax.set_xticks(lengths, [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
+    ax.set_xlabel("evaluated context (tokens)")
+    ax.set_ylabel("perplexity (lower is better)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_passkey_heatmap(rows: list[dict], methods: list[str], lengths: list[int], depths: list[float],
+                         path: Path, title: str) -> None:
+    """One panel per method: accuracy by depth (rows) and length (columns)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(methods), figsize=(1.2 + 1.1 * len(lengths) * len(methods), 3.8),
+                             squeeze=False)
+    by_key = {(r["method"], r["length"], r["depth"]): r["accuracy"] for r in rows}
+    image = None
+    for ax, method in zip(axes[0], methods):
+        grid = [[by_key.get((method, n, d), float("nan")) for n in lengths] for d in depths]
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for i, row in enumerate(grid):
+            for j, value in enumerate(row):
+                if math.isfinite(value):
+                    ax.text(j, i, f"{value:.0%}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        ax.set_xlabel("prompt length")
+        ax.set_title(method, fontsize=9)
+    axes[0][0].set_ylabel("passkey depth")
+    fig.colorbar(image, ax=axes[0].tolist(), label="accuracy")
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
