@@ -103,6 +103,22 @@ def test_stride_window_is_one_pass_and_sweep_yaml(tiny_checkpoint, texts, tmp_pa
     assert row["nll_sum"] == pytest.approx(nll, rel=1e-5)
 
 
+def test_bos_yes_starts_every_window_with_bos_and_never_scores_it(tiny_checkpoint, texts, tmp_path):
+    out = tmp_path / "out"
+    assert run_cli("eval", tiny_checkpoint, "--bos", "yes", "--lengths", "256", "--stride", "200", "--text-file",
+                   texts / "b.txt", "--dtype", "fp32", "--no-progress", "-o", out) == 0
+    results = json.loads((out / "results.json").read_text())
+    bos = results["protocol"]["bos"]
+    assert bos["windows_start_with_bos"] and bos["bos_token_id"] == 1 and not bos["bos_scored"]
+    (row,) = results["results"]
+    ids = torch.tensor(AutoTokenizer.from_pretrained(tiny_checkpoint)((texts / "b.txt").read_text(),
+                                                                      add_special_tokens=False).input_ids)
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    nll, count = naive_nll(model, ids, 256, 200, bos_token_id=1)
+    assert row["tokens_scored"] == count == len(ids)  # every text token, BOS none
+    assert row["nll_sum"] == pytest.approx(nll, rel=1e-5)
+
+
 def test_patched_checkpoint_evaluates_as_loaded(tiny_checkpoint, texts, tmp_path):
     """A `ctxext patch` checkpoint, evaluated as loaded, scores what the in-memory method scores."""
     patched = tmp_path / "patched"

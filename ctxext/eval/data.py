@@ -169,10 +169,14 @@ def load_hf_dataset(name: str, split: str | None, config: str | None, streaming:
     except CtxextError:
         raise
     except Exception as error:  # datasets raises many types (ConnectionError, DatasetNotFoundError, ...)
-        hint = ""
-        if not path.exists():
-            hint = (f" (known names: {', '.join([*PRESETS, SHAKESPEARE])}{did_you_mean(name, [*PRESETS, SHAKESPEARE])};"
-                    " offline? use --text-file, --dataset shakespeare, or a local dataset path)")
+        offline = "offline? use --text-file, --dataset shakespeare, or a local dataset path"
+        if path.exists():
+            hint = ""
+        elif name in PRESETS:
+            hint = f" ({PRESETS[name].note}; {offline})"
+        else:
+            known = [*PRESETS, SHAKESPEARE]
+            hint = f" (presets: {', '.join(known)}{did_you_mean(name, known)}; {offline})"
         raise CtxextError(f"could not load dataset '{name}': {_first_line(error)}{hint}") from None
 
 
