@@ -101,8 +101,9 @@ def cmd_methods(args) -> int:
             print(f"{'':13} source: {method.source}")
             for name, default, help_text in method.param_help():
                 print(f"{'':15}--{name.replace('_', '-'):<18} (default {default!r}) {help_text}")
+    print("\nAny method also takes --logn (YAML 'logn: true'): log-n query scaling, max(1, ln n / ln L).")
     if not args.verbose:
-        print("\nRun 'ctxext methods -v' for every method's parameters and source.")
+        print("Run 'ctxext methods -v' for every method's parameters and source.")
     return 0
 
 
