@@ -300,7 +300,7 @@ def cmd_eval(args) -> int:
         raise CtxextError("--short-docs must be skip or truncate")
     _method_mappings(args)  # bad method flags fail before anything is loaded
     protected = _outputs_check(args)
-    processes = Processes()
+    processes = Processes(cpu=True if args.device == "cpu" else None)
 
     model, tokenizer, runtime = _load(args, processes)
     methods = build_methods(args, model)
@@ -385,7 +385,7 @@ def cmd_passkey(args) -> int:
         raise CtxextError(f"--trials must be at least 1, got {args.trials}")
     _method_mappings(args)
     protected = _outputs_check(args)
-    processes = Processes()
+    processes = Processes(cpu=True if args.device == "cpu" else None)
     model, tokenizer, runtime = _load(args, processes)
     methods = build_methods(args, model)
     bos_id, bos_info = bos_choice(args, tokenizer)

@@ -96,7 +96,7 @@ def scored_tokens_fingerprint(documents: list[Document], plan: LengthPlan) -> st
 class Processes:
     """This process's rank among `accelerate` processes (1 process when not launched by accelerate)."""
 
-    def __init__(self):
+    def __init__(self, cpu: bool | None = None):
         import os
 
         self.state = None
@@ -104,7 +104,10 @@ class Processes:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from accelerate import PartialState
 
-            self.state = PartialState()
+            # Without cpu=True accelerate ignores WORLD_SIZE on a machine with no GPU (gloo needs it).
+            if cpu is None:
+                cpu = not torch.cuda.is_available()
+            self.state = PartialState(cpu=cpu)
             self.rank, self.world_size = self.state.process_index, self.state.num_processes
 
     @property
