@@ -13,7 +13,7 @@ import yaml
 from .errors import CtxextError
 
 # Modules that add subcommands: each has `register(subparsers)`; a subcommand's handler is `args.handler(args)`.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("ctxext.eval.cli",)
+SUBCOMMAND_MODULES: tuple[str, ...] = ("ctxext.eval.cli", "ctxext.train.cli")
 
 
 class Parser(argparse.ArgumentParser):

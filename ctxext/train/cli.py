@@ -1,0 +1,78 @@
+"""`ctxext finetune --config RECIPE.yaml [key=value ...]`: LoRA fine-tuning at a longer context."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import CtxextError
+
+DESCRIPTION = """\
+Fine-tune a model at a longer context with LoRA (PEFT), after patching it with a ctxext method. The default
+recipe is Position Interpolation's: AdamW (0.9, 0.95), weight decay 0, lr 2e-5, 20 warm-up steps from 10%,
+1000 steps; LoRA on q,k,v,o with embeddings and norms trained too (LongLoRA). Any method works: fine-tuning
+with yarn is the YaRN recipe.
+
+Every eval.every steps the held-out perplexity at the target and the original length goes to
+OUTPUT/metrics.jsonl and OUTPUT/metrics.png. Checkpoints every train.checkpoint_every steps; --resume
+continues the last one and reproduces the same curve. An existing output directory is never overwritten.
+Results: OUTPUT/adapter (a standard PEFT adapter) and OUTPUT/merged (a full checkpoint with the rope config).
+
+Several GPUs (or 2 CPU processes to try it):
+  accelerate launch --config_file configs/accelerate/fsdp.yaml -m ctxext finetune --config RECIPE.yaml
+  accelerate launch --cpu --num_processes 2 -m ctxext finetune --config RECIPE.yaml
+"""
+
+EXAMPLES = """\
+examples:
+  ctxext finetune --config configs/recipes/tiny-cpu.yaml output_dir=outputs/tiny train.max_steps=50
+  ctxext finetune --config configs/recipes/pi-llama-7b-8k.yaml method.method=yarn lora.r=16
+  ctxext finetune --config configs/recipes/tiny-cpu.yaml output_dir=outputs/tiny --resume
+  ctxext finetune --show-keys
+"""
+
+
+def cmd_finetune(args) -> int:
+    from .recipe import describe_keys, load_recipe, parse_overrides
+
+    if args.show_keys:
+        print(describe_keys())
+        return 0
+    if args.config is None and not args.overrides:
+        raise CtxextError("give a recipe with --config RECIPE.yaml (see configs/recipes/), or key=value settings")
+    recipe = load_recipe(args.config, parse_overrides(args.overrides))
+    from .loop import finetune
+
+    setup, records = finetune(recipe, resume=args.resume, progress=not args.no_progress)
+    if setup.runtime.is_main:
+        print(summary(setup, records))
+    return 0
+
+
+def summary(setup, records: list[dict]) -> str:
+    evals = [r for r in records if r.get("kind") == "eval"]
+    lines = [f"fine-tuned {setup.recipe.model} with {setup.recipe.method.label} at {setup.recipe.seq_len} tokens"]
+    base = [r for r in records if r.get("kind") == "base_reference"]
+    if base:
+        lines.append(f"  base model at {base[0]['length']}: perplexity {base[0]['perplexity']:.2f}")
+    if evals:
+        lengths = list(evals[0]["perplexity"])
+        lines.append("  step  " + "".join(f"{'ppl@' + n:>12}" for n in lengths))
+        for r in evals:
+            lines.append(f"  {r['step']:>4}  " + "".join(f"{r['perplexity'][n]:>12.2f}" for n in lengths))
+    lines.append(f"  wrote {setup.output}/ (metrics.jsonl, metrics.png, adapter/, merged/, checkpoints/)")
+    return "\n".join(lines)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "finetune", help="LoRA fine-tuning at a longer context (PI / YaRN / any method), resumable",
+        description=DESCRIPTION, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", metavar="RECIPE.yaml", help="the recipe (configs/recipes/*.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="recipe overrides with dotted keys, e.g. lora.r=16 train.max_steps=10 method.factor=8")
+    p.add_argument("--resume", action="store_true", help="continue the run in output_dir from its last checkpoint")
+    p.add_argument("--show-keys", action="store_true", help="list every recipe key with its default, and exit")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(handler=cmd_finetune)
+

@@ -1,0 +1,668 @@
+"""The fine-tuning loop: a patched model, LoRA, packed data, AdamW with the PI warm-up, in-loop perplexity.
+
+Read it top to bottom: `finetune(recipe)` sets everything up (checking all input before anything is
+written), then `train` runs the steps. It runs as one process, or under `accelerate launch` (DDP, FSDP,
+DeepSpeed) with the same numbers: the global batch is fixed by the recipe, and every process takes its
+share of every step's samples by index, so 1 process and N processes see the same data.
+
+The output directory:
+
+    recipe.yaml          the resolved recipe          metrics.jsonl   one JSON line per log / evaluation
+    run.json             environment, sizes, timing   metrics.png     perplexity against step
+    checkpoints/step-N/  resumable state              adapter/        the PEFT adapter (+ ctxext.yaml)
+                                                      merged/         base + LoRA folded in, rope config included
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from ..errors import CtxextError
+from .recipe import Recipe
+
+CHECKPOINTS = "checkpoints"
+# Testing hook: SIGKILL this process right after step N (a crash with no clean-up), for the resume test.
+KILL_AT_STEP_ENV = "CTXEXT_TEST_KILL_AT_STEP"
+
+
+# --------------------------------------------------------------------------------------- the schedule
+def lr_factor(step: int, warmup_steps: int, warmup_start_factor: float, schedule: str, max_steps: int) -> float:
+    """Multiplier of the peak lr at optimizer step `step` (0-based): PI's linear warm-up from 10%, then constant.
+
+    PI: "linear learning rate warm-up of 20 steps beginning from 10% of the maximum learning rate".
+    `cosine` decays to 10% of the peak at the last step instead of staying constant.
+    """
+    if warmup_steps and step < warmup_steps:
+        return warmup_start_factor + (1.0 - warmup_start_factor) * step / warmup_steps
+    if schedule == "cosine":
+        progress = (step - warmup_steps) / max(1, max_steps - 1 - warmup_steps)
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return 1.0
+
+
+def sample_indices(step: int, micro_step: int, rank: int, world_size: int, micro_batch: int,
+                   global_batch: int) -> list[int]:
+    """The samples one process uses in one micro-step: the step's global batch is split across processes."""
+    first = step * global_batch + (micro_step * world_size + rank) * micro_batch
+    return list(range(first, first + micro_batch))
+
+
+# ------------------------------------------------------------------------------------------- runtime
+@dataclass
+class Runtime:
+    accelerator: object
+    precision: str  # fp32 | bf16-mixed | bf16
+    weights_dtype: torch.dtype
+    attn_implementation: str
+    accumulation: int  # micro-steps per optimizer step, per process
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP and DeepSpeed shard parameters: every process must take part in every forward."""
+        from accelerate.utils import DistributedType
+
+        return self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+
+
+def resolve_precision(precision: str, device: torch.device, sharded: bool) -> str:
+    """'auto': bf16 weights with fp32 adapters on a GPU; bf16 autocast over fp32 weights on a CPU with native bf16
+    (or under FSDP/DeepSpeed, which cast themselves); else fp32."""
+    from ..loading import cpu_has_native_bf16
+
+    if precision != "auto":
+        return precision
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16-mixed" if sharded else "bf16"
+    if device.type == "cpu" and cpu_has_native_bf16():
+        return "bf16-mixed"
+    return "fp32"
+
+
+def resolve_attention(attn: str, device: torch.device, precision: str) -> str:
+    if attn != "auto":
+        return attn
+    if device.type == "cuda" and precision != "fp32":
+        from transformers.utils import is_flash_attn_2_available
+
+        if is_flash_attn_2_available():
+            return "flash_attention_2"
+    return "sdpa"
+
+
+def launched_sharded() -> bool:
+    """Whether `accelerate launch` asked for FSDP or DeepSpeed (it says so in the environment)."""
+    from accelerate.utils import parse_flag_from_env
+
+    return parse_flag_from_env("ACCELERATE_USE_FSDP") or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
+
+
+def make_runtime(recipe: Recipe) -> Runtime:
+    from accelerate import Accelerator, PartialState
+    from accelerate.state import AcceleratorState, GradientState
+
+    train = recipe.train
+    probe = PartialState(cpu=train.device == "cpu")  # the device and the process count
+    world = probe.num_processes
+    if world == 1:
+        # One process may run several recipes (reproduce_pi.py, tests): each gets a fresh accelerator state.
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+    device = probe.device if (train.device == "auto" or world > 1) else torch.device(train.device)
+    sharded = launched_sharded()
+    if train.global_batch_size % (train.micro_batch_size * world):
+        raise CtxextError(
+            f"train.global_batch_size ({train.global_batch_size}) must be a multiple of train.micro_batch_size "
+            f"({train.micro_batch_size}) x processes ({world})")
+    accumulation = train.global_batch_size // (train.micro_batch_size * world)
+    precision = resolve_precision(train.precision, device, sharded)
+    if precision != "fp32" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise CtxextError(f"train.precision={precision}, but this GPU has no bf16; use train.precision=fp32")
+    accelerator = Accelerator(cpu=device.type == "cpu", gradient_accumulation_steps=accumulation,
+                              mixed_precision="no" if precision == "fp32" else "bf16")
+    weights_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    attn = resolve_attention(train.attn_implementation, accelerator.device, precision)
+    return Runtime(accelerator, precision, weights_dtype, attn, accumulation)
+
+
+def on_main_first(runtime: Runtime, fn):
+    """Run `fn` on the main process, then let the others continue; a CtxextError there stops every process."""
+    outcome = [None]
+    if runtime.is_main:
+        try:
+            fn()
+        except CtxextError as error:
+            outcome = [str(error)]
+    if runtime.accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(outcome)
+    if outcome[0] is not None:
+        raise CtxextError(outcome[0])
+
+
+# ------------------------------------------------------------------------------------------ setting up
+@dataclass
+class Setup:
+    recipe: Recipe
+    runtime: Runtime
+    model: object  # PeftModel, patched
+    tokenizer: object
+    train_data: object  # PackedSequences
+    data_info: dict
+    eval_documents: list
+    eval_lengths: list[int]
+    bos_token_id: int | None
+    original_length: int
+    output: Path
+    model_path: str
+
+
+def supported_length(model) -> int | None:
+    """The longest sequence the patched model is meant for, or None for dynamic methods (no limit)."""
+    from ..patching import rotary_host
+
+    rotary = rotary_host(model).rotary_emb
+    if getattr(rotary, "dynamic", False):
+        return None
+    return int(model.config.max_position_embeddings)
+
+
+def prepare(recipe: Recipe, resume: bool, progress: bool = True) -> Setup:
+    """Load and check everything; raises CtxextError for bad input before the output directory is touched."""
+    from ..loading import load_model, load_tokenizer
+    from ..outputs import check_output_dir
+    from ..patching import applied_method
+    from .data import PackedSequences, token_stream
+    from .lora import add_lora
+    from .pretrain_tiny import resolve_model_name
+
+    output = Path(recipe.output_dir).expanduser().resolve()
+    protected = [recipe.model] if Path(recipe.model).expanduser().exists() else []
+    if resume:
+        if not latest_checkpoint(output):
+            raise CtxextError(f"--resume: '{output}' holds no checkpoint to resume from")
+    elif output.is_dir() and any(output.iterdir()):
+        raise CtxextError(f"output directory '{output}' already exists; use --resume to continue that run, "
+                          "or choose another output_dir")
+    check_output_dir(output, protected, overwrite=True)  # not inside the input model, not a file
+
+    runtime = make_runtime(recipe)
+    from accelerate.utils import set_seed
+
+    set_seed(recipe.seed)  # the same LoRA init on every process and every run
+    on_main_first(runtime, lambda: resolve_model_name(recipe.model))  # builds the tiny model once, if named
+    model_path = resolve_model_name(recipe.model)
+    tokenizer = load_tokenizer(model_path)
+    model = load_model(model_path, dtype=runtime.weights_dtype, device=runtime.accelerator.device,
+                       attn_implementation=runtime.attn_implementation)
+    original_length = int(model.config.max_position_embeddings)
+    recipe.method.apply(model)
+    original_length = applied_method(model)["original_max_position_embeddings"] or original_length
+    limit = supported_length(model)
+    if limit is not None and recipe.seq_len > limit:
+        raise CtxextError(
+            f"seq_len {recipe.seq_len} is beyond what the model patched with {recipe.method.label} supports "
+            f"({limit} = {original_length} x {recipe.method.factor:g}); raise method.factor to at least "
+            f"{math.ceil(recipe.seq_len / original_length)} or lower seq_len")
+    if recipe.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    lora = recipe.lora
+    model = add_lora(model, lora.r, lora.alpha, lora.dropout, lora.target_modules, lora.train_embeddings_and_norms)
+    for param in model.parameters():  # adapters, embeddings and norms train in fp32 whatever the base dtype
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
+
+    # Training data: tokenised once by the main process, cached, memory-mapped by all.
+    length = recipe.train_sequence_length
+    needed = recipe.train.max_steps * recipe.train.global_batch_size * length + 2 * length
+    max_tokens = recipe.data.max_tokens or needed
+    on_main_first(runtime, lambda: token_stream(recipe.data, tokenizer, max_tokens, is_main=True, progress=progress))
+    stream, info = token_stream(recipe.data, tokenizer, max_tokens, is_main=False)
+    train_data = PackedSequences(stream, length, seed=recipe.seed)
+    info.update(sequence_length=length, sequences_per_epoch=train_data.per_epoch,
+                epochs=round(train_data.epochs_for(recipe.train.max_steps * recipe.train.global_batch_size), 3))
+
+    # Held-out data for the in-loop evaluation.
+    documents, lengths, bos = load_eval_documents(recipe, tokenizer, original_length, info.get("names", []))
+    return Setup(recipe, runtime, model, tokenizer, train_data, info, documents, lengths, bos, original_length,
+                 output, model_path)
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+def load_eval_documents(recipe: Recipe, tokenizer, original_length: int, train_names: list[str]):
+    """(documents, lengths, bos_token_id) of the held-out evaluation; checked against the training documents."""
+    from ..eval.data import load_documents, tokenizer_adds_bos
+    from ..eval.runner import plan_lengths
+    from .data import check_held_out
+
+    ev = recipe.eval
+    if not ev.every:
+        return [], [], None
+    doc_set = load_documents(tokenizer, text_files=ev.text_files or None, dataset=ev.dataset or None,
+                             split=ev.split, dataset_config=ev.config, text_field=ev.text_field,
+                             max_docs=ev.max_docs)
+    documents = doc_set.documents
+    if ev.max_tokens_per_doc:
+        for doc in documents:
+            doc.ids = doc.ids[: ev.max_tokens_per_doc]
+    check_held_out(train_names, [d.name for d in documents])
+    lengths = sorted(set(ev.lengths or [recipe.seq_len, original_length]), reverse=True)
+    bos = tokenizer.bos_token_id if tokenizer_adds_bos(tokenizer) else None
+    plan_lengths(documents, lengths, ev.stride, bos)  # fails now if no document is long enough
+    return documents, lengths, bos
+
+
+def evaluate(setup: Setup, model, lengths: list[int]) -> dict[int, float]:
+    """Perplexity at each length on the held-out documents (METHODS.md protocol, via ctxext.eval).
+
+    The windows are shared out over the processes and the sums gathered; under FSDP/DeepSpeed every process
+    scores every window, since each forward needs all of them.
+    """
+    from ..eval.perplexity import evaluation_mode, perplexity, window_nll
+    from ..eval.runner import plan_lengths
+
+    runtime = setup.runtime
+    accelerator = runtime.accelerator
+    share = not runtime.sharded and accelerator.num_processes > 1
+    rank, world = (accelerator.process_index, accelerator.num_processes) if share else (0, 1)
+    results = {}
+    with accelerator.autocast(), evaluation_mode(model):
+        for plan in plan_lengths(setup.eval_documents, lengths, setup.recipe.eval.stride, setup.bos_token_id):
+            nll = 0.0
+            for index in range(rank, len(plan.windows), world):
+                window = plan.windows[index]
+                nll += window_nll(model, setup.eval_documents[window.doc].ids, window, setup.bos_token_id)
+            if share:
+                nll = float(accelerator.reduce(torch.tensor([nll], dtype=torch.float64, device=accelerator.device),
+                                               reduction="sum")[0])
+            results[plan.length] = perplexity(nll, plan.scored_tokens)
+    return results
+
+
+def base_reference(setup: Setup, model) -> float:
+    """The unpatched model's perplexity at the original length (LoRA's B starts at zero, so this is the base)."""
+    from ..patching import unpatch
+
+    unpatch(model)
+    try:
+        return evaluate(setup, model, [setup.original_length])[setup.original_length]
+    finally:
+        setup.recipe.method.apply(model)
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def checkpoint_dir(output: Path, step: int) -> Path:
+    return output / CHECKPOINTS / f"step-{step:06d}"
+
+
+def latest_checkpoint(output: Path) -> Path | None:
+    folder = output / CHECKPOINTS
+    if not folder.is_dir():
+        return None
+    done = sorted(p for p in folder.glob("step-*") if (p / "state.json").is_file())
+    return done[-1] if done else None
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(setup: Setup, model, optimizer, step: int, tokens: int, seconds: float) -> None:
+    """Everything a resume needs, written to a temporary folder and renamed into place (all or nothing)."""
+    runtime = setup.runtime
+    accelerator = runtime.accelerator
+    final = checkpoint_dir(setup.output, step)
+    staging = final.with_name(final.name + ".tmp")
+    if runtime.is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    if runtime.sharded:
+        accelerator.save_state(str(staging / "accelerate"))
+    elif runtime.is_main:
+        torch.save(trainable_state(accelerator.unwrap_model(model)), staging / "trainable.pt")
+        torch.save(optimizer.state_dict(), staging / "optimizer.pt")
+    torch.save(rng_state(), staging / f"rng-{accelerator.process_index}.pt")
+    accelerator.wait_for_everyone()
+    if runtime.is_main:
+        state = {"step": step, "tokens": tokens, "seconds": seconds, "processes": accelerator.num_processes}
+        (staging / "state.json").write_text(json.dumps(state))
+        os.replace(staging, final)
+    accelerator.wait_for_everyone()
+
+
+def load_checkpoint(setup: Setup, model, optimizer, folder: Path) -> dict:
+    runtime = setup.runtime
+    accelerator = runtime.accelerator
+    state = json.loads((folder / "state.json").read_text())
+    if state["processes"] != accelerator.num_processes and runtime.sharded:
+        raise CtxextError(f"checkpoint {folder} was written by {state['processes']} processes; resume a sharded "
+                          f"run with the same number ({accelerator.num_processes} now)")
+    if runtime.sharded:
+        accelerator.load_state(str(folder / "accelerate"))
+    else:
+        saved = torch.load(folder / "trainable.pt", map_location="cpu")
+        params = dict(accelerator.unwrap_model(model).named_parameters())
+        with torch.no_grad():
+            for name, value in saved.items():
+                params[name].copy_(value)
+        optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=False))
+    rng_file = folder / f"rng-{accelerator.process_index}.pt"
+    if rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return state
+
+
+# ----------------------------------------------------------------------------------------------- logging
+class MetricsLog:
+    """metrics.jsonl, written by the main process; one line per training log or evaluation."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path = path
+        self.enabled = enabled
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+    def read(self) -> list[dict]:
+        if not self.path.is_file():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def truncate_after(self, step: int) -> None:
+        """Drop what a killed run logged after its last checkpoint, so the resumed log is the uninterrupted one."""
+        if self.enabled and self.path.is_file():
+            kept = [r for r in self.read() if r["step"] <= step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def plot_metrics(records: list[dict], path: Path, title: str) -> None:
+    """Perplexity against step, one line per evaluated length, and the base model's line at the original length."""
+    from ..eval.report import _pyplot
+
+    plt = _pyplot()
+    evals = [r for r in records if r.get("kind") == "eval"]
+    if not evals:
+        return
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    lengths = sorted({int(k) for r in evals for k in r["perplexity"]}, reverse=True)
+    for length in lengths:
+        points = [(r["step"], r["perplexity"][str(length)]) for r in evals if str(length) in r["perplexity"]]
+        ax.plot(*zip(*points), marker="o", label=f"fine-tuned, window {length}")
+    base = [r for r in records if r.get("kind") == "base_reference"]
+    if base:
+        ax.axhline(base[0]["perplexity"], color="black", ls="--", lw=1,
+                   label=f"base model at its context {base[0]['length']}: {base[0]['perplexity']:.2f}")
+    ax.set_yscale("log")
+    ax.set_xlabel("fine-tuning step")
+    ax.set_ylabel("perplexity (held-out, lower is better)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------ saving
+def method_record(setup: Setup) -> dict:
+    return {"source_model": setup.recipe.model, "model_path": setup.model_path,
+            **setup.recipe.method.to_dict(), "original_max_position_embeddings": setup.original_length,
+            "seq_len": setup.recipe.seq_len}
+
+
+def save_results(setup: Setup, model) -> None:
+    """adapter/ (standard PEFT) and merged/ (LoRA folded in; the config carries the rope parameters)."""
+    from ..outputs import atomic_output_dir
+
+    runtime = setup.runtime
+    accelerator = runtime.accelerator
+    state_dict = accelerator.get_state_dict(model) if runtime.sharded else None
+    accelerator.wait_for_everyone()
+    if not runtime.is_main:
+        return
+    unwrapped = accelerator.unwrap_model(model)
+    note = ("# Written by `ctxext finetune`. Load the adapter on the base model patched with this method:\n"
+            "#   model = AutoModelForCausalLM.from_pretrained(source); ctxext.patch(model, method, factor=...)\n"
+            "#   model = PeftModel.from_pretrained(model, this_folder)\n")
+    with atomic_output_dir(setup.output / "adapter", overwrite=True) as staging:
+        unwrapped.save_pretrained(staging, state_dict=state_dict)
+        setup.tokenizer.save_pretrained(staging)
+        (staging / "ctxext.yaml").write_text(note + yaml.safe_dump(method_record(setup), sort_keys=False))
+    if not setup.recipe.train.save_merged:
+        return
+    if runtime.sharded:
+        merged = merge_adapter(setup.model_path, setup.output / "adapter", setup.recipe.method)
+    else:
+        merged = unwrapped.merge_and_unload()
+    with atomic_output_dir(setup.output / "merged", overwrite=True) as staging:
+        merged.config.use_cache = True
+        merged.save_pretrained(staging)
+        setup.tokenizer.save_pretrained(staging)
+        record = {**method_record(setup), "rope_parameters": dict(merged.config.rope_parameters),
+                  "max_position_embeddings": merged.config.max_position_embeddings}
+        (staging / "ctxext.yaml").write_text("# Written by `ctxext finetune`: base + LoRA, merged.\n"
+                                             + yaml.safe_dump(record, sort_keys=False))
+
+
+def merge_adapter(model_path: str, adapter: Path, method):
+    """Base model + method + adapter, merged, on the CPU (for runs whose live model is sharded)."""
+    from peft import PeftModel
+
+    from ..loading import load_model
+
+    base = load_model(model_path, dtype="auto", device="cpu")
+    method.apply(base)
+    return PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+
+
+# ------------------------------------------------------------------------------------------------- train
+def train(setup: Setup, resume: bool, progress: bool = True) -> list[dict]:
+    from tqdm.auto import tqdm
+
+    from .lora import count_parameters
+
+    recipe, runtime = setup.recipe, setup.runtime
+    accelerator = runtime.accelerator
+    output = setup.output
+    if runtime.is_main:
+        output.mkdir(parents=True, exist_ok=True)
+        write_or_check_recipe(output / "recipe.yaml", recipe, resume)
+    accelerator.wait_for_everyone()
+    log = MetricsLog(output / "metrics.jsonl", runtime.is_main)
+
+    model = setup.model
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=recipe.optim.lr, betas=tuple(recipe.optim.betas),
+                                  weight_decay=recipe.optim.weight_decay)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    start_step, tokens, seconds_before = 0, 0, 0.0
+    if resume:
+        folder = latest_checkpoint(output)
+        state = load_checkpoint(setup, model, optimizer, folder)
+        start_step, tokens, seconds_before = state["step"], state["tokens"], state["seconds"]
+        log.truncate_after(start_step)
+        accelerator.print(f"resuming from {folder} (step {start_step})")
+    n_trainable, n_total = count_parameters(accelerator.unwrap_model(model))
+    if runtime.is_main:
+        write_run_record(setup, n_trainable, n_total, resume, start_step)
+
+    length = recipe.train_sequence_length
+    tokens_per_step = recipe.train.global_batch_size * length
+    eval_every = recipe.eval.every
+    ckpt_every = recipe.train.checkpoint_every
+    kill_at = int(os.environ.get(KILL_AT_STEP_ENV, "0") or 0)
+
+    def run_eval(step: int) -> dict:
+        started = time.perf_counter()
+        scores = evaluate(setup, accelerator.unwrap_model(model), setup.eval_lengths)
+        record = {"kind": "eval", "step": step, "perplexity": {str(k): v for k, v in scores.items()},
+                  "seconds": round(time.perf_counter() - started, 2)}
+        log.write(record)
+        return record
+
+    if start_step == 0 and eval_every:
+        if recipe.eval.base_reference:
+            started = time.perf_counter()
+            base = base_reference(setup, accelerator.unwrap_model(model))
+            log.write({"kind": "base_reference", "step": 0, "length": setup.original_length, "perplexity": base,
+                       "seconds": round(time.perf_counter() - started, 2)})
+        run_eval(0)
+
+    bar = tqdm(total=recipe.train.max_steps, initial=start_step, desc="fine-tuning", unit="step",
+               disable=not (progress and runtime.is_main), mininterval=2)
+    clock = time.perf_counter()
+    window_loss, window_steps, window_clock = 0.0, 0, time.perf_counter()
+    model.train()
+    for step in range(start_step, recipe.train.max_steps):
+        lr = recipe.optim.lr * lr_factor(step, recipe.optim.warmup_steps, recipe.optim.warmup_start_factor,
+                                         recipe.optim.schedule, recipe.train.max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+        for micro in range(runtime.accumulation):
+            indices = sample_indices(step, micro, accelerator.process_index, accelerator.num_processes,
+                                     recipe.train.micro_batch_size, recipe.train.global_batch_size)
+            batch = setup.train_data.batch(indices).to(accelerator.device)
+            inputs = {"input_ids": batch, "labels": batch}
+            if recipe.pose.enabled:
+                inputs["position_ids"] = pose_positions(recipe, indices).to(accelerator.device)
+            with accelerator.accumulate(model):
+                loss = model(**inputs, use_cache=False).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and recipe.optim.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), recipe.optim.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            step_loss += loss.detach().double() / runtime.accumulation
+        # The step's loss over the whole global batch: the mean of every process's mean.
+        step_loss = float(accelerator.reduce(step_loss, reduction="mean"))
+        done = step + 1
+        tokens += tokens_per_step
+        window_loss, window_steps = window_loss + step_loss, window_steps + 1
+        bar.update(1)
+        if done % recipe.train.log_every == 0 or done == recipe.train.max_steps:
+            elapsed = time.perf_counter() - window_clock
+            log.write({"kind": "train", "step": done, "loss": window_loss / window_steps, "last_loss": step_loss,
+                       "lr": lr, "tokens": tokens, "tokens_per_second": round(window_steps * tokens_per_step / elapsed, 1)})
+            bar.set_postfix(loss=f"{window_loss / window_steps:.4f}")
+            window_loss, window_steps, window_clock = 0.0, 0, time.perf_counter()
+        if eval_every and (done % eval_every == 0 or done == recipe.train.max_steps):
+            record = run_eval(done)
+            bar.write(f"step {done}: perplexity " + ", ".join(
+                f"{k}: {v:.2f}" for k, v in record["perplexity"].items()))
+            model.train()
+        if ckpt_every and done % ckpt_every == 0 and done < recipe.train.max_steps:
+            save_checkpoint(setup, model, optimizer, done, tokens, seconds_before + time.perf_counter() - clock)
+            if runtime.is_main:
+                plot_metrics(log.read(), output / "metrics.png", plot_title(setup))
+        if kill_at and done == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    bar.close()
+
+    save_checkpoint(setup, model, optimizer, recipe.train.max_steps, tokens,
+                    seconds_before + time.perf_counter() - clock)
+    save_results(setup, model)
+    records = log.read() if runtime.is_main else []
+    if runtime.is_main:
+        plot_metrics(records, output / "metrics.png", plot_title(setup))
+    accelerator.wait_for_everyone()
+    return records
+
+
+def pose_positions(recipe: Recipe, indices: list[int]) -> torch.Tensor:
+    from .pose import pose_generator, pose_position_ids
+
+    return torch.stack([
+        pose_position_ids(recipe.pose.train_window, recipe.seq_len, recipe.pose.num_chunks,
+                          pose_generator(recipe.seed, i))
+        for i in indices
+    ])
+
+
+def plot_title(setup: Setup) -> str:
+    recipe = setup.recipe
+    return (f"{Path(setup.recipe.model).name}: {recipe.method.label}, LoRA r={recipe.lora.r}, "
+            f"{setup.original_length} -> {recipe.seq_len}")
+
+
+def write_or_check_recipe(path: Path, recipe: Recipe, resume: bool) -> None:
+    """A fresh run records its recipe; a resumed run must be the same recipe (max_steps may grow)."""
+    current = recipe.to_dict()
+    if resume and path.is_file():
+        saved = yaml.safe_load(path.read_text())
+        a = {**saved, "train": {**saved["train"], "max_steps": None}}
+        b = {**current, "train": {**current["train"], "max_steps": None}}
+        if a != b:
+            changed = sorted(f"{k}" for k in set(a) | set(b) if a.get(k) != b.get(k))
+            raise CtxextError(f"--resume: the recipe differs from the one in {path} (in: {', '.join(changed)}); "
+                              "resume with the same recipe, or start a new output_dir")
+        if saved["train"]["max_steps"] != current["train"]["max_steps"]:
+            path.write_text(recipe.to_yaml())
+        return
+    path.write_text(recipe.to_yaml())
+
+
+def write_run_record(setup: Setup, n_trainable: int, n_total: int, resume: bool, start_step: int) -> None:
+    from ..eval.report import environment
+
+    runtime = setup.runtime
+    record = {
+        "model": setup.recipe.model, "model_path": setup.model_path, "method": setup.recipe.method.to_dict(),
+        "original_length": setup.original_length, "seq_len": setup.recipe.seq_len,
+        "train_sequence_length": setup.recipe.train_sequence_length,
+        "processes": runtime.accelerator.num_processes, "distributed_type": str(runtime.accelerator.distributed_type),
+        "device": str(runtime.accelerator.device), "precision": runtime.precision,
+        "attn_implementation": runtime.attn_implementation, "gradient_accumulation": runtime.accumulation,
+        "parameters": {"trainable": n_trainable, "total": n_total},
+        "data": setup.data_info, "eval": {"documents": [d.name for d in setup.eval_documents],
+                                          "document_tokens": [len(d) for d in setup.eval_documents],
+                                          "lengths": setup.eval_lengths, "stride": setup.recipe.eval.stride,
+                                          "bos_token_id": setup.bos_token_id},
+        "environment": environment(),
+    }
+    path = setup.output / "run.json"
+    if resume and path.is_file():
+        previous = json.loads(path.read_text())
+        record["resumed"] = previous.get("resumed", []) + [{"from_step": start_step, **record["environment"]}]
+        record["environment"] = previous.get("environment", record["environment"])
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+
+def finetune(recipe: Recipe, resume: bool = False, progress: bool = True) -> tuple[Setup, list[dict]]:
+    """Run a recipe end to end; returns the setup and the metrics records (on the main process)."""
+    setup = prepare(recipe, resume, progress)
+    records = train(setup, resume, progress)
+    return setup, records
+

