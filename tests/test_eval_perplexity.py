@@ -11,7 +11,7 @@ from ctxext.errors import CtxextError
 from ctxext.eval.perplexity import plan_windows, sliding_window_nll
 
 
-def naive_nll(model, ids, window, stride, bos_token_id=None):
+def naive_nll(model, ids, window, stride, bos_token_id=None, per_window=None):
     """The HF docs loop ("Perplexity of fixed-length models"), full logits and labels, BOS prepended YaRN-style.
 
     The loss-token count is taken from the shifted labels (the docs subtract one per window, which is off by
@@ -37,6 +37,8 @@ def naive_nll(model, ids, window, stride, bos_token_id=None):
             n_loss = int((labels[:, 1:] != -100).sum())
             total += float(out.loss) * n_loss
             count += n_loss
+            if per_window is not None:
+                per_window.append((float(out.loss) * n_loss, n_loss))
             prev_end = end
             if end == n:
                 break
