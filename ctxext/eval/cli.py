@@ -246,10 +246,21 @@ def model_description(args, model, runtime) -> dict:
         "architecture": type(model).__name__,
         "parameters": sum(p.numel() for p in model.parameters()),
         "max_position_embeddings": getattr(config, "max_position_embeddings", None),
+        "original_max_position_embeddings": original_length(model),
+        "rotary_dim": _rotary_dim(config),
         "rope_parameters": dict(getattr(config, "rope_parameters", None) or {}),
         "dtype": str(runtime["dtype"]).removeprefix("torch."), "dtype_reason": runtime["dtype_reason"],
         "device": str(runtime["device"]), "attn_implementation": runtime["attn_implementation"],
     }
+
+
+def _rotary_dim(config) -> int | None:
+    from ..patching import rotary_dim
+
+    try:
+        return rotary_dim(config)
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return None
 
 
 def original_length(model) -> int | None:

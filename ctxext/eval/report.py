@@ -81,20 +81,18 @@ def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
             writer.writerow({k: (";".join(v) if isinstance(v, list) else v) for k, v in row.items()})
 
 
-def _pyplot():
-    import matplotlib
+def _figure(**kwargs):
+    """A figure that needs no GUI and leaves pyplot's backend alone (it may be a notebook's inline one)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure(**kwargs)
 
 
 def plot_perplexity(rows: list[dict], methods: list[str], path: Path, title: str,
                     original_length: int | None = None) -> None:
     """Perplexity against evaluated length, one line per method (log y: unscaled RoPE blows up past L)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig = _figure(figsize=(7.5, 4.8))
+    ax = fig.subplots()
     for method in methods:
         points = sorted((r["length"], r["perplexity"]) for r in rows
                         if r["method"] == method and math.isfinite(r["perplexity"]))
@@ -114,15 +112,13 @@ def plot_perplexity(rows: list[dict], methods: list[str], path: Path, title: str
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def plot_passkey_heatmap(rows: list[dict], methods: list[str], lengths: list[int], depths: list[float],
                          path: Path, title: str) -> None:
     """One panel per method: accuracy by depth (rows) and length (columns)."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(methods), figsize=(1.2 + 1.1 * len(lengths) * len(methods), 3.8),
-                             squeeze=False)
+    fig = _figure(figsize=(1.2 + 1.1 * len(lengths) * len(methods), 3.8))
+    axes = fig.subplots(1, len(methods), squeeze=False)
     by_key = {(r["method"], r["length"], r["depth"]): r["accuracy"] for r in rows}
     image = None
     for ax, method in zip(axes[0], methods):
@@ -140,4 +136,3 @@ def plot_passkey_heatmap(rows: list[dict], methods: list[str], lengths: list[int
     fig.colorbar(image, ax=axes[0].tolist(), label="accuracy")
     fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)

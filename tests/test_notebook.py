@@ -1,0 +1,24 @@
+"""notebooks/compare_methods.ipynb runs top to bottom (tiny settings), so it cannot rot."""
+
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "compare_methods.ipynb"
+
+
+def test_notebook_runs_offline_and_plots(monkeypatch, tmp_path):
+    monkeypatch.setenv("CTXEXT_NOTEBOOK_TINY", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("CTXEXT_RESULTS", raising=False)
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    NotebookClient(notebook, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    assert not [o for o in outputs if o.output_type == "error"]
+    images = [o for o in outputs if o.output_type == "display_data" and "image/png" in o.get("data", {})]
+    assert len(images) == 2  # perplexity against length, and the frequency picture
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "tokens scored per length" in text and "yarn x4" in "".join(
+        str(o.get("data", {}).get("text/plain", "")) for o in outputs)
