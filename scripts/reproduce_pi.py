@@ -139,13 +139,11 @@ def write_report(docs: Path, result: dict) -> None:
 
 
 def plot(path: Path, result: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
     ft = result["fine_tuning"]
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig = Figure(figsize=(7.5, 4.8))
+    ax = fig.subplots()
     for window, curve in ft["perplexity"].items():
         steps = sorted(int(s) for s in curve)
         style = "-o" if int(window) == ft["target"] else ":s"
@@ -165,7 +163,6 @@ def plot(path: Path, result: dict) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def markdown(result: dict) -> str:

@@ -17,9 +17,10 @@ OUTPUT/metrics.jsonl and OUTPUT/metrics.png. Checkpoints every train.checkpoint_
 continues the last one and reproduces the same curve. An existing output directory is never overwritten.
 Results: OUTPUT/adapter (a standard PEFT adapter) and OUTPUT/merged (a full checkpoint with the rope config).
 
-Several GPUs (or 2 CPU processes to try it):
+Several GPUs (configs/accelerate/: ddp, fsdp, deepspeed-zero2), or 2 CPU processes to try it:
   accelerate launch --config_file configs/accelerate/fsdp.yaml -m ctxext finetune --config RECIPE.yaml
-  accelerate launch --cpu --num_processes 2 -m ctxext finetune --config RECIPE.yaml
+  accelerate launch --config_file configs/accelerate/cpu-2proc.yaml -m ctxext finetune --config RECIPE.yaml
+The global batch stays train.global_batch_size: gradient accumulation = global / (micro x processes).
 """
 
 EXAMPLES = """\

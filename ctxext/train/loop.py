@@ -115,8 +115,15 @@ def make_runtime(recipe: Recipe) -> Runtime:
     from accelerate.state import AcceleratorState, GradientState
 
     train = recipe.train
-    probe = PartialState(cpu=train.device == "cpu")  # the device and the process count
+    # On a machine without GPUs accelerate ignores torchrun's WORLD_SIZE unless told cpu=True (then: gloo).
+    cpu = train.device == "cpu" or (train.device == "auto" and not torch.cuda.is_available())
+    probe = PartialState(cpu=cpu)  # the device and the process count
     world = probe.num_processes
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > world:
+        raise CtxextError(f"launched as {launched} processes, but accelerate set up {world}: every process would "
+                          "write the same output. On a machine without GPUs use "
+                          "`accelerate launch --multi_gpu --num_processes N` (torchrun; ctxext joins with gloo)")
     if world == 1:
         # One process may run several recipes (reproduce_pi.py, tests): each gets a fresh accelerator state.
         AcceleratorState._reset_state()
@@ -131,7 +138,7 @@ def make_runtime(recipe: Recipe) -> Runtime:
     precision = resolve_precision(train.precision, device, sharded)
     if precision != "fp32" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise CtxextError(f"train.precision={precision}, but this GPU has no bf16; use train.precision=fp32")
-    accelerator = Accelerator(cpu=device.type == "cpu", gradient_accumulation_steps=accumulation,
+    accelerator = Accelerator(cpu=cpu or device.type == "cpu", gradient_accumulation_steps=accumulation,
                               mixed_precision="no" if precision == "fp32" else "bf16")
     weights_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     attn = resolve_attention(train.attn_implementation, accelerator.device, precision)
@@ -408,13 +415,13 @@ class MetricsLog:
 
 def plot_metrics(records: list[dict], path: Path, title: str) -> None:
     """Perplexity against step, one line per evaluated length, and the base model's line at the original length."""
-    from ..eval.report import _pyplot
+    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
-    plt = _pyplot()
     evals = [r for r in records if r.get("kind") == "eval"]
     if not evals:
         return
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig = Figure(figsize=(7.5, 4.8))
+    ax = fig.subplots()
     lengths = sorted({int(k) for r in evals for k in r["perplexity"]}, reverse=True)
     for length in lengths:
         points = [(r["step"], r["perplexity"][str(length)]) for r in evals if str(length) in r["perplexity"]]
@@ -431,7 +438,6 @@ def plot_metrics(records: list[dict], path: Path, title: str) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------------------------ saving
@@ -505,6 +511,9 @@ def train(setup: Setup, resume: bool, progress: bool = True) -> list[dict]:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=recipe.optim.lr, betas=tuple(recipe.optim.betas),
                                   weight_decay=recipe.optim.weight_decay)
+    deepspeed = getattr(accelerator.state, "deepspeed_plugin", None)
+    if deepspeed is not None:  # DeepSpeed reads the micro-batch from a dataloader, and we pass none
+        deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = recipe.train.micro_batch_size
     model, optimizer = accelerator.prepare(model, optimizer)
 
     start_step, tokens, seconds_before = 0, 0, 0.0
@@ -580,8 +589,9 @@ def train(setup: Setup, resume: bool, progress: bool = True) -> list[dict]:
             window_loss, window_steps, window_clock = 0.0, 0, time.perf_counter()
         if eval_every and (done % eval_every == 0 or done == recipe.train.max_steps):
             record = run_eval(done)
-            bar.write(f"step {done}: perplexity " + ", ".join(
-                f"{k}: {v:.2f}" for k, v in record["perplexity"].items()))
+            if runtime.is_main:
+                bar.write(f"step {done}: perplexity " + ", ".join(
+                    f"{k}: {v:.2f}" for k, v in record["perplexity"].items()))
             model.train()
         if ckpt_every and done % ckpt_every == 0 and done < recipe.train.max_steps:
             save_checkpoint(setup, model, optimizer, done, tokens, seconds_before + time.perf_counter() - clock)
