@@ -109,14 +109,19 @@ def worker_trainer(args, folder: Path) -> dict:
             return {"input_ids": ids, "labels": ids}
 
     class StepTimes(TrainerCallback):
+        """Time from one optimizer step's end to the next: data, forward/backward, optimizer, logging, all of it
+        (the same span ctxext's per-step tokens/s covers)."""
+
         def __init__(self):
             self.times = []
 
-        def on_step_begin(self, *_, **__):
-            self.started = time.perf_counter()
+        def on_train_begin(self, *_, **__):
+            self.last = time.perf_counter()
 
         def on_step_end(self, *_, **__):
-            self.times.append(time.perf_counter() - self.started)
+            now = time.perf_counter()
+            self.times.append(now - self.last)
+            self.last = now
 
     timer = StepTimes()
     training_args = TrainingArguments(

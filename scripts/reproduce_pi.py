@@ -30,21 +30,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-PRESETS = {
-    "tiny-cpu": {
-        "recipe": "configs/recipes/tiny-cpu.yaml",
-        # (label, method mapping or None for the model as pretrained, lengths)
-        "before": [
-            ("none (base)", None, [256, 1024, 2048]),
-            ("PI x4", {"method": "linear", "factor": 4}, [1024]),
-            ("PI x8", {"method": "linear", "factor": 8}, [2048]),
-        ],
-        "with_yarn": [
-            ("YaRN x4", {"method": "yarn", "factor": 4}, [1024]),
-            ("YaRN x8", {"method": "yarn", "factor": 8}, [2048]),
-        ],
-    },
-}
+PRESETS = {"tiny-cpu": "configs/recipes/tiny-cpu.yaml"}
+
+
+def comparisons(original: int, target: int, with_yarn: bool) -> list[tuple[str, dict | None, list[int]]]:
+    """(label, method mapping or None for the model as pretrained, lengths) scored before fine-tuning:
+    the base at L, T and 2T; PI at T (x T/L) and at 2T (x 2T/L); optionally YaRN at the same scales."""
+    s1, s2 = target / original, 2 * target / original
+    rows = [("none (base)", None, [original, target, 2 * target]),
+            (f"PI x{s1:g}", {"method": "linear", "factor": s1}, [target]),
+            (f"PI x{s2:g}", {"method": "linear", "factor": s2}, [2 * target])]
+    if with_yarn:
+        rows += [(f"YaRN x{s1:g}", {"method": "yarn", "factor": s1}, [target]),
+                 (f"YaRN x{s2:g}", {"method": "yarn", "factor": s2}, [2 * target])]
+    return rows
 
 
 def load_average() -> str:
@@ -54,14 +53,14 @@ def load_average() -> str:
         return "n/a"
 
 
-def evaluate_before(recipe, preset: dict, with_yarn: bool, progress: bool) -> list[dict]:
+def evaluate_before(recipe, with_yarn: bool, progress: bool) -> list[dict]:
     """Perplexity of the pretrained model under each scaling, before any fine-tuning."""
     import torch
 
     from ctxext.config import MethodConfig
-    from ctxext.eval.runner import EvalMethod, plan_lengths, run_perplexity
+    from ctxext.eval.runner import EvalMethod, run_perplexity
     from ctxext.loading import load_model, load_tokenizer
-    from ctxext.train.loop import load_eval_documents, resolve_precision
+    from ctxext.train.loop import load_eval_documents, plan_length, resolve_precision
     from ctxext.train.pretrain_tiny import resolve_model_name
 
     path = resolve_model_name(recipe.model)
@@ -71,9 +70,9 @@ def evaluate_before(recipe, preset: dict, with_yarn: bool, progress: bool) -> li
     documents, _, bos = load_eval_documents(recipe, tokenizer, original, [])
     precision = resolve_precision(recipe.train.precision, torch.device("cpu"), sharded=False)
     rows = []
-    for label, mapping, lengths in preset["before"] + (preset["with_yarn"] if with_yarn else []):
+    for label, mapping, lengths in comparisons(original, recipe.seq_len, with_yarn):
         method = EvalMethod(label, MethodConfig.from_mapping(mapping) if mapping else None)
-        plans = plan_lengths(documents, lengths, recipe.eval.stride, bos)
+        plans = [plan_length(documents, n, recipe.eval.stride, bos) for n in lengths]
         started = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
             scores = run_perplexity(model, documents, plans, [method], bos)
@@ -84,6 +83,17 @@ def evaluate_before(recipe, preset: dict, with_yarn: bool, progress: bool) -> li
                 print(f"  {label:<12} @ {score.length:>5}: perplexity {score.perplexity:9.2f}  "
                       f"({score.tokens} tokens, {time.perf_counter() - started:.0f} s)", flush=True)
     return rows
+
+
+def model_description(settings, record, checkpoint: Path) -> str:
+    if settings is None or record is None:
+        return str(checkpoint)
+    return (f"LLaMA, {settings.num_layers} layers, hidden {settings.hidden_size}, {settings.num_heads} heads of "
+            f"{settings.hidden_size // settings.num_heads}, vocabulary {settings.vocab_size} (its own byte-level BPE), "
+            f"context {settings.context}, RoPE base {settings.rope_theta:g}; pretrained for {settings.steps} steps "
+            f"of {settings.batch_size} x {settings.context} tokens (lr {settings.lr:g}, cosine to "
+            f"{settings.min_lr:g}) on {record['training_tokens']} tokens of {len(record['training_texts'])} texts, "
+            f"in {record['seconds'] / 60:.1f} min")
 
 
 def choose_threads(setting: str) -> int:
@@ -103,22 +113,24 @@ def fmt(value: float) -> str:
     return f"{value:.2f}" if value < 1e4 else f"{value:.3g}"
 
 
-def shape_checks(base: float, curve: dict[int, float], before: dict) -> list[tuple[str, bool, str]]:
+def shape_checks(base: float, curve: dict[int, float], before: dict, original: int,
+                 target: int) -> list[tuple[str, bool, str]]:
     """The expected shape (the issue's 'Must show'), each with what was measured."""
     steps = sorted(curve)
     at200 = curve.get(200)
     last = curve[steps[-1]]
-    none_long = before.get(("none (base)", 1024))
+    none_long = before.get(("none (base)", target))
     checks = [
-        ("at step 0, PI is worse than the base at 256", curve[0] > base, f"{fmt(curve[0])} vs {fmt(base)}"),
+        (f"at step 0, PI is worse than the base at {original}", curve[0] > base, f"{fmt(curve[0])} vs {fmt(base)}"),
     ]
     if at200 is not None:
-        checks.append(("by step 200, within 10% of the base at 256", at200 <= 1.10 * base,
+        checks.append((f"by step 200, within 10% of the base at {original}", at200 <= 1.10 * base,
                        f"{fmt(at200)} = {at200 / base:.3f} x base"))
         checks.append((f"step {steps[-1]} is no worse than step 200", last <= at200,
                        f"{fmt(last)} vs {fmt(at200)}"))
     if none_long is not None:
-        checks.append(("direct extrapolation (no scaling) at 1024 is far worse", none_long > max(1.5 * base, curve[0]),
+        checks.append((f"direct extrapolation (no scaling) at {target} is far worse than the base",
+                       none_long > 1.5 * base,
                        f"{fmt(none_long)} = {none_long / base:.1f} x base"))
     return checks
 
@@ -277,12 +289,12 @@ def main(argv=None) -> int:
     threads = choose_threads(args.threads)
     torch.set_num_threads(threads)
     print(f"torch threads: {threads} (load average {load_start})", flush=True)
-    preset = PRESETS[args.preset]
+    recipe_path = PRESETS[args.preset]
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     work = Path(args.work_dir or REPO / "outputs" / f"reproduce-pi-{args.preset}-{stamp}")
     overrides = {"output_dir": str(work / "finetune"), **parse_overrides(args.overrides)}
     try:
-        recipe = load_recipe(REPO / preset["recipe"], overrides)
+        recipe = load_recipe(REPO / recipe_path, overrides)
         if work.exists():
             raise CtxextError(f"work directory '{work}' already exists; choose another --work-dir")
     except CtxextError as error:
@@ -291,20 +303,24 @@ def main(argv=None) -> int:
     timing = {}
 
     print("1. the tiny LLaMA, pretrained at 256 tokens on Shakespeare (Othello and Macbeth held out)", flush=True)
-    settings = TINY_PRESETS[recipe.model.removeprefix("ctxext:")]
-    cached = (assets.cache_dir() / f"tiny-llama-shakespeare-{settings.key()}" / "config.json").is_file()
+    settings = TINY_PRESETS.get(recipe.model.removeprefix("ctxext:")) if recipe.model.startswith("ctxext:") else None
+    pretrain_record, cached = None, True
     t0 = time.perf_counter()
-    checkpoint = tiny_shakespeare_checkpoint(settings)
-    pretrain_record = json.loads((checkpoint / "pretrain.json").read_text())
+    if settings is not None:
+        cached = (assets.cache_dir() / f"tiny-llama-shakespeare-{settings.key()}" / "config.json").is_file()
+        checkpoint = tiny_shakespeare_checkpoint(settings)
+        pretrain_record = json.loads((checkpoint / "pretrain.json").read_text())
+    else:  # another model given as model=PATH: no pretraining stage
+        checkpoint = Path(recipe.model)
     timing["pretrain_minutes"] = (time.perf_counter() - t0) / 60
     timing["pretrain_cached"] = cached
-    if cached:
+    if cached and pretrain_record:
         timing["pretrain_minutes_when_built"] = pretrain_record["seconds"] / 60
     print(f"   {checkpoint} ({'cached' if cached else 'built'})", flush=True)
 
     print("2. perplexity before fine-tuning", flush=True)
     t0 = time.perf_counter()
-    before = evaluate_before(recipe, preset, args.with_yarn, progress=True)
+    before = evaluate_before(recipe, args.with_yarn, progress=True)
     timing["before_minutes"] = (time.perf_counter() - t0) / 60
 
     print(f"3. LoRA fine-tuning with {recipe.method.label} at {recipe.seq_len} for {recipe.train.max_steps} steps",
@@ -315,7 +331,7 @@ def main(argv=None) -> int:
     timing["total_minutes"] = (time.perf_counter() - started) / 60
     timing["cpu_minutes"] = cpu_minutes()
     timing["torch_threads"] = threads
-    if cached:
+    if "pretrain_minutes_when_built" in timing:
         timing["total_minutes_with_pretraining"] = timing["total_minutes"] + timing["pretrain_minutes_when_built"]
 
     evals = [r for r in records if r["kind"] == "eval"]
@@ -324,12 +340,12 @@ def main(argv=None) -> int:
     curve = {w: {str(r["step"]): r["perplexity"][w] for r in evals} for w in windows}
     before_by = {(r["method"], r["length"]): r["perplexity"] for r in before}
     target_curve = {int(s): v for s, v in curve[str(recipe.seq_len)].items()}
-    checks = shape_checks(base["perplexity"], target_curve, before_by)
+    checks = shape_checks(base["perplexity"], target_curve, before_by, setup.original_length, recipe.seq_len)
     run = json.loads((setup.output / "run.json").read_text())
     notes = []
-    step0_pi = before_by.get(("PI x4", recipe.seq_len))
+    step0_pi = before_by.get((f"PI x{recipe.seq_len / setup.original_length:g}", recipe.seq_len))
     if step0_pi is not None:
-        notes.append(f"Consistency: PI x4 at {recipe.seq_len} before fine-tuning is {fmt(step0_pi)} in the evaluator "
+        notes.append(f"Consistency: {recipe.method.label} at {recipe.seq_len} before fine-tuning is {fmt(step0_pi)} in the evaluator "
                      f"run and {fmt(target_curve[0])} at step 0 of the fine-tuning run (LoRA starts as a no-op).")
     train_records = [r for r in records if r["kind"] == "train"]
     if train_records:
@@ -352,19 +368,13 @@ def main(argv=None) -> int:
         "fine_tuning": {"label": recipe.method.label, "target": recipe.seq_len, "original": setup.original_length,
                         "perplexity": curve, "output_dir": str(setup.output)},
         "checks": checks,
-        "model": {"path": str(checkpoint), "settings": pretrain_record["settings"],
-                  "description": (f"LLaMA, {settings.num_layers} layers, hidden {settings.hidden_size}, "
-                                  f"{settings.num_heads} heads of {settings.hidden_size // settings.num_heads}, "
-                                  f"vocabulary {settings.vocab_size} (its own byte-level BPE), context "
-                                  f"{settings.context}, RoPE base {settings.rope_theta:g}; pretrained for "
-                                  f"{settings.steps} steps of {settings.batch_size} x {settings.context} tokens "
-                                  f"({pretrain_record['training_tokens']} training tokens, "
-                                  f"{len(pretrain_record['training_texts'])} texts)")},
+        "model": {"path": str(checkpoint), "settings": pretrain_record and pretrain_record["settings"],
+                  "description": model_description(settings, pretrain_record, checkpoint)},
         "held_out": {"documents": run["eval"]["documents"], "tokens": sum(run["eval"]["document_tokens"]),
                      "max_tokens_per_doc": recipe.eval.max_tokens_per_doc},
         "stride": recipe.eval.stride,
         "precision": run["precision"],
-        "recipe_summary": (f"{preset['recipe']}: LoRA r={recipe.lora.r} (alpha {recipe.lora.alpha:g}, dropout "
+        "recipe_summary": (f"{recipe_path}: LoRA r={recipe.lora.r} (alpha {recipe.lora.alpha:g}, dropout "
                            f"{recipe.lora.dropout:g}) on {', '.join(recipe.lora.target_modules)}, embeddings and "
                            f"norms trained; AdamW {tuple(recipe.optim.betas)}, lr {recipe.optim.lr:g}, "
                            f"{recipe.optim.warmup_steps} warm-up steps from {recipe.optim.warmup_start_factor:g} "

@@ -254,7 +254,6 @@ def prepare(recipe: Recipe, resume: bool, progress: bool = True) -> Setup:
 def load_eval_documents(recipe: Recipe, tokenizer, original_length: int, train_names: list[str]):
     """(documents, lengths, bos_token_id) of the held-out evaluation; checked against the training documents."""
     from ..eval.data import load_documents, tokenizer_adds_bos
-    from ..eval.runner import plan_lengths
     from .data import check_held_out
 
     ev = recipe.eval
@@ -270,8 +269,16 @@ def load_eval_documents(recipe: Recipe, tokenizer, original_length: int, train_n
     check_held_out(train_names, [d.name for d in documents])
     lengths = sorted(set(ev.lengths or [recipe.seq_len, original_length]), reverse=True)
     bos = tokenizer.bos_token_id if tokenizer_adds_bos(tokenizer) else None
-    plan_lengths(documents, lengths, ev.stride, bos)  # fails now if no document is long enough
+    for length in lengths:  # fails now if no document is long enough
+        plan_length(documents, length, ev.stride, bos)
     return documents, lengths, bos
+
+
+def plan_length(documents, length: int, stride: int, bos: int | None):
+    """The evaluator's window plan at one length; a window shorter than the stride is scored without overlap."""
+    from ..eval.runner import plan_lengths
+
+    return plan_lengths(documents, [length], min(stride, length), bos)[0]
 
 
 def evaluate(setup: Setup, model, lengths: list[int]) -> dict[int, float]:
@@ -281,7 +288,6 @@ def evaluate(setup: Setup, model, lengths: list[int]) -> dict[int, float]:
     scores every window, since each forward needs all of them.
     """
     from ..eval.perplexity import evaluation_mode, perplexity, window_nll
-    from ..eval.runner import plan_lengths
 
     runtime = setup.runtime
     accelerator = runtime.accelerator
@@ -289,7 +295,8 @@ def evaluate(setup: Setup, model, lengths: list[int]) -> dict[int, float]:
     rank, world = (accelerator.process_index, accelerator.num_processes) if share else (0, 1)
     results = {}
     with accelerator.autocast(), evaluation_mode(model):
-        for plan in plan_lengths(setup.eval_documents, lengths, setup.recipe.eval.stride, setup.bos_token_id):
+        for plan in [plan_length(setup.eval_documents, n, setup.recipe.eval.stride, setup.bos_token_id)
+                     for n in lengths]:
             nll = 0.0
             for index in range(rank, len(plan.windows), world):
                 window = plan.windows[index]
@@ -587,6 +594,7 @@ def train(setup: Setup, resume: bool, progress: bool = True) -> list[dict]:
                        "lr": lr, "tokens": tokens, "tokens_per_second": round(window_steps * tokens_per_step / elapsed, 1)})
             bar.set_postfix(loss=f"{window_loss / window_steps:.4f}")
             window_loss, window_steps, window_clock = 0.0, 0, time.perf_counter()
+        paused = time.perf_counter()  # evaluation and checkpoints do not count in the training tokens/s
         if eval_every and (done % eval_every == 0 or done == recipe.train.max_steps):
             record = run_eval(done)
             if runtime.is_main:
@@ -597,6 +605,7 @@ def train(setup: Setup, resume: bool, progress: bool = True) -> list[dict]:
             save_checkpoint(setup, model, optimizer, done, tokens, seconds_before + time.perf_counter() - clock)
             if runtime.is_main:
                 plot_metrics(log.read(), output / "metrics.png", plot_title(setup))
+        window_clock += time.perf_counter() - paused
         if kill_at and done == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
     bar.close()
