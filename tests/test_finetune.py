@@ -24,6 +24,15 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = 6
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from a second thread, and lose a lot when other jobs share the 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """A random 2-layer LLaMA (L = 64) with a small BPE tokenizer, saved like any checkpoint."""
@@ -105,7 +114,7 @@ def assert_same_numbers(a: list[dict], b: list[dict], tol: float) -> None:
 
 def env(**extra):
     return {**os.environ, "HF_HUB_OFFLINE": "1", "CTXEXT_CACHE_DIR": str(assets.cache_dir()),
-            "TOKENIZERS_PARALLELISM": "false", **extra}
+            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **extra}
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +207,7 @@ def test_two_processes_match_one_with_the_same_global_batch(reference_run, tiny_
     launched = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu-2proc.yaml",
          "-m", "ctxext", "finetune", "--config", str(recipe), "--no-progress"],
-        cwd=REPO, env=env(OMP_NUM_THREADS="1"), capture_output=True, text=True)
+        cwd=REPO, env=env(), capture_output=True, text=True)
     assert launched.returncode == 0, launched.stderr[-3000:]
     assert json.loads((two / "run.json").read_text())["processes"] == 2
     assert launched.stdout.count("fine-tuned ") == 1  # only the main process reports and writes
