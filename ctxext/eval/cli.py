@@ -86,6 +86,10 @@ def _method_mappings(args) -> list[dict] | None:
         return None
     mappings = [{**base, **entry} for entry in entries]
     _apply_overrides(mappings, overrides)
+    from ..config import MethodConfig
+
+    for mapping in mappings:  # an unknown method or key fails here, before any model is loaded
+        MethodConfig.from_mapping(mapping, source=f"config file '{args.config}'" if args.config else None)
     return mappings
 
 

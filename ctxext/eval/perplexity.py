@@ -30,8 +30,8 @@ from torch import nn
 
 from ..errors import CtxextError
 
-# Positions per LM-head chunk: 1024 x 49152 vocab x 4 bytes = 200 MB of fp32 logits at a time.
-LM_HEAD_CHUNK = 1024
+# Positions per LM-head chunk: 256 x 49152 vocab x 4 bytes = 50 MB of fp32 logits (and as much for the softmax).
+LM_HEAD_CHUNK = 256
 
 
 @dataclass(frozen=True)
