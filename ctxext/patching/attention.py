@@ -217,20 +217,25 @@ def ctxext_attention_forward(self, hidden_states, position_embeddings, attention
             query = query * _logn_column(positions, settings, query.dtype)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, _family_module(self).eager_attention_forward
-        )
-        attn_output, attn_weights = attention_interface(
-            self, query, key, value, attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
-            **_sliding_window_kwargs(self), **kwargs,
-        )
+        attn_output, attn_weights = _model_attention(self, query, key, value, attention_mask, kwargs)
     else:
-        attn_output = _rerope_forward(self, state, query, key, value, attention_mask, past_key_values, position_ids)
-        attn_weights = None
+        attn_output, attn_weights = _rerope_forward(self, state, query, key, value, attention_mask, past_key_values,
+                                                    kwargs)
 
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     return self.o_proj(attn_output), attn_weights
+
+
+def _model_attention(module, query, key, value, attention_mask, kwargs):
+    """The model's own attention function (SDPA, eager, FlashAttention...) on rotated q/k, as the original."""
+    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+        module.config._attn_implementation, _family_module(module).eager_attention_forward
+    )
+    return attention_interface(
+        module, query, key, value, attention_mask,
+        dropout=0.0 if not module.training else module.attention_dropout, scaling=module.scaling,
+        **_sliding_window_kwargs(module), **kwargs,
+    )
 
 
 def _positions_from_cache(past_key_values, layer_idx: int, query: torch.Tensor) -> torch.Tensor:
@@ -243,12 +248,11 @@ def _logn_column(positions: torch.Tensor, settings: AttentionSettings, dtype) ->
     return logn_scale(positions, settings.original_max_position_embeddings)[:, None, :, None].to(dtype)
 
 
-def _rerope_forward(module, state: AttentionState, query, key, value, attention_mask, past_key_values,
-                    position_ids) -> torch.Tensor:
+def _rerope_forward(module, state: AttentionState, query, key, value, attention_mask, past_key_values, kwargs):
+    """ReRoPE attention for (batch, heads, q_len, d) queries; returns ((batch, q_len, heads, d), weights)."""
     settings = state.settings
-    if module.training and module.attention_dropout > 0:
-        raise CtxextError("ReRoPE does not implement attention dropout; set attention_dropout=0")
-    batch, _, q_len, _ = query.shape
+    position_ids = kwargs.get("position_ids")
+    q_len = query.shape[2]
     past = past_key_values.get_seq_length(module.layer_idx) if past_key_values is not None else 0
     total = past + q_len
     window = _sliding_window_kwargs(module).get("sliding_window")
@@ -278,6 +282,11 @@ def _rerope_forward(module, state: AttentionState, query, key, value, attention_
     cos, sin = _rotary_at(host, query, key_positions)
     query_band = apply_rotation(query, cos[:, past:], sin[:, past:])
     key_band = apply_rotation(key, cos, sin)
+    if total <= settings.window:
+        # Every pair is inside the band, which is plain RoPE: the model's own attention does it exactly.
+        return _model_attention(module, query_band, key_band, value, attention_mask, kwargs)
+    if module.training and module.attention_dropout > 0:
+        raise CtxextError("ReRoPE does not implement attention dropout; set attention_dropout=0")
     leak = settings.leak
     far_q = far_query_positions(query_positions, settings.window, leak)
     if leak == 0:  # ReRoPE: every query at w, keys unrotated
@@ -292,7 +301,7 @@ def _rerope_forward(module, state: AttentionState, query, key, value, attention_
     allowed = _allowed_from_model_mask(attention_mask, q_len, total)
     attn = rerope_attention(query_band, query_far, key_band, key_far, value, settings.window, module.scaling,
                             allowed=allowed, query_block=state.query_block, kernel=state.kernel)
-    return attn.transpose(1, 2)
+    return attn.transpose(1, 2), None
 
 
 def _allowed_from_model_mask(attention_mask, q_len: int, k_len: int) -> torch.Tensor | None:
