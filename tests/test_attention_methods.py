@@ -43,10 +43,10 @@ def test_logn_scale_is_max_1_ln_n_over_ln_L():
     assert torch.equal(logn_scale(torch.arange(64), 64), torch.ones(64))  # nothing changes inside L
 
 
-@pytest.mark.parametrize("window,k", [(1, None), (4, None), (4, 2.0), (512, 16.0)])
+@pytest.mark.parametrize("window,k", [(1, None), (4, None), (4, 2.0), (128, 16.0)])
 def test_far_rotations_give_the_relative_position_rule(window, k):
     leak = 0.0 if k is None else 1 / k
-    m, n = torch.meshgrid(torch.arange(0, 700), torch.arange(0, 700), indexing="ij")
+    m, n = torch.meshgrid(torch.arange(0, 300), torch.arange(0, 300), indexing="ij")
     distance = (m - n).double()
     far = distance >= window
     # METHODS.md: m-n inside the band; w (ReRoPE) or w + (m-n-w)/k (Leaky) outside it.
@@ -419,6 +419,21 @@ def test_cli_patched_checkpoints_reload_after_import_ctxext(checkpoint, tmp_path
                                                    "original_max_position_embeddings": L_SHORT}
     for name in runs:
         assert torch.equal(torch.load(tmp_path / name / "reloaded.pt"), expected[name]), name
+
+
+def test_repatching_a_reloaded_rerope_checkpoint_and_unpatching_brings_it_back(tmp_path):
+    tokens = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(8))
+    ctxext.patch(tiny_model("mistral", max_position_embeddings=L_SHORT), "rerope", window=5,
+                 logn=True).save_pretrained(tmp_path / "rerope")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "rerope").eval()  # the load hook patches it
+    yarn_only = ctxext.patch(tiny_model("mistral", max_position_embeddings=L_SHORT), "yarn", factor=2.0)
+    with torch.no_grad():
+        as_loaded = reloaded(tokens).logits
+        ctxext.patch(reloaded, "yarn", factor=2.0)  # replaces ReRoPE and log-n
+        assert torch.equal(reloaded(tokens).logits, yarn_only(tokens).logits)
+        ctxext.unpatch(reloaded)  # back to the checkpoint as loaded, ReRoPE included
+        assert torch.equal(reloaded(tokens).logits, as_loaded)
+    assert reloaded.config.ctxext_attention["method"] == "rerope"
 
 
 # ---------------------------------------------------------------------------------- real weights
