@@ -367,9 +367,9 @@ def rerope_attention(query_band, query_far, key_band, key_far, value, window: in
         qb, qf = query_band[:, :, b0:b1], query_far[:, :, b0:b1]
 
         cols = torch.arange(band_start, far_end, device=device)[None]
-        far_in_block = _and(cols <= rows - window, block_allowed, band_start, far_end)
+        far_in_block = _with_padding(cols <= rows - window, block_allowed, band_start, far_end)
         cols = torch.arange(band_start, i1, device=device)[None]
-        band = _and((cols > rows - window) & (cols <= rows), block_allowed, band_start, i1)
+        band = _with_padding((cols > rows - window) & (cols <= rows), block_allowed, band_start, i1)
         always_far = None if block_allowed is None else block_allowed[..., :band_start]
 
         if kernel == "lse":
@@ -395,7 +395,7 @@ def rerope_attention(query_band, query_far, key_band, key_far, value, window: in
     return torch.cat(blocks, dim=2)
 
 
-def _and(structure: torch.Tensor, block_allowed: torch.Tensor | None, c0: int, c1: int) -> torch.Tensor:
+def _with_padding(structure: torch.Tensor, block_allowed: torch.Tensor | None, c0: int, c1: int) -> torch.Tensor:
     """Structural mask (rows, cols) combined with the model's padding mask, as (batch or 1, 1, rows, cols)."""
     structure = structure[None, None]
     return structure if block_allowed is None else structure & block_allowed[..., c0:c1]
