@@ -26,7 +26,7 @@ import yaml
 
 import ctxext
 from ctxext import assets
-from ctxext.methods import get_method
+from ctxext.config import MethodConfig
 
 REPO = Path(__file__).resolve().parents[1]
 OUTPUT = REPO / "outputs" / "demo"
@@ -38,7 +38,7 @@ FACTOR = 2  # 8192 x 2 = 16384
 def demo_methods() -> list:
     """The frequency methods always; ReRoPE and log-n only where this ctxext has them."""
     methods = ["none", "linear", "ntk", "ntk_mixed", "yarn"]
-    has_logn = "logn" in [f.name for f in dataclasses.fields(get_method("ntk_mixed").params_cls)]
+    has_logn = "logn" in [f.name for f in dataclasses.fields(MethodConfig)]
     if "rerope" in ctxext.METHODS:
         methods.append({"method": "rerope", "factor": 1, "window": 1024, **({"logn": True} if has_logn else {})})
     if has_logn:
