@@ -3,7 +3,8 @@
 Both sides train the same model (patched with the same method), with the same LoRA (ctxext.train.lora.add_lora:
 q,k,v,o adapters, embeddings and norms trained), on the same packed sequences, with the same micro-batch,
 gradient accumulation, precision and gradient-checkpointing setting, AdamW with the PI hyper-parameters.
-Each run is its own process (so peak memory is its own); the runs alternate (ctxext, trainer, ctxext, ...)
+Both save the adapter at the end (ctxext also its final resumable checkpoint). Each run is its own process
+(so peak memory is its own); the runs alternate (ctxext, trainer, ctxext, ...)
 so that load from other jobs hits both alike. Reported: median seconds per optimizer step after the first
 `--warmup` steps -> tokens/s, and peak memory (max RSS on CPU, max allocated on GPU), as ratios.
 
@@ -135,6 +136,7 @@ def worker_trainer(args, folder: Path) -> dict:
     trainer = Trainer(model=model, args=training_args, train_dataset=Packed(), data_collator=default_data_collator,
                       callbacks=[timer])
     trainer.train()
+    trainer.save_model(str(folder / "trainer-run" / "adapter"))  # ctxext saves its adapter too
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {"step_seconds": timer.times, "precision": precision, "device": str(device), "losses": losses}
 

@@ -152,6 +152,7 @@ def write_report(docs: Path, result: dict) -> None:
 
 def plot(path: Path, result: dict) -> None:
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+    from matplotlib.ticker import ScalarFormatter
 
     ft = result["fine_tuning"]
     fig = Figure(figsize=(7.5, 4.8))
@@ -168,6 +169,8 @@ def plot(path: Path, result: dict) -> None:
         ax.axhline(none_long[0]["perplexity"], color="tab:red", ls=":", lw=1,
                    label=f"no scaling at {ft['target']} (direct extrapolation): {fmt(none_long[0]['perplexity'])}")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(ScalarFormatter())
     ax.set_xlabel("fine-tuning step")
     ax.set_ylabel("held-out perplexity (Othello + Macbeth)")
     ax.set_title(f"Position Interpolation in miniature: tiny LLaMA, {ft['original']} -> {ft['target']}", fontsize=10)
@@ -194,12 +197,13 @@ def markdown(result: dict) -> str:
         result["command"],
         "```",
         "",
-        f"Machine: {result['machine']}. Date: {result['date_utc']}. Wall time, end to end: "
+        f"Machine: {result['machine']}. Date: {result['date_utc']}. Wall time of this run: "
         f"**{result['timing']['total_minutes']:.1f} min** ({timing_text(result['timing'])}; "
         f"{result['timing']['cpu_minutes']:.1f} CPU-minutes on {result['timing']['torch_threads']} torch thread(s)). "
         f"Load average at start / end: {result['load_average']['start']} / {result['load_average']['end']} "
         "(the 2 cores were shared with other work; see the note below).",
         "",
+        *end_to_end_lines(result["timing"]),
         "## Fine-tuning (the shape of PI Table 3)",
         "",
         f"Held-out perplexity while LoRA-fine-tuning with {ft['label']} at {target} tokens. "
@@ -251,10 +255,28 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def end_to_end_lines(timing: dict) -> list[str]:
+    """When the pretrained model came from the cache: the whole experiment's time, pretraining included."""
+    if "total_minutes_with_pretraining" not in timing:
+        return []
+    lines = [f"With the pretraining (built earlier by the same code, {timing['pretrain_minutes_when_built']:.1f} min "
+             f"wall): **{timing['total_minutes_with_pretraining']:.1f} min** wall, end to end."]
+    if "pretrain_cpu_minutes" in timing:
+        cpu = timing["pretrain_cpu_minutes"] + timing["cpu_minutes"]
+        lines[0] += (f" CPU time, end to end: **{cpu:.1f} CPU-minutes** ({timing['pretrain_cpu_minutes']:.1f} "
+                     f"pretraining + {timing['cpu_minutes']:.1f} the rest), all on one thread: on an idle machine "
+                     f"the wall time on one thread is about the CPU time, and less on two")
+        if timing.get("pretrain_cpu_minutes_source"):
+            lines[0] += f" ({timing['pretrain_cpu_minutes_source']})"
+        lines[0] += "."
+    return lines + [""]
+
+
 def timing_text(timing: dict) -> str:
     parts = []
-    for key, label in (("pretrain_minutes", "pretraining"), ("before_minutes", "evaluation before fine-tuning"),
-                       ("finetune_minutes", "fine-tuning with evaluations")):
+    keys = [("pretrain_minutes", "pretraining")] if not timing.get("pretrain_cached") else []
+    for key, label in keys + [("before_minutes", "evaluation before fine-tuning"),
+                       ("finetune_minutes", "fine-tuning with evaluations")]:
         if key in timing:
             parts.append(f"{label} {timing[key]:.1f} min")
     if timing.get("pretrain_cached"):
@@ -272,8 +294,13 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", default="auto", help="torch CPU threads: a number, or auto (all cores on an idle "
                         "machine, 1 when other jobs already keep the cores busy: 2 threads fighting other "
                         "processes for 2 cores run 2-3x slower than 1 thread here)")
+    parser.add_argument("--render", metavar="JSON", help="only re-write the .md/.png/.csv from a pi_reproduction.json")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. train.max_steps=200")
     args = parser.parse_args(argv)
+    if args.render:
+        write_report(REPO / args.docs_dir, json.loads(Path(args.render).read_text()))
+        print(f"re-rendered {REPO / args.docs_dir}/pi_reproduction.md, .png, .csv from {args.render}")
+        return 0
 
     os.environ.setdefault("CTXEXT_CACHE_DIR", str(REPO / ".cache"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -316,6 +343,8 @@ def main(argv=None) -> int:
     timing["pretrain_cached"] = cached
     if cached and pretrain_record:
         timing["pretrain_minutes_when_built"] = pretrain_record["seconds"] / 60
+    if pretrain_record and "cpu_seconds" in pretrain_record:
+        timing["pretrain_cpu_minutes"] = pretrain_record["cpu_seconds"] / 60
     print(f"   {checkpoint} ({'cached' if cached else 'built'})", flush=True)
 
     print("2. perplexity before fine-tuning", flush=True)

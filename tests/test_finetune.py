@@ -112,6 +112,15 @@ def assert_same_numbers(a: list[dict], b: list[dict], tol: float) -> None:
                 assert u == v, (x, y)
 
 
+def free_port() -> int:
+    """A port nobody listens on, so that parallel test runs do not collide on torchrun's default 29500."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def env(**extra):
     return {**os.environ, "HF_HUB_OFFLINE": "1", "CTXEXT_CACHE_DIR": str(assets.cache_dir()),
             "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **extra}
@@ -206,6 +215,7 @@ def test_two_processes_match_one_with_the_same_global_batch(reference_run, tiny_
     recipe = write_recipe(folder, tiny_checkpoint, texts, two, **changes)
     launched = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu-2proc.yaml",
+         "--main_process_port", str(free_port()),
          "-m", "ctxext", "finetune", "--config", str(recipe), "--no-progress"],
         cwd=REPO, env=env(), capture_output=True, text=True)
     assert launched.returncode == 0, launched.stderr[-3000:]

@@ -275,10 +275,11 @@ def load_eval_documents(recipe: Recipe, tokenizer, original_length: int, train_n
 
 
 def plan_length(documents, length: int, stride: int, bos: int | None):
-    """The evaluator's window plan at one length; a window shorter than the stride is scored without overlap."""
+    """The evaluator's window plan at one length. A window no longer than the stride gets stride = window / 2:
+    in the protocol, stride == window means one truncated pass, and every token should be scored here."""
     from ..eval.runner import plan_lengths
 
-    return plan_lengths(documents, [length], min(stride, length), bos)[0]
+    return plan_lengths(documents, [length], stride if stride < length else max(1, length // 2), bos)[0]
 
 
 def evaluate(setup: Setup, model, lengths: list[int]) -> dict[int, float]:
@@ -333,7 +334,8 @@ def latest_checkpoint(output: Path) -> Path | None:
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:
-    return {name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.requires_grad}
+    # No clone: torch.save writes before training goes on (on a GPU, .cpu() copies anyway).
+    return {name: p.detach().cpu() for name, p in model.named_parameters() if p.requires_grad}
 
 
 def rng_state() -> dict:
@@ -423,6 +425,7 @@ class MetricsLog:
 def plot_metrics(records: list[dict], path: Path, title: str) -> None:
     """Perplexity against step, one line per evaluated length, and the base model's line at the original length."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+    from matplotlib.ticker import ScalarFormatter
 
     evals = [r for r in records if r.get("kind") == "eval"]
     if not evals:
@@ -438,6 +441,8 @@ def plot_metrics(records: list[dict], path: Path, title: str) -> None:
         ax.axhline(base[0]["perplexity"], color="black", ls="--", lw=1,
                    label=f"base model at its context {base[0]['length']}: {base[0]['perplexity']:.2f}")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(ScalarFormatter())
     ax.set_xlabel("fine-tuning step")
     ax.set_ylabel("perplexity (held-out, lower is better)")
     ax.set_title(title, fontsize=10)

@@ -132,7 +132,10 @@ def pretrain(settings: TinyPretrainSettings, output: Path, progress: bool = True
     from tqdm.auto import tqdm
     from transformers import LlamaForCausalLM
 
+    import resource
+
     started = time.perf_counter()
+    cpu_started = resource.getrusage(resource.RUSAGE_SELF)
     texts = training_texts(settings.held_out)
     tokenizer = train_bpe_tokenizer([text for _, text in texts], settings.vocab_size)
     stream = token_stream([text for _, text in texts], tokenizer)
@@ -181,10 +184,18 @@ def pretrain(settings: TinyPretrainSettings, output: Path, progress: bool = True
         "bf16_autocast": bf16,
         "torch_threads": torch.get_num_threads(),
         "seconds": round(time.perf_counter() - started, 1),
+        "cpu_seconds": round(_cpu_seconds_since(cpu_started), 1),  # wall time depends on other jobs; this less so
         "loss_every_step": losses,
     }
     (output / "pretrain.json").write_text(json.dumps(record, indent=1))
     return record
+
+
+def _cpu_seconds_since(start) -> float:
+    import resource
+
+    now = resource.getrusage(resource.RUSAGE_SELF)
+    return (now.ru_utime - start.ru_utime) + (now.ru_stime - start.ru_stime)
 
 
 def tiny_shakespeare_checkpoint(settings: TinyPretrainSettings | None = None, progress: bool = True) -> Path:
