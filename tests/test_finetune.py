@@ -156,7 +156,8 @@ def test_run_writes_metrics_adapter_and_merged_checkpoint(reference_run, tiny_ch
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     ids = torch.tensor(tokenizer(texts[1].read_text(), add_special_tokens=False).input_ids)
     base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
-    expected = perplexity(*sliding_window_nll(base, ids, 64, 64))
+    # stride 64 is not below the 64-token window, so the run scores it with stride 32 (every token, not one pass)
+    expected = perplexity(*sliding_window_nll(base, ids, 64, 32))
     reference = [r for r in records if r["kind"] == "base_reference"][0]
     assert reference["length"] == 64 and reference["perplexity"] == pytest.approx(expected, rel=1e-6)
     # Step 0 at L is the patched model before any update: PI x4 compresses positions, so it differs from the base.

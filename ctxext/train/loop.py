@@ -521,8 +521,10 @@ def train(setup: Setup, resume: bool, progress: bool = True) -> list[dict]:
 
     model = setup.model
     trainable = [p for p in model.parameters() if p.requires_grad]
+    # The fused kernel updates in place: no temporaries the size of the trainable embedding, and faster.
+    fused = accelerator.device.type in ("cuda", "cpu") and not runtime.sharded
     optimizer = torch.optim.AdamW(trainable, lr=recipe.optim.lr, betas=tuple(recipe.optim.betas),
-                                  weight_decay=recipe.optim.weight_decay)
+                                  weight_decay=recipe.optim.weight_decay, fused=fused or None)
     deepspeed = getattr(accelerator.state, "deepspeed_plugin", None)
     if deepspeed is not None:  # DeepSpeed reads the micro-batch from a dataloader, and we pass none
         deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = recipe.train.micro_batch_size
@@ -587,6 +589,7 @@ def train(setup: Setup, resume: bool, progress: bool = True) -> list[dict]:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             step_loss += loss.detach().double() / runtime.accumulation
+            del loss, inputs, batch  # free this micro-step's graph remnants before the next forward
         # The step's loss over the whole global batch: the mean of every process's mean.
         step_loss = float(accelerator.reduce(step_loss, reduction="mean"))
         done = step + 1
