@@ -261,3 +261,49 @@ def test_bad_input_from_the_command_line(tmp_path, tiny_checkpoint, texts, capsy
     assert ctxext_main(["finetune", "--config", str(recipe)]) == 2
     assert "already exists; use --resume" in capsys.readouterr().err
     assert [p.name for p in output.iterdir()] == ["keep.txt"]
+
+
+def test_pose_trains_on_skipped_positions(tmp_path, tiny_checkpoint, texts):
+    """Step 1's loss (taken before any update; LoRA starts as a no-op) equals the patched base model's loss on
+    the same sample with the PoSE position ids and full causal attention: the positions reach the model, and the
+    chunks attend to each other (not cut apart as packed sequences)."""
+    from transformers import AutoModelForCausalLM
+
+    import ctxext
+    from ctxext.train.data import PackedSequences
+    from ctxext.train.pose import pose_generator, pose_position_ids
+
+    # Sharper attention than a random init gives, so that positions change the loss visibly.
+    sharp = tmp_path / "sharp-model"
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "q_proj" in name or "k_proj" in name:
+                param.mul_(8.0)
+    model.save_pretrained(sharp)
+    (sharp / "tokenizer.json").write_bytes((tiny_checkpoint / "tokenizer.json").read_bytes())
+    (sharp / "tokenizer_config.json").write_bytes((tiny_checkpoint / "tokenizer_config.json").read_bytes())
+    tiny_checkpoint = sharp
+
+    output = tmp_path / "pose"
+    recipe = write_recipe(tmp_path, tiny_checkpoint, texts, output, train__max_steps=1, train__global_batch_size=1,
+                          train__micro_batch_size=1, lora__dropout=0.0, eval__every=0,
+                          pose={"enabled": True, "train_window": 64, "num_chunks": 2})
+    assert ctxext_main(["finetune", "--config", str(recipe), "--no-progress"]) == 0
+    loss = [r for r in read_metrics(output) if r["kind"] == "train"][0]["loss"]
+
+    import numpy as np
+
+    stream = np.load(json.loads((output / "run.json").read_text())["data"]["cache_file"])
+    sample = PackedSequences(stream, 64, seed=0)[0].unsqueeze(0)
+    positions = pose_position_ids(64, 256, 2, pose_generator(0, 0)).unsqueeze(0)
+    assert int(positions.max()) >= 64  # beyond the window, so positions matter
+    model = ctxext.patch(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32), "linear",
+                         factor=4).eval()
+    with torch.no_grad():
+        # With a cache transformers never reads the position jumps as packed-sequence boundaries: plain causal
+        # attention over the whole window, which is what PoSE means.
+        expected = model(input_ids=sample, labels=sample, position_ids=positions, use_cache=True).loss.item()
+        plain = model(input_ids=sample, labels=sample).loss.item()
+    assert loss == pytest.approx(expected, rel=1e-5), (loss, expected, plain)
+    assert abs(loss - plain) > 5e-4, (loss, plain)  # about 1e-3 here: 60x the tolerance above

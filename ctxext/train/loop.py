@@ -581,6 +581,9 @@ def train(setup: Setup, resume: bool, progress: bool = True) -> list[dict]:
             inputs = {"input_ids": batch, "labels": batch}
             if recipe.pose.enabled:
                 inputs["position_ids"] = pose_positions(recipe, indices).to(accelerator.device)
+                # Without a mask, transformers reads a jump in position_ids as the start of another packed
+                # sequence and blocks attention across it; PoSE chunks are one text and must see each other.
+                inputs["attention_mask"] = torch.ones_like(batch)
             with accelerator.accumulate(model):
                 loss = model(**inputs, use_cache=False).loss
                 accelerator.backward(loss)
