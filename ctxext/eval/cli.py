@@ -375,8 +375,9 @@ def cmd_eval(args) -> int:
                                                    "seconds", "tokens_sha256"])
         (staging / "table.txt").write_text(table + "\n")
         plot_perplexity(rows, labels, staging / "perplexity.png",
-                        f"{Path(args.model).name}: {payload['protocol']['mode']}, "
-                        f"{docs.source.get('name') or docs.source.get('kind')}", original_length(model))
+                        f"{Path(args.model).name}, {docs.source.get('name') or docs.source.get('kind')}\n"
+                        f"{'one pass per document (stride = window)' if stride is None else f'stride {stride}'}, "
+                        f"{payload['model']['dtype']}", original_length(model))
     print()
     print(table)
     skipped = {n: p.skipped for n, p in zip(lengths, plans) if p.skipped}

@@ -103,6 +103,12 @@ def plot_perplexity(rows: list[dict], methods: list[str], path: Path, title: str
         ax.text(original_length, ax.get_ylim()[1], " original context L", va="top", fontsize=8, color="grey")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    # Plain numbers on the log axis: perplexities rarely span a decade, so decade ticks alone would say little.
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
     lengths = sorted({r["length"] for r in rows})
     ax.set_xticks(lengths, [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
     ax.set_xlabel("evaluated context (tokens)")
@@ -117,8 +123,8 @@ def plot_perplexity(rows: list[dict], methods: list[str], path: Path, title: str
 def plot_passkey_heatmap(rows: list[dict], methods: list[str], lengths: list[int], depths: list[float],
                          path: Path, title: str) -> None:
     """One panel per method: accuracy by depth (rows) and length (columns)."""
-    fig = _figure(figsize=(1.2 + 1.1 * len(lengths) * len(methods), 3.8))
-    axes = fig.subplots(1, len(methods), squeeze=False)
+    fig = _figure(figsize=(1.6 + 1.3 * len(lengths) * len(methods), 3.8))
+    axes = fig.subplots(1, len(methods), squeeze=False, sharey=True)
     by_key = {(r["method"], r["length"], r["depth"]): r["accuracy"] for r in rows}
     image = None
     for ax, method in zip(axes[0], methods):
@@ -130,6 +136,7 @@ def plot_passkey_heatmap(rows: list[dict], methods: list[str], lengths: list[int
                     ax.text(j, i, f"{value:.0%}", ha="center", va="center", fontsize=8)
         ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
         ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        ax.tick_params(axis="y", labelleft=ax is axes[0][0])
         ax.set_xlabel("prompt length")
         ax.set_title(method, fontsize=9)
     axes[0][0].set_ylabel("passkey depth")
