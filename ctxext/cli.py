@@ -101,9 +101,11 @@ def cmd_methods(args) -> int:
             print(f"{'':13} source: {method.source}")
             for name, default, help_text in method.param_help():
                 print(f"{'':15}--{name.replace('_', '-'):<18} (default {default!r}) {help_text}")
+        else:
+            print(f"{'':13} parameters: {', '.join(name for name, _, _ in method.param_help())}")
     print("\nAny method also takes --logn (YAML 'logn: true'): log-n query scaling, max(1, ln n / ln L).")
     if not args.verbose:
-        print("Run 'ctxext methods -v' for every method's parameters and source.")
+        print("Run 'ctxext methods -v' for each parameter's default and meaning, and each method's source.")
     return 0
 
 
@@ -241,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"ctxext {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `ctxext methods | head`: the reader left, nothing to report
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

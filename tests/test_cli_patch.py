@@ -168,6 +168,14 @@ def test_methods_lists_every_method_with_parameters(capsys):
     assert "--beta-fast" in out and "--new-base" in out and "--low-freq-factor" in out
 
 
+def test_methods_default_listing_names_each_methods_parameters(capsys):
+    code, out, _ = run_cli(capsys, "methods")
+    assert code == 0
+    for name, method in ctxext.METHODS.items():
+        names = ", ".join(p for p, _, _ in method.param_help())
+        assert f"{name:<13} {method.summary}\n{'':13} parameters: {names}" in out
+
+
 def test_plot_freqs_draws_each_method(tmp_path, capsys):
     png = tmp_path / "freqs.png"
     code, out, _ = run_cli(capsys, "plot-freqs", "--method", "linear", "--method", "yarn", "--method", "ntk_mixed",
