@@ -46,6 +46,18 @@ def tiny_model(family: str, seed: int = 0, **overrides):
     return model_cls(tiny_config(family, **overrides)).eval()
 
 
+def save_tiny_checkpoint(path, model):
+    """Save `model` with a 256-word word-level tokenizer (w0..w255): a complete checkpoint directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    model.save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0").save_pretrained(path)
+    return path
+
+
 @pytest.fixture(params=list(FAMILIES))
 def family(request):
     return request.param

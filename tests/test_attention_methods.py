@@ -14,8 +14,7 @@ import types
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM
 
 import ctxext
 from ctxext.cli import main
@@ -29,7 +28,7 @@ from ctxext.methods.attention import (
     rerope_relative_position,
 )
 from ctxext.patching.attention import rerope_attention, set_attention_tuning
-from tests.conftest import FAMILIES, tiny_model
+from tests.conftest import FAMILIES, save_tiny_checkpoint, tiny_model
 
 SEQ = 40  # tokens in the model-level tests: past the windows below and past L = 16
 L_SHORT = 16  # original length of the tiny models where log-n must act
@@ -319,17 +318,9 @@ def test_logn_without_an_original_length_is_a_value_error():
         logn_scale(torch.arange(4), None)
 
 
-def _save_checkpoint(path, model):
-    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    model.save_pretrained(path)
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0").save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return _save_checkpoint(tmp_path_factory.mktemp("src") / "tiny", tiny_model("qwen2", max_position_embeddings=L_SHORT))
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("src") / "tiny", tiny_model("qwen2", max_position_embeddings=L_SHORT))
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -350,7 +341,7 @@ def test_logn_in_a_config_without_its_length_is_refused_at_load(checkpoint, tmp_
     broken = tmp_path / "broken"
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     model.config.ctxext_attention = {"logn": True}  # e.g. hand-written: no original length
-    _save_checkpoint(broken, model)
+    save_tiny_checkpoint(broken, model)
     with pytest.raises(ValueError, match="original context length"):
         AutoModelForCausalLM.from_pretrained(broken)
     capsys.readouterr()

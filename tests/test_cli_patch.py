@@ -8,23 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import ctxext
 from ctxext.cli import main
-from tests.conftest import tiny_model
+from tests.conftest import save_tiny_checkpoint, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def save_tiny_checkpoint(path: Path, model) -> Path:
-    vocab = {f"w{i}": i for i in range(256)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    model.save_pretrained(path)
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0").save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
