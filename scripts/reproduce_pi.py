@@ -152,7 +152,8 @@ def write_report(docs: Path, result: dict) -> None:
 
 def plot(path: Path, result: dict) -> None:
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
-    from matplotlib.ticker import ScalarFormatter
+
+    from ctxext.train.loop import save_step_plot
 
     ft = result["fine_tuning"]
     fig = Figure(figsize=(7.5, 4.8))
@@ -168,16 +169,8 @@ def plot(path: Path, result: dict) -> None:
     if none_long:
         ax.axhline(none_long[0]["perplexity"], color="tab:red", ls=":", lw=1,
                    label=f"no scaling at {ft['target']} (direct extrapolation): {fmt(none_long[0]['perplexity'])}")
-    ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(ScalarFormatter())
-    ax.yaxis.set_minor_formatter(ScalarFormatter())
-    ax.set_xlabel("fine-tuning step")
-    ax.set_ylabel("held-out perplexity (Othello + Macbeth)")
-    ax.set_title(f"Position Interpolation in miniature: tiny LLaMA, {ft['original']} -> {ft['target']}", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_step_plot(fig, ax, path, "held-out perplexity (Othello + Macbeth)",
+                   f"Position Interpolation in miniature: tiny LLaMA, {ft['original']} -> {ft['target']}")
 
 
 def markdown(result: dict) -> str:

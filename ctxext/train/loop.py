@@ -425,7 +425,6 @@ class MetricsLog:
 def plot_metrics(records: list[dict], path: Path, title: str) -> None:
     """Perplexity against step, one line per evaluated length, and the base model's line at the original length."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
-    from matplotlib.ticker import ScalarFormatter
 
     evals = [r for r in records if r.get("kind") == "eval"]
     if not evals:
@@ -440,11 +439,18 @@ def plot_metrics(records: list[dict], path: Path, title: str) -> None:
     if base:
         ax.axhline(base[0]["perplexity"], color="black", ls="--", lw=1,
                    label=f"base model at its context {base[0]['length']}: {base[0]['perplexity']:.2f}")
+    save_step_plot(fig, ax, path, "perplexity (held-out, lower is better)", title)
+
+
+def save_step_plot(fig, ax, path: Path, ylabel: str, title: str) -> None:
+    """The shared look of perplexity-against-step plots: log y with plain numbers, grid, legend; then save."""
+    from matplotlib.ticker import ScalarFormatter
+
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_formatter(ScalarFormatter())
     ax.set_xlabel("fine-tuning step")
-    ax.set_ylabel("perplexity (held-out, lower is better)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
