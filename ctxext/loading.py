@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CtxextError
+from .errors import CtxextError, first_line
 
 
 def cpu_has_native_bf16() -> bool:
@@ -71,8 +71,7 @@ def load_config(name_or_path: str):
     try:
         return AutoConfig.from_pretrained(name_or_path)
     except (OSError, ValueError, KeyError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CtxextError(f"could not load the config of '{name_or_path}': {first_line}") from None
+        raise CtxextError(f"could not load the config of '{name_or_path}': {first_line(error)}") from None
 
 
 def load_model(name_or_path: str, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu",
@@ -86,8 +85,7 @@ def load_model(name_or_path: str, dtype: torch.dtype | str = "auto", device: tor
             name_or_path, dtype=dtype, attn_implementation=attn_implementation
         )
     except (OSError, ValueError, KeyError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CtxextError(f"could not load model '{name_or_path}': {first_line}") from None
+        raise CtxextError(f"could not load model '{name_or_path}': {first_line(error)}") from None
     return model.to(device).eval()
 
 
@@ -97,5 +95,4 @@ def load_tokenizer(name_or_path: str):
     try:
         return AutoTokenizer.from_pretrained(name_or_path)
     except (OSError, ValueError, KeyError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CtxextError(f"could not load a tokenizer for '{name_or_path}': {first_line}") from None
+        raise CtxextError(f"could not load a tokenizer for '{name_or_path}': {first_line(error)}") from None

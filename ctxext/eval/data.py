@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ..errors import CtxextError, did_you_mean
+from ..errors import CtxextError, did_you_mean, first_line
 
 
 @dataclass(frozen=True)
@@ -126,11 +126,6 @@ def shakespeare_documents(spec: str | None) -> Iterator[tuple[str, str]]:
         yield "+".join(names), assets.shakespeare_text(names)
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def load_hf_dataset(name: str, split: str | None, config: str | None, streaming: bool = True):
     """A `datasets` dataset from a preset name, a local save_to_disk folder / data file, or a hub id.
 
@@ -177,7 +172,7 @@ def load_hf_dataset(name: str, split: str | None, config: str | None, streaming:
         else:
             known = [*PRESETS, SHAKESPEARE]
             hint = f" (presets: {', '.join(known)}{did_you_mean(name, known)}; {offline})"
-        raise CtxextError(f"could not load dataset '{name}': {_first_line(error)}{hint}") from None
+        raise CtxextError(f"could not load dataset '{name}': {first_line(error)}{hint}") from None
 
 
 def _pick_split(splits: list[str], name: str) -> str:
