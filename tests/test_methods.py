@@ -46,9 +46,6 @@ NATIVE_CASES = [
      {"rope_type": "yarn", "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 1.0, "original_max_position_embeddings": 64}),
     ("yarn", {"factor": 4.0, "attention_factor": 1.3},
      {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.3, "original_max_position_embeddings": 64}),
-    ("llama3", {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
-     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-      "original_max_position_embeddings": 64}),
 ]
 
 
@@ -68,20 +65,6 @@ def test_static_methods_equal_transformers(name, params, rope_parameters, head_d
 def test_dynamic_ntk_equals_transformers_dynamic(seq_len, factor):
     _, expected, _ = transformers_inv_freq("llama", {"rope_type": "dynamic", "factor": factor}, seq_len=seq_len)
     assert_rel(ours("dynamic_ntk", rotary_dim=16, original=64, seq_len=seq_len, factor=factor)[0], expected)
-
-
-@pytest.mark.parametrize("seq_len", [None, 64, 65, 500])
-def test_longrope_equals_transformers(seq_len):
-    short = [1.0 + 0.01 * i for i in range(8)]
-    long = [1.5 + 0.3 * i for i in range(8)]
-    rope_parameters = {"rope_type": "longrope", "factor": 4.0, "short_factor": short, "long_factor": long,
-                       "original_max_position_embeddings": 64}
-    _, expected, expected_attention = transformers_inv_freq("llama", rope_parameters, seq_len=seq_len,
-                                                           max_position_embeddings=256)
-    inv_freq, attention = ours("longrope", rotary_dim=16, original=64, seq_len=seq_len, factor=4.0,
-                               short_factor=short, long_factor=long)
-    assert_rel(inv_freq, expected)
-    assert attention == pytest.approx(expected_attention)
 
 
 def test_partial_rotary_factor_matches_transformers_yarn():
