@@ -27,7 +27,8 @@ from ctxext.methods.attention import (
     logn_scale,
     rerope_relative_position,
 )
-from ctxext.patching.attention import rerope_attention, set_attention_tuning
+from ctxext.patching.attention import set_attention_tuning
+from ctxext.patching.remap_kernel import rerope_attention
 from tests.conftest import FAMILIES, save_tiny_checkpoint, tiny_model
 
 SEQ = 40  # tokens in the model-level tests: past the windows below and past L = 16
@@ -296,8 +297,8 @@ def test_sliding_window_shorter_than_the_sequence_is_refused():
 
 # ------------------------------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("method,params,message", [
-    ("rerope", {"window": 0}, "'window' must be > 0"),
-    ("rerope", {"window": -4}, "'window' must be > 0"),
+    ("rerope", {"window": 0}, "'window' must be >= 1"),
+    ("rerope", {"window": -4}, "'window' must be >= 1"),
     ("rerope", {"window": 2.5}, "whole number"),
     ("leaky_rerope", {"k": 1}, "'k' must be > 1"),
     ("leaky_rerope", {"k": 0.5}, "'k' must be > 1"),
@@ -324,7 +325,7 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--method", "rerope", "--window", "0"], "'window' must be > 0"),
+    (["--method", "rerope", "--window", "0"], "'window' must be >= 1"),
     (["--method", "leaky_rerope", "--k", "1"], "'k' must be > 1"),
     (["--method", "none", "--logn", "--original-max-position-embeddings", "1"], "L >= 2"),
     (["--config", "configs/methods/leaky_rerope.yaml", "--k", "0.9"], "'k' must be > 1"),

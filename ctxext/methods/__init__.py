@@ -4,7 +4,7 @@
 """
 
 from . import frequency, native  # noqa: F401  (registers the methods)
-from . import attention  # noqa: F401  (attention-level methods: listed after the frequency methods)
+from . import attention, remapping  # noqa: F401  (attention-level methods: listed after the frequency methods)
 from .frequency import rope_inv_freq
 from .registry import METHODS, Method, MethodParams, compute_inv_freq, get_method
 

@@ -1,41 +1,41 @@
-"""Attention-level methods inside a model: log-n query scaling, ReRoPE and Leaky ReRoPE.
+"""Attention-level methods inside a model, through transformers' AttentionInterface: log-n query scaling and
+the position-remapping methods (ReRoPE, Leaky ReRoPE, SelfExtend, Dual Chunk Attention, STRING).
 
-`install_attention(host, settings)` gives every decoder layer's `self_attn` a patched `forward` (an instance
-attribute, so removing it brings the class's own forward back, bit for bit). The patched forward serves the
-attention shape that LLaMA, Mistral, Qwen2 and Qwen3 share (Qwen3 adds q_norm/k_norm, Qwen2 has q/k/v biases,
-which live inside q_proj/k_proj/v_proj).
+`install_attention(host, settings)` registers a wrapper around the model's attention implementation under the
+name `ctxext_<implementation>` (e.g. `ctxext_sdpa`, with the same mask function) and switches the model to it
+with `set_attn_implementation`; the settings sit on each attention module. The model's own attention forward
+still projects, rotates, caches and calls the attention function; the wrapper then:
 
-- **log-n alone** rotates q and k as usual, multiplies each query by max(1, ln n / ln L), and hands over to
-  the model's own attention function (SDPA, eager, FlashAttention): the KV cache is the usual one.
-- **ReRoPE / Leaky ReRoPE** cache *unrotated* keys and rotate them at use, because a cached key is needed at
-  two rotations: its own position (the band |m-n| < w) and n/k (the far region; 0 for ReRoPE). Prefill and
-  decoding go through `rerope_attention`, which never builds an L x L matrix: it walks query blocks and, per
-  block, attends three key ranges (far keys every query sees, far keys that enter the far region inside the
-  block, the band) and merges the three softmax parts exactly with their log-sum-exp.
+- **log-n**: multiplies each query by max(1, ln n / ln L) and hands over to the model's own implementation
+  (SDPA, eager, FlashAttention);
+- **remapping**: while every pair lies in the method's first region (r' = r) it hands over too, bit for bit;
+  past that it turns the rotated queries and cached keys back to unrotated ones with the model's own
+  (cos, sin) at their positions, rotates them per region, and runs `remapped_attention`. The KV cache stays
+  the usual one (rotated keys), so decoding with a cache equals a full forward.
 
-A checkpoint keeps the settings as `ctxext_attention` in config.json; `register_load_hook` (run at
-`import ctxext`) re-installs them on any model built from such a config, so plain
-`AutoModelForCausalLM.from_pretrained` works after `import ctxext`.
+`remove_attention` switches the implementation back. A checkpoint keeps the settings as `ctxext_attention` in
+config.json; `register_load_hook` (run at `import ctxext`) re-installs them on any model built from such a
+config, so plain `AutoModelForCausalLM.from_pretrained` works after `import ctxext`.
 """
 
 from __future__ import annotations
 
-import sys
-import types
+import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
+from .. import compat
 from ..errors import CtxextError
-from ..methods.attention import AttentionSettings, far_key_positions, far_query_positions, logn_scale
+from ..methods.attention import AttentionSettings, logn_scale
 from .families import SUPPORTED_FAMILIES, rotary_host
+from .remap_kernel import KERNELS, QUERY_BLOCK, remapped_attention
 
 CONFIG_KEY = "ctxext_attention"  # the config.json entry that records the settings
-QUERY_BLOCK = 256  # queries per block; measured on CPU: 256 beat 512-2048 (less masked waste per block)
-KERNELS = ("auto", "lse", "concat", "naive")
+PREFIX = "ctxext_"  # attention implementations registered by ctxext are named PREFIX + the wrapped one
 
 _STATE = "_ctxext_attention"  # attribute on each patched attention module
 
@@ -50,7 +50,7 @@ class AttentionState:
     def __init__(self, settings: AttentionSettings, host: nn.Module, query_block: int = QUERY_BLOCK,
                  kernel: str = "auto"):
         if kernel not in KERNELS:
-            raise CtxextError(f"unknown ReRoPE kernel '{kernel}'; choose one of {', '.join(KERNELS)}")
+            raise CtxextError(f"unknown attention kernel '{kernel}'; choose one of {', '.join(KERNELS)}")
         if query_block < 1:
             raise CtxextError(f"query_block must be >= 1, got {query_block}")
         self.settings = settings
@@ -71,24 +71,53 @@ def attention_modules(host: nn.Module) -> list[nn.Module]:
     return modules
 
 
+def wrapped_implementation(name: str | None) -> str:
+    """The implementation a ctxext name wraps ('ctxext_sdpa' -> 'sdpa'); other names are returned as they are."""
+    name = name or "eager"
+    return name.removeprefix(PREFIX)
+
+
+def register_wrapper(inner: str) -> str:
+    """Register `ctxext_<inner>` with transformers' attention and mask interfaces (idempotent); its name."""
+    name = PREFIX + inner
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, functools.partial(ctxext_attention, inner=inner))
+    if name not in ALL_MASK_ATTENTION_FUNCTIONS and inner in ALL_MASK_ATTENTION_FUNCTIONS:
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
+    return name
+
+
+def _switch_implementation(host: nn.Module, name: str) -> None:
+    if compat.attention_implementation(host.config) == name:
+        return
+    if isinstance(host, PreTrainedModel):
+        host.set_attn_implementation(name)
+    else:
+        raise CtxextError(f"{type(host).__name__} is not a transformers model: cannot set its attention")
+
+
 def install_attention(host: nn.Module, settings: AttentionSettings | None, query_block: int = QUERY_BLOCK,
                       kernel: str = "auto") -> None:
     """Patch every attention layer of `host` (the base model) with `settings`; None or inactive removes."""
     remove_attention(host)
     if settings is None or not settings.active:
         return
-    for module in attention_modules(host):
+    modules = attention_modules(host)
+    for module in modules:
         module.__dict__[_STATE] = AttentionState(settings, host, query_block, kernel)
-        module.forward = types.MethodType(ctxext_attention_forward, module)
+    inner = wrapped_implementation(compat.attention_implementation(host.config))
+    _switch_implementation(host, register_wrapper(inner))
 
 
 def remove_attention(host: nn.Module) -> None:
-    """Give every attention layer its class's own forward back (no-op where nothing was installed)."""
+    """Give the model its own attention implementation back (no-op where nothing was installed)."""
     for module in getattr(host, "layers", []):
         attention = getattr(module, "self_attn", None)
-        if attention is not None and _STATE in attention.__dict__:
-            del attention.__dict__[_STATE]
-            attention.__dict__.pop("forward", None)
+        if attention is not None:
+            attention.__dict__.pop(_STATE, None)
+    current = compat.attention_implementation(host.config)
+    if current is not None and current.startswith(PREFIX):
+        _switch_implementation(host, wrapped_implementation(current))
 
 
 def installed_settings(host: nn.Module) -> AttentionSettings | None:
@@ -98,7 +127,7 @@ def installed_settings(host: nn.Module) -> AttentionSettings | None:
 
 
 def set_attention_tuning(model: nn.Module, query_block: int | None = None, kernel: str | None = None) -> None:
-    """Change the block size or kernel of an installed ReRoPE (benchmarks and tests; results are the same)."""
+    """Change the block size or kernel of an installed remapping method (benchmarks and tests; same results)."""
     for module in attention_modules(rotary_host(model)):
         state = module.__dict__.get(_STATE)
         if state is None:
@@ -170,150 +199,116 @@ def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return torch.cat(((turned * cos) + (_rotate_half(turned) * sin), kept), dim=-1)
 
 
+def undo_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The inverse of `apply_rotation` with the same cos/sin (which may carry an attention factor), in float32."""
+    cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+    rotary = cos.shape[-1]
+    turned = x[..., :rotary].float()
+    norm = cos * cos + sin * sin  # a^2 per channel: 1 unless the method scales cos and sin
+    back = (turned * cos - _rotate_half(turned) * sin) / norm
+    return back if rotary == x.shape[-1] else torch.cat((back, x[..., rotary:].float()), dim=-1)
+
+
 def _rotary_at(host: nn.Module, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) of the model's own rotary embedding at arbitrary (possibly fractional) positions."""
     return host.rotary_emb(like, positions.to(device=like.device, dtype=torch.float32))
 
 
-# -------------------------------------------------------------------------------------- the forward
-def _family_module(module: nn.Module):
-    return sys.modules[type(module).__module__]
-
-
-def _sliding_window_kwargs(module: nn.Module) -> dict:
-    # What the original forward passes to the attention function: Qwen2/Qwen3 per layer, Mistral from config.
-    if hasattr(module, "sliding_window"):
-        return {"sliding_window": module.sliding_window}
-    if getattr(module.config, "model_type", None) == "mistral":
-        return {"sliding_window": getattr(module.config, "sliding_window", None)}
-    return {}
-
-
-def _project(module: nn.Module, hidden_states: torch.Tensor):
-    hidden_shape = (*hidden_states.shape[:-1], -1, module.head_dim)
-    query = module.q_proj(hidden_states).view(hidden_shape)
-    key = module.k_proj(hidden_states).view(hidden_shape)
-    if hasattr(module, "q_norm"):  # Qwen3: RMSNorm per head, before the rotation
-        query, key = module.q_norm(query), module.k_norm(key)
-    value = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    return query.transpose(1, 2), key.transpose(1, 2), value
-
-
-def ctxext_attention_forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None,
-                             **kwargs):
-    """The patched attention forward (bound to each attention module by `install_attention`)."""
-    state: AttentionState = self.__dict__[_STATE]
+# ------------------------------------------------------------------------------- the attention function
+def ctxext_attention(module, query, key, value, attention_mask, inner: str = "sdpa", **kwargs):
+    """The registered attention function `ctxext_<inner>`: log-n and remapping around the `inner` one."""
+    inner_function = ALL_ATTENTION_FUNCTIONS.get_interface(inner, compat.family_eager_attention(module))
+    state: AttentionState | None = module.__dict__.get(_STATE)
+    if state is None:  # a layer ctxext did not patch
+        return inner_function(module, query, key, value, attention_mask, **kwargs)
     settings = state.settings
-    input_shape = hidden_states.shape[:-1]
-    query, key, value = _project(self, hidden_states)
-    position_ids = kwargs.get("position_ids")
+    q_len, total = query.shape[2], key.shape[2]
+    key_positions = _key_positions(kwargs.get("position_ids"), total, query.device)
+    query_positions = key_positions[:, total - q_len:]
+    if settings.logn:
+        scale = logn_scale(query_positions, settings.original_max_position_embeddings)
+        query = query * scale[:, None, :, None].to(query.dtype)
+    remap = settings.remap
+    if remap is None or _within_first_region(remap, key_positions, total):
+        return inner_function(module, query, key, value, attention_mask, **kwargs)
+    return _remapped_forward(module, state, query, key, value, attention_mask, key_positions, kwargs)
 
-    if not settings.rerope:
-        cos, sin = position_embeddings
-        query, key = apply_rotation(query, cos, sin), apply_rotation(key, cos, sin)
-        if settings.logn:
-            positions = position_ids if position_ids is not None else _positions_from_cache(
-                past_key_values, self.layer_idx, query)
-            query = query * _logn_column(positions, settings, query.dtype)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
-        attn_output, attn_weights = _model_attention(self, query, key, value, attention_mask, kwargs)
+
+def _key_positions(position_ids, total: int, device) -> torch.Tensor:
+    """Positions of all keys (batch or 1, total): token order, anchored by the last query's position id.
+
+    Token order gives the relative positions; position_ids only anchor them (left padding shifts a row).
+    """
+    if position_ids is None:
+        offset = torch.zeros(1, 1, dtype=torch.long, device=device)
     else:
-        attn_output, attn_weights = _rerope_forward(self, state, query, key, value, attention_mask, past_key_values,
-                                                    kwargs)
-
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    return self.o_proj(attn_output), attn_weights
+        offset = position_ids[:, -1:].to(device) - (total - 1)
+    return offset + torch.arange(total, device=device)[None]
 
 
-def _model_attention(module, query, key, value, attention_mask, kwargs):
-    """The model's own attention function (SDPA, eager, FlashAttention...) on rotated q/k, as the original."""
-    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-        module.config._attn_implementation, _family_module(module).eager_attention_forward
-    )
-    return attention_interface(
-        module, query, key, value, attention_mask,
-        dropout=0.0 if not module.training else module.attention_dropout, scaling=module.scaling,
-        **_sliding_window_kwargs(module), **kwargs,
-    )
+def _within_first_region(remap, key_positions: torch.Tensor, total: int) -> bool:
+    if total > remap.plain_up_to():
+        return False
+    # A shift-invariant rule only sees i - j; the others are plain only from position 0.
+    return remap.shift_invariant or bool((key_positions[:, 0] == 0).all())
 
 
-def _positions_from_cache(past_key_values, layer_idx: int, query: torch.Tensor) -> torch.Tensor:
-    past = past_key_values.get_seq_length(layer_idx) if past_key_values is not None else 0
-    return torch.arange(past, past + query.shape[2], device=query.device)[None]
-
-
-def _logn_column(positions: torch.Tensor, settings: AttentionSettings, dtype) -> torch.Tensor:
-    """log-n factors shaped (batch, 1, seq, 1) to multiply queries (batch, heads, seq, head_dim)."""
-    return logn_scale(positions, settings.original_max_position_embeddings)[:, None, :, None].to(dtype)
-
-
-def _rerope_forward(module, state: AttentionState, query, key, value, attention_mask, past_key_values, kwargs):
-    """ReRoPE attention for (batch, heads, q_len, d) queries; returns ((batch, q_len, heads, d), weights)."""
-    settings = state.settings
-    position_ids = kwargs.get("position_ids")
-    q_len = query.shape[2]
-    past = past_key_values.get_seq_length(module.layer_idx) if past_key_values is not None else 0
-    total = past + q_len
-    window = _sliding_window_kwargs(module).get("sliding_window")
+def _remapped_forward(module, state: AttentionState, query, key, value, attention_mask, key_positions, kwargs):
+    """Attention under a remapping method, for (batch, heads, q_len, d) rotated queries and all rotated keys."""
+    remap = state.settings.remap
+    q_len, total = query.shape[2], key.shape[2]
+    window = kwargs.get("sliding_window")
     if window is not None and total > window:
         raise CtxextError(
-            f"ReRoPE does not support sliding-window attention: this layer's window is {window} tokens and the "
-            f"sequence has {total}; set config.sliding_window = None (or use_sliding_window = False) first"
+            f"{state.settings.method} does not support sliding-window attention: this layer's window is {window} "
+            f"tokens and the sequence has {total}; set config.sliding_window = None (or use_sliding_window = False)"
         )
-    if past_key_values is not None:
-        key, value = past_key_values.update(key, value, module.layer_idx)  # unrotated keys
-    if key.shape[2] != total:
-        raise CtxextError("ReRoPE needs a cache that returns exactly the tokens seen so far (DynamicCache); "
-                          f"got {key.shape[2]} keys for {total} tokens")
+    if module.training and kwargs.get("dropout", 0.0) > 0:
+        raise CtxextError(f"{state.settings.method} does not implement attention dropout; set attention_dropout=0")
+    if not remap.shift_invariant and bool((key_positions[:, :1] != key_positions[:1, :1]).any()):
+        raise CtxextError(f"{state.settings.method} needs every row of a batch at the same positions "
+                          "(no left padding); run the rows one at a time")
 
-    # Token order gives the relative positions; position_ids only anchor them (left padding shifts all).
-    device = query.device
-    if position_ids is not None:
-        offset = position_ids[:, -1:].to(device) - (total - 1)
-    else:
-        offset = torch.zeros(1, 1, dtype=torch.long, device=device)
-    key_positions = offset + torch.arange(total, device=device)[None]
-    query_positions = key_positions[:, past:]
-
-    if settings.logn:
-        query = query * _logn_column(query_positions, settings, query.dtype)
     host = state.host
-    cos, sin = _rotary_at(host, query, key_positions)
-    query_band = apply_rotation(query, cos[:, past:], sin[:, past:])
-    key_band = apply_rotation(key, cos, sin)
-    if total <= settings.window:
-        # Every pair is inside the band, which is plain RoPE: the model's own attention does it exactly.
-        return _model_attention(module, query_band, key_band, value, attention_mask, kwargs)
-    if module.training and module.attention_dropout > 0:
-        raise CtxextError("ReRoPE does not implement attention dropout; set attention_dropout=0")
-    leak = settings.leak
-    far_q = far_query_positions(query_positions, settings.window, leak)
-    if leak == 0:  # ReRoPE: every query at w, keys unrotated
-        cos_q, sin_q = _rotary_at(host, query, far_q[:, :1])
-        key_far = key
-    else:
-        cos_q, sin_q = _rotary_at(host, query, far_q)
-        cos_k, sin_k = _rotary_at(host, query, far_key_positions(key_positions, leak))
-        key_far = apply_rotation(key, cos_k, sin_k)
-    query_far = apply_rotation(query, cos_q, sin_q)
-
+    cos_k, sin_k = _rotary_at(host, query, key_positions)
+    query_positions = key_positions[:, total - q_len:]
+    plain_query = undo_rotation(query, cos_k[:, total - q_len:], sin_k[:, total - q_len:])
+    plain_key = undo_rotation(key, cos_k, sin_k)
+    first = key_positions[0, 0]
+    queries, keys, lows, highs, rotated_keys = [], [], [], [], {}
+    for region in remap.regions():
+        if region.query_position is None:
+            queries.append(query)
+        else:
+            cos, sin = _rotary_at(host, plain_query, region.query_position(query_positions))
+            queries.append(apply_rotation(plain_query, cos, sin).to(query.dtype))
+        if region.key_position is None:
+            keys.append(key)
+        else:
+            rule = region.key_position
+            if rule not in rotated_keys:  # regions that share a key rule share the rotated keys
+                cos, sin = _rotary_at(host, plain_key, rule(key_positions))
+                rotated_keys[rule] = apply_rotation(plain_key, cos, sin).to(key.dtype)
+            keys.append(rotated_keys[rule])
+        lo, hi = region.key_range(query_positions[0])
+        lows.append((lo - first).clamp(0, total))
+        highs.append((hi - first).clamp(0, total))
     allowed = _allowed_from_model_mask(attention_mask, q_len, total)
-    attn = rerope_attention(query_band, query_far, key_band, key_far, value, settings.window, module.scaling,
-                            allowed=allowed, query_block=state.query_block, kernel=state.kernel)
+    attn = remapped_attention(queries, keys, value, torch.stack(lows), torch.stack(highs), module.scaling,
+                              allowed=allowed, query_block=state.query_block, kernel=state.kernel)
     return attn.transpose(1, 2), None
 
 
 def _allowed_from_model_mask(attention_mask, q_len: int, k_len: int) -> torch.Tensor | None:
     """The model's mask as booleans (batch, 1, q_len, k_len), True = may attend; None when there is none.
 
-    ReRoPE applies causality itself, so only padding matters here; the model gives a bool mask (SDPA), an
-    additive float mask (eager) or a 2-D padding mask (FlashAttention).
+    The remapping kernel applies causality itself, so only padding matters here; the model gives a bool mask
+    (SDPA), an additive float mask (eager) or a 2-D padding mask (FlashAttention).
     """
     if attention_mask is None:
         return None
     if not isinstance(attention_mask, torch.Tensor):
-        raise CtxextError(f"ReRoPE cannot use an attention mask of type {type(attention_mask).__name__}; "
+        raise CtxextError(f"position remapping cannot use an attention mask of type {type(attention_mask).__name__}; "
                           "load the model with attn_implementation='sdpa' or 'eager'")
     mask = attention_mask
     if mask.dim() == 2:
@@ -323,177 +318,6 @@ def _allowed_from_model_mask(attention_mask, q_len: int, k_len: int) -> torch.Te
     return mask[..., -q_len:, :k_len]
 
 
-# ---------------------------------------------------------------------------------- blocked kernel
-def _lse_op_available() -> bool:
-    return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-
-
-def _pick_kernel(kernel: str, *tensors: torch.Tensor) -> str:
-    if kernel != "auto":
-        return kernel
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    # The fused CPU op returns the log-sum-exp we merge with, but not its gradient: training takes the
-    # concatenated single-SDPA form, which autograd differentiates (and which runs on any device).
-    if tensors[0].device.type == "cpu" and not needs_grad and _lse_op_available():
-        return "lse"
-    return "concat"
-
-
-def rerope_attention(query_band, query_far, key_band, key_far, value, window: int, scale: float,
-                     allowed: torch.Tensor | None = None, query_block: int = QUERY_BLOCK,
-                     kernel: str = "auto") -> torch.Tensor:
-    """ReRoPE attention without any full score matrix; returns (batch, heads, q_len, head_dim).
-
-    query_band/query_far: (batch, heads, q_len, d), the queries rotated for the band (own position) and for
-    the far region; key_band/key_far/value: (batch, kv_heads, k_len, d). The queries are the last q_len
-    tokens. A pair (query i, key j <= i) scores with the band tensors when i - j < window, with the far
-    tensors otherwise; one softmax over all keys. `allowed` (batch or 1, 1, q_len, k_len) adds padding.
-    Grouped-query attention: query heads that share a key head are folded into extra query rows.
-    """
-    kernel = _pick_kernel(kernel, query_band, key_band, value)
-    if kernel == "naive":
-        return naive_rerope_attention(query_band, query_far, key_band, key_far, value, window, scale, allowed)
-    q_len, k_len = query_band.shape[2], key_band.shape[2]
-    start = k_len - q_len  # key index of the first query
-    device = query_band.device
-    blocks = []
-    for b0 in range(0, q_len, query_block):
-        b1 = min(q_len, b0 + query_block)
-        i0, i1 = start + b0, start + b1
-        rows = torch.arange(i0, i1, device=device)[:, None]
-        band_start = max(0, i0 - window + 1)  # keys before it are far for every row of the block
-        far_end = max(band_start, i1 - window)  # keys in [band_start, far_end) turn far inside the block
-        block_allowed = None if allowed is None else allowed[:, :, b0:b1]
-        qb, qf = query_band[:, :, b0:b1], query_far[:, :, b0:b1]
-
-        cols = torch.arange(band_start, far_end, device=device)[None]
-        far_in_block = _with_padding(cols <= rows - window, block_allowed, band_start, far_end)
-        cols = torch.arange(band_start, i1, device=device)[None]
-        band = _with_padding((cols > rows - window) & (cols <= rows), block_allowed, band_start, i1)
-        always_far = None if block_allowed is None else block_allowed[..., :band_start]
-
-        if kernel == "lse":
-            parts = []
-            if band_start > 0:
-                parts.append(_attend_with_lse(qf, key_far[:, :, :band_start], value[:, :, :band_start],
-                                              always_far, scale))
-            if far_end > band_start:
-                parts.append(_attend_with_lse(qf, key_far[:, :, band_start:far_end],
-                                              value[:, :, band_start:far_end], far_in_block, scale))
-            parts.append(_attend_with_lse(qb, key_band[:, :, band_start:i1], value[:, :, band_start:i1], band,
-                                          scale))
-            blocks.append(_merge_softmax_parts(parts).to(value.dtype))
-        elif kernel == "concat":
-            if always_far is None:
-                always_far = torch.ones(1, 1, i1 - i0, band_start, dtype=torch.bool, device=device)
-            far_allowed = _cat_masks(always_far, far_in_block)
-            blocks.append(_attend_concatenated(qb, qf, key_band[:, :, band_start:i1], key_far[:, :, :far_end],
-                                               value[:, :, band_start:i1], value[:, :, :far_end],
-                                               band, far_allowed, scale))
-        else:
-            raise CtxextError(f"unknown ReRoPE kernel '{kernel}'; choose one of {', '.join(KERNELS)}")
-    return torch.cat(blocks, dim=2)
-
-
-def _with_padding(structure: torch.Tensor, block_allowed: torch.Tensor | None, c0: int, c1: int) -> torch.Tensor:
-    """Structural mask (rows, cols) combined with the model's padding mask, as (batch or 1, 1, rows, cols)."""
-    structure = structure[None, None]
-    return structure if block_allowed is None else structure & block_allowed[..., c0:c1]
-
-
-def _cat_masks(*masks: torch.Tensor) -> torch.Tensor:
-    """Concatenate masks along the key axis, broadcasting their batch dimension."""
-    batch = max(mask.shape[0] for mask in masks)
-    return torch.cat([mask.expand(batch, *mask.shape[1:]) for mask in masks], dim=-1)
-
-
-def _fold_heads(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """(batch, heads, rows, d) -> (batch, kv_heads, groups*rows, d): query heads sharing a key head stacked."""
-    batch, heads, rows, dim = query.shape
-    return query.reshape(batch, kv_heads, (heads // kv_heads) * rows, dim)
-
-
-def _fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
-    return mask.repeat(1, 1, groups, 1) if groups > 1 else mask
-
-
-def _bias(mask: torch.Tensor, dtype) -> torch.Tensor:
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-
-
-def _attend_with_lse(query, key, value, allowed, scale):
-    """Softmax attention over one key range: (output, log-sum-exp), -inf where a row sees no key."""
-    batch, heads, rows, _ = query.shape
-    kv_heads = key.shape[1]
-    groups = heads // kv_heads
-    bias = None if allowed is None else _fold_mask(_bias(allowed, query.dtype), groups)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        _fold_heads(query, kv_heads), key, value, 0.0, False, attn_mask=bias, scale=scale
-    )
-    out = out.reshape(batch, heads, rows, value.shape[-1])
-    lse = lse.reshape(batch, heads, rows)
-    if allowed is not None:  # the op reports 0, not -inf, for rows with every key masked
-        lse = lse.masked_fill(~allowed.any(-1), float("-inf"))
-    return out, lse
-
-
-def _merge_softmax_parts(parts) -> torch.Tensor:
-    """One softmax over the union of the parts' keys, from each part's normalised output and log-sum-exp."""
-    if len(parts) == 1:
-        out, lse = parts[0]
-        return out.masked_fill(torch.isinf(lse)[..., None], 0.0)
-    lse_all = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)
-    # Rows that see no key at all (padding) get 0 rather than NaN.
-    lse_all = lse_all.masked_fill(torch.isinf(lse_all), 0.0)
-    merged = None
-    for out, lse in parts:
-        term = out.float() * torch.exp(lse - lse_all)[..., None]
-        merged = term if merged is None else merged + term
-    return merged
-
-
-def _attend_concatenated(query_band, query_far, key_band, key_far, value_band, value_far, band_allowed,
-                         far_allowed, scale):
-    """Both score sets in one SDPA call: [q_band, q_far] . [k_band, 0] is a band score and
-    [q_band, q_far] . [0, k_far] a far score, so one softmax covers band and far keys together."""
-    batch, heads, rows, dim = query_band.shape
-    kv_heads = key_band.shape[1]
-    query = torch.cat((query_band, query_far), dim=-1)
-    key = torch.cat((torch.cat((torch.zeros_like(key_far), key_far), dim=-1),
-                     torch.cat((key_band, torch.zeros_like(key_band)), dim=-1)), dim=2)
-    value = torch.cat((value_far, value_band), dim=2)
-    value = torch.cat((value, torch.zeros_like(value)), dim=-1)  # same head size as q/k: keeps fused kernels
-    allowed = _cat_masks(far_allowed, band_allowed)
-    bias = _fold_mask(_bias(allowed, query.dtype), heads // kv_heads)
-    out = F.scaled_dot_product_attention(_fold_heads(query, kv_heads), key, value, attn_mask=bias, scale=scale)
-    out = out[..., : value_band.shape[-1]].reshape(batch, heads, rows, value_band.shape[-1])
-    seen = allowed.any(-1)[..., None]  # (batch, 1, rows, 1)
-    return torch.where(seen, out, torch.zeros((), dtype=out.dtype, device=out.device))
-
-
-def naive_rerope_attention(query_band, query_far, key_band, key_far, value, window: int, scale: float,
-                           allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """Su's reference form: two full score matrices, a per-cell choice, one softmax (O(L^2) memory).
-
-    Used by the benchmark as the baseline and by tests as an oracle for the blocked kernel.
-    """
-    groups = query_band.shape[1] // key_band.shape[1]
-    key_band, key_far, value = (t.repeat_interleave(groups, dim=1) for t in (key_band, key_far, value))
-    q_len, k_len = query_band.shape[2], key_band.shape[2]
-    rows = torch.arange(k_len - q_len, k_len, device=query_band.device)[:, None]
-    cols = torch.arange(k_len, device=query_band.device)[None]
-    band_scores = (query_band @ key_band.transpose(-1, -2)) * scale
-    far_scores = (query_far @ key_far.transpose(-1, -2)) * scale
-    scores = torch.where(rows - cols < window, band_scores, far_scores)
-    del band_scores, far_scores
-    visible = cols <= rows
-    if allowed is not None:
-        visible = visible & allowed
-    scores = scores.float().masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return probs.to(value.dtype) @ value
-
-
 __all__ = ["CONFIG_KEY", "AttentionState", "apply_rotation", "install_attention", "installed_settings",
-           "naive_rerope_attention", "record_attention_in_config", "register_load_hook", "remove_attention",
-           "rerope_attention", "set_attention_tuning", "sync_attention_with_config"]
+           "record_attention_in_config", "register_load_hook", "remove_attention", "set_attention_tuning",
+           "sync_attention_with_config", "undo_rotation"]

@@ -28,7 +28,8 @@ def patch(model: nn.Module, method: str, factor: float = 1.0, original_max_posit
           logn: bool = False, **params) -> nn.Module:
     """Replace the model's rotary embedding with `method` at scale `factor`; returns the same model.
 
-    `original_max_position_embeddings` (L) defaults to the model's `max_position_embeddings`. The config is
+    `original_max_position_embeddings` (L) defaults to `original_length(model)`: the L a scaled checkpoint
+    recorded in its rope_parameters, else the model's `max_position_embeddings`. The config is
     updated so that `save_pretrained` records the method: `rope_parameters` names it and
     `max_position_embeddings` becomes L*factor (dynamic methods keep L there, because transformers reads
     it as the length where scaling starts). Patching a patched model replaces the earlier patch.
@@ -42,16 +43,11 @@ def patch(model: nn.Module, method: str, factor: float = 1.0, original_max_posit
     if not isinstance(logn, bool):
         raise CtxextError(f"'logn' must be true or false, got {logn!r}")
     if original_max_position_embeddings is None:
-        # The length the model has once an earlier patch is undone.
-        current = host.rotary_emb
-        original_max_position_embeddings = (
-            current.saved_config["max_position_embeddings"] if isinstance(current, ScaledRotaryEmbedding)
-            else getattr(host.config, "max_position_embeddings", None)
-        )
+        original_max_position_embeddings = original_length(model)
     if logn:
         check_original_length_for_logn(original_max_position_embeddings)
     L = _check_original_length(original_max_position_embeddings)
-    attention = AttentionSettings.for_method(method_params, logn, L)
+    attention = AttentionSettings.for_method(spec.name, method_params, logn, L)
     unpatch(model)
 
     config = host.config
@@ -76,6 +72,21 @@ def patch(model: nn.Module, method: str, factor: float = 1.0, original_max_posit
     record_attention_in_config(config, attention)
     install_attention(host, attention)
     return model
+
+
+def original_length(model: nn.Module) -> int | None:
+    """L, the length the model was pre-trained at: what a scaled checkpoint recorded as
+    `rope_parameters["original_max_position_embeddings"]`, else `max_position_embeddings`. An in-memory patch
+    is looked through, so patching again scales from the same L."""
+    host = rotary_host(model)
+    current = host.rotary_emb
+    if isinstance(current, ScaledRotaryEmbedding):
+        rope_parameters = current.saved_config["rope_parameters"] or {}
+        max_length = current.saved_config["max_position_embeddings"]
+    else:
+        rope_parameters = host.config.rope_parameters or {}
+        max_length = getattr(host.config, "max_position_embeddings", None)
+    return rope_parameters.get("original_max_position_embeddings") or max_length
 
 
 def unpatch(model: nn.Module) -> nn.Module:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RotaryEmbeddingConfigMixin
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from .. import compat
 
 from ..errors import CtxextError
 from ..methods import METHODS, Method, MethodParams, compute_inv_freq
@@ -36,7 +38,9 @@ def rope_parameters_for(method: Method, params: MethodParams, rotary_dim: int, b
     values = {k: v for k, v in params.to_dict().items() if v is not None and k not in method.forced}
     if rope_type in _TRANSFORMERS_KEYS:
         values = {k: v for k, v in values.items() if k in _TRANSFORMERS_KEYS[rope_type]}
-        if "original_max_position_embeddings" in _TRANSFORMERS_KEYS[rope_type]:
+        if rope_type != "default":
+            # Every scaled type records L (transformers' linear/dynamic only warn about the extra key), so
+            # that patching a saved checkpoint again scales from L, not from the already-extended length.
             values["original_max_position_embeddings"] = original_max_position_embeddings
         if rope_type == "longrope":  # transformers needs the lists written out
             values.setdefault("short_factor", [1.0] * (rotary_dim // 2))
@@ -92,4 +96,4 @@ def register_rope_types() -> None:
     """Make ctxext's rope types loadable by transformers (idempotent)."""
     for rope_type in ctxext_rope_types():
         ROPE_INIT_FUNCTIONS[rope_type] = _ctxext_rope_init
-        setattr(RotaryEmbeddingConfigMixin, f"_validate_{rope_type}_rope_parameters", _ctxext_rope_validate)
+        compat.add_rope_validator(rope_type, _ctxext_rope_validate)

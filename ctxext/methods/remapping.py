@@ -1,0 +1,338 @@
+"""Position-remapping methods: each (query i, key j) pair attends at a remapped relative position r'. Pure math.
+
+Every method here has the same shape. The keys a query sees are split into a few *regions*; inside one region
+the query is rotated at one position rule q(i) and the key at one rule k(j), so that q(i) - k(j) is the
+remapped relative position r'. Region 0 is always the local one, where r' = r = i - j. The attention kernel
+(`ctxext.patching.remap_kernel`) attends each region separately and merges them exactly, so no method needs a
+T x T matrix. With r = i - j >= 0 and L the original length (docs/METHODS.md has the sources):
+
+- `rerope` (w): r' = r for r < w, else w.                       far region: q = w, k = 0
+- `leaky_rerope` (w, k): r' = r for r < w, else w + (r - w)/k.    far region: q = w + (i - w)/k, k = j/k
+- `self_extend` (G, w): r' = r for r < w, else
+  floor(i/G) - floor(j/G) + w - floor(w/G).                       far region: q = floor(i/G) + w - floor(w/G),
+                                                                   k = floor(j/G)
+- `dual_chunk` (s, w; c = s - w): keys sit at j mod c. Same chunk: r' = r (q = i mod c); previous chunk:
+  q = min(i mod c + c, s); older chunks: q = min(2c - 1, s).
+- `string` (S, W): r' = r for r < S, else r - S + W.                far region: q = i - S + W, k = j
+
+Positions are absolute token positions (0-based). A rule of None means "the token's own position", which
+lets the kernel use the model's own rotation untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+
+from ..errors import CtxextError
+from .frequency import none_inv_freq
+from .registry import Method, MethodParams, _check_number, param, register
+
+# A lower bound for "every earlier key": clamped to the first key by the kernel.
+FIRST_KEY = -(1 << 60)
+
+PositionRule = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Region:
+    """Query i sees the keys at positions [lo(i), hi(i)) with the query rotated at q(i), the key at k(j)."""
+
+    name: str
+    key_range: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    query_position: PositionRule | None = None  # None: the query's own position
+    key_position: PositionRule | None = None  # None: the key's own position
+
+
+def _floor_div(x: torch.Tensor, d: int) -> torch.Tensor:
+    return torch.div(x, d, rounding_mode="floor")
+
+
+def local_band(width: int) -> Region:
+    """Region 0 of the band methods: the `width` nearest keys, plain RoPE (r' = r < width)."""
+    return Region("band", lambda i: (i - width + 1, i + 1))
+
+
+def beyond_band(width: int, query_position: PositionRule | None, key_position: PositionRule | None) -> Region:
+    """Every key at distance >= width."""
+    return Region("far", lambda i: (torch.full_like(i, FIRST_KEY), i - width + 1), query_position, key_position)
+
+
+def whole_number(name: str, value, minimum: int) -> int:
+    """A whole-number parameter >= minimum (4096.0 is accepted as 4096)."""
+    _check_number(name, value)
+    if int(value) != value:
+        raise CtxextError(f"'{name}' must be a whole number, got {value!r}")
+    if value < minimum:
+        raise CtxextError(f"'{name}' must be >= {minimum}, got {value!r}")
+    return int(value)
+
+
+@dataclass
+class RemapParams(MethodParams):
+    """Parameters of a position-remapping method (attention-level; plain RoPE frequencies)."""
+
+    # Whether r' depends on i - j alone: then a shift of every position (left padding) changes nothing.
+    shift_invariant: ClassVar[bool] = True
+
+    def resolved(self, original_max_position_embeddings: int) -> "RemapParams":
+        """The parameters with length-dependent defaults filled in (the values a checkpoint records)."""
+        return self
+
+    def regions(self) -> list[Region]:
+        raise NotImplementedError
+
+    def plain_up_to(self) -> int:
+        """Sequences of at most this many tokens (from position 0) lie in region 0 only: plain RoPE."""
+        raise NotImplementedError
+
+
+# ------------------------------------------------------------------------------------ ReRoPE, Leaky
+@dataclass
+class ReRopeParams(RemapParams):
+    """ReRoPE: relative positions beyond the window are all read as the window."""
+
+    window: int = param(512, "w: pairs closer than w keep their relative position m-n, farther ones see w "
+                             "(Su's defaults: 512 for L=4096; his results use 1024)")
+
+    def validate(self):
+        super().validate()
+        self.window = whole_number("window", self.window, 1)
+
+    @property
+    def leak(self) -> float:
+        """1/k: how fast the relative position still grows past the window (0 for ReRoPE)."""
+        return 0.0
+
+    def regions(self) -> list[Region]:
+        w, leak = self.window, self.leak
+        return [local_band(w), beyond_band(w, lambda i: far_query_positions(i, w, leak),
+                                           lambda j: far_key_positions(j, leak))]
+
+    def plain_up_to(self) -> int:
+        return self.window
+
+
+@dataclass
+class LeakyReRopeParams(ReRopeParams):
+    """Leaky ReRoPE: beyond the window the relative position grows k times more slowly."""
+
+    k: float = param(16.0, "k > 1: past the window the relative position is w + (m-n-w)/k (Su's default 16)")
+
+    def validate(self):
+        super().validate()
+        check_leak_factor(self.k)
+
+    @property
+    def leak(self) -> float:
+        return 1.0 / self.k
+
+
+def check_window(window) -> int:
+    return whole_number("window", window, 1)
+
+
+def check_leak_factor(k) -> float:
+    _check_number("k", k)
+    if k <= 1:
+        raise CtxextError(f"'k' must be > 1 for Leaky ReRoPE (k = 1 is plain RoPE), got {k!r}")
+    return float(k)
+
+
+def rerope_relative_position(distance: torch.Tensor, window: int, leak: float = 0.0) -> torch.Tensor:
+    """The relative position ReRoPE uses for a pair at distance m-n >= 0 (docs/METHODS.md).
+
+    m-n below the window; w + (m-n-w)*leak from the window on (leak = 1/k; 0 for ReRoPE, which caps at w).
+    """
+    distance = distance.to(torch.float64)
+    return torch.where(distance < window, distance, window + (distance - window) * leak)
+
+
+def far_query_positions(positions: torch.Tensor, window: int, leak: float = 0.0) -> torch.Tensor:
+    """Where queries are rotated for the far region: w + (m-w)/k, i.e. w for ReRoPE."""
+    positions = positions.to(torch.float64)
+    return window + (positions - window) * leak
+
+
+def far_key_positions(positions: torch.Tensor, leak: float = 0.0) -> torch.Tensor:
+    """Where keys are rotated for the far region: n/k, i.e. unrotated (0) for ReRoPE.
+
+    With the query at w + (m-w)/k this gives the relative position w + (m-n-w)/k.
+    """
+    return positions.to(torch.float64) * leak
+
+
+# ------------------------------------------------------------------------------------- SelfExtend
+@dataclass
+class SelfExtendParams(RemapParams):
+    """SelfExtend: neighbours keep their positions; farther keys are grouped G at a time (floor division)."""
+
+    shift_invariant: ClassVar[bool] = False
+
+    group_size: int = param(4, "G >= 1: keys past the window share one position per G tokens (LongLM's example: "
+                               "4; their advice: the smallest G with G*(L-w)+w >= the input length, then try larger)")
+    window: int = param(1024, "w: the neighbour window, whose pairs keep r' = r (LongLM: 512-1536 for Llama-2)")
+
+    def validate(self):
+        super().validate()
+        self.group_size = whole_number("group_size", self.group_size, 1)
+        self.window = whole_number("window", self.window, 1)
+
+    def regions(self) -> list[Region]:
+        G, w = self.group_size, self.window
+        shift = w - w // G  # makes r' continue from w at the window's edge
+
+        def query_group(i):
+            return (_floor_div(i, G) + shift).to(torch.float64)
+
+        def key_group(j):
+            return _floor_div(j, G).to(torch.float64)
+
+        return [local_band(w), beyond_band(w, query_group, key_group)]
+
+    def plain_up_to(self) -> int:
+        return self.window
+
+
+# ---------------------------------------------------------------------------- Dual Chunk Attention
+@dataclass
+class DualChunkParams(RemapParams):
+    """Dual Chunk Attention (ChunkLlama): positions restart every c = s - w tokens; three chunk regions."""
+
+    shift_invariant: ClassVar[bool] = False
+
+    chunk_size: int | None = param(None, "s: the largest relative position used (default 3L/4, as ChunkLlama)")
+    local_window: int | None = param(None, "w: the local window; chunks are c = s - w tokens long "
+                                           "(default L/16, as ChunkLlama)")
+
+    def validate(self):
+        super().validate()
+        if self.chunk_size is not None:
+            self.chunk_size = whole_number("chunk_size", self.chunk_size, 2)
+        if self.local_window is not None:
+            self.local_window = whole_number("local_window", self.local_window, 0)
+        if self.chunk_size is not None and self.local_window is not None and self.chunk_size <= self.local_window:
+            raise CtxextError(f"'chunk_size' ({self.chunk_size}) must be larger than 'local_window' "
+                              f"({self.local_window}): chunks are chunk_size - local_window tokens long")
+
+    def resolved(self, original_max_position_embeddings: int) -> "DualChunkParams":
+        L = original_max_position_embeddings
+        values = self.to_dict()
+        if values["chunk_size"] is None:
+            values["chunk_size"] = 3 * L // 4
+        if values["local_window"] is None:
+            values["local_window"] = L // 16
+        params = DualChunkParams(**values)
+        params.validate()
+        return params
+
+    @property
+    def chunk(self) -> int:
+        return self._concrete("chunk_size") - self._concrete("local_window")
+
+    def _concrete(self, name):
+        value = getattr(self, name)
+        if value is None:
+            raise CtxextError(f"dual_chunk's '{name}' is not resolved yet (it defaults from the original length L)")
+        return value
+
+    def regions(self) -> list[Region]:
+        s, c = self._concrete("chunk_size"), self.chunk
+
+        def chunk_start(i):
+            return _floor_div(i, c) * c
+
+        def in_chunk(x):
+            return torch.remainder(x, c).to(torch.float64)
+
+        return [
+            Region("same chunk", lambda i: (chunk_start(i), i + 1), in_chunk, in_chunk),
+            Region("previous chunk", lambda i: (chunk_start(i) - c, chunk_start(i)),
+                   lambda i: (in_chunk(i) + c).clamp(max=s), in_chunk),
+            Region("older chunks", lambda i: (torch.full_like(i, FIRST_KEY), chunk_start(i) - c),
+                   lambda i: torch.full_like(i, min(2 * c - 1, s), dtype=torch.float64), in_chunk),
+        ]
+
+    def plain_up_to(self) -> int:
+        return self.chunk
+
+
+# ------------------------------------------------------------------------------------------- STRING
+@dataclass
+class StringParams(RemapParams):
+    """STRING: relative positions from S on are shifted back by S - W, onto well-trained ones."""
+
+    shifted_offset: int | None = param(None, "S: pairs at r >= S use r - S + W (default floor(0.33 L), as STRING)")
+    local_value: int = param(128, "W < S: the relative position the shifted pairs start from (STRING: 128)")
+    attention_factor: float = param(0.1 * math.log(2) + 1, "multiplies cos and sin everywhere, as the reference "
+                                                           "code does (0.1 ln 2 + 1); 1 turns it off")
+
+    def validate(self):
+        super().validate()
+        self.local_value = whole_number("local_value", self.local_value, 0)
+        _check_number("attention_factor", self.attention_factor, minimum=0.0, strict=True)
+        if self.shifted_offset is not None:
+            self.shifted_offset = whole_number("shifted_offset", self.shifted_offset, 1)
+            if self.shifted_offset <= self.local_value:
+                raise CtxextError(f"'shifted_offset' ({self.shifted_offset}) must be larger than 'local_value' "
+                                  f"({self.local_value}): STRING moves far pairs to smaller positions")
+
+    def resolved(self, original_max_position_embeddings: int) -> "StringParams":
+        if self.shifted_offset is not None:
+            return self
+        params = StringParams(**{**self.to_dict(), "shifted_offset": int(0.33 * original_max_position_embeddings)})
+        params.validate()
+        return params
+
+    def regions(self) -> list[Region]:
+        S, W = self.shifted_offset, self.local_value
+        return [local_band(S), beyond_band(S, lambda i: (i - S + W).to(torch.float64), None)]
+
+    def plain_up_to(self) -> int:
+        return self.shifted_offset
+
+
+def string_inv_freq(rotary_dim, base, original_max_position_embeddings, params, seq_len=None):
+    inv_freq, _ = none_inv_freq(rotary_dim, base, original_max_position_embeddings, params, seq_len)
+    return inv_freq, float(params.attention_factor)
+
+
+# ------------------------------------------------------------------------------------------ registry
+register(Method(
+    name="rerope",
+    summary="ReRoPE: relative positions past a window w are read as w (attention-level; plain RoPE frequencies)",
+    source="Su 2023, kexue.fm/archives/9708",
+    params_cls=ReRopeParams,
+    inv_freq_fn=none_inv_freq,
+))
+register(Method(
+    name="leaky_rerope",
+    summary="Leaky ReRoPE: past the window w the relative position grows k times more slowly (attention-level)",
+    source="Su 2023, kexue.fm/archives/9728",
+    params_cls=LeakyReRopeParams,
+    inv_freq_fn=none_inv_freq,
+))
+register(Method(
+    name="self_extend",
+    summary="SelfExtend: neighbours keep positions, farther keys are grouped by floor(j/G) (attention-level)",
+    source="Jin et al. 2024, 'LLM Maybe LongLM' (arXiv 2401.01325)",
+    params_cls=SelfExtendParams,
+    inv_freq_fn=none_inv_freq,
+))
+register(Method(
+    name="dual_chunk",
+    summary="Dual Chunk Attention: positions restart every chunk; same/previous/older chunk rules (attention-level)",
+    source="An et al. 2024, 'Training-Free Long-Context Scaling of LLMs' (ChunkLlama, arXiv 2402.17463)",
+    params_cls=DualChunkParams,
+    inv_freq_fn=none_inv_freq,
+))
+register(Method(
+    name="string",
+    summary="STRING: relative positions r >= S shifted to r - S + W (attention-level)",
+    source="An et al. 2024, 'Why Does the Effective Context Length of LLMs Fall Short?' (arXiv 2410.18745)",
+    params_cls=StringParams,
+    inv_freq_fn=string_inv_freq,
+))
