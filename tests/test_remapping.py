@@ -1,0 +1,253 @@
+"""The position-remapping methods (SelfExtend, Dual Chunk Attention, STRING, and ReRoPE on the same kernel)
+against a naive per-cell reference written here.
+
+The oracle: the relative-position matrix r'(i, j) from each method's formula (docs/METHODS.md), then every
+score as (query rotated by r') . (unrotated key) in float64, scaled by the attention factor squared, then one
+causal softmax. It shares nothing with ctxext's regions or kernel.
+"""
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import ctxext
+from ctxext.errors import CtxextError
+from ctxext.patching.attention import set_attention_tuning
+from tests.conftest import FAMILIES, save_tiny_checkpoint, tiny_model
+
+L = 32  # the tiny models' original length: log-n acts past it
+SEQ = 56
+
+
+# ------------------------------------------------------------------------------ formulas, written out
+def self_extend_relative(i, j, group_size, window):
+    r = i - j
+    return torch.where(r < window, r, i // group_size - j // group_size + window - window // group_size)
+
+
+def dual_chunk_relative(i, j, chunk_size, local_window):
+    c = chunk_size - local_window
+    same = i // c == j // c
+    previous = i // c == j // c + 1
+    r_previous = torch.clamp(i % c + c, max=chunk_size) - j % c
+    r_older = min(2 * c - 1, chunk_size) - j % c
+    return torch.where(same, i - j, torch.where(previous, r_previous, r_older))
+
+
+def string_relative(i, j, shifted_offset, local_value, attention_factor=None):
+    r = i - j
+    return torch.where(r < shifted_offset, r, r - shifted_offset + local_value)
+
+
+def rerope_relative(i, j, window, k=None):
+    r = (i - j).double()
+    return torch.where(r < window, r, window + (r - window) / k if k else torch.full_like(r, window))
+
+
+RELATIVE = {"self_extend": self_extend_relative, "dual_chunk": dual_chunk_relative, "string": string_relative,
+            "rerope": rerope_relative, "leaky_rerope": rerope_relative}
+
+
+def naive_forward(relative_fn, inv_freq, attention_factor, logn_length):
+    """An attention forward built from r'(i, j): rotate each query by r' per cell, dot with the raw key."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kw):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q, k = self.q_proj(hidden_states).view(shape), self.k_proj(hidden_states).view(shape)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2).double(), k.transpose(1, 2).double()
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2).double()
+        n = q.shape[2]
+        if logn_length:
+            q = q * torch.tensor([max(1.0, math.log(p + 1) / math.log(logn_length)) for p in range(n)],
+                                 dtype=torch.float64)[None, None, :, None]
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+        relative = relative_fn(i, j).double()  # (n, n)
+        angles = relative[..., None] * inv_freq.double()  # (n, n, d/2)
+        cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
+        half = q.shape[-1] // 2
+        q_half = torch.cat((-q[..., half:], q[..., :half]), -1)
+        q_turned = q[:, :, :, None] * cos + q_half[:, :, :, None] * sin  # (b, h, n, n, d)
+        scores = (q_turned * k[:, :, None]).sum(-1) * self.scaling * attention_factor ** 2
+        probs = torch.softmax(scores.masked_fill(j > i, float("-inf")), dim=-1)
+        out = (probs @ v).to(hidden_states.dtype).transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)
+        return self.o_proj(out), None
+
+    return forward
+
+
+def reference_model(family, method, params, logn):
+    model = tiny_model(family, max_position_embeddings=L)
+    factor = params.get("attention_factor", 1.0) if method == "string" else 1.0
+    formula_params = {k: v for k, v in params.items() if k != "attention_factor"}
+    forward = naive_forward(lambda i, j: RELATIVE[method](i, j, **formula_params), model.model.rotary_emb.inv_freq,
+                            factor, L if logn else None)
+    for layer in model.model.layers:
+        layer.self_attn.forward = types.MethodType(forward, layer.self_attn)
+    return model
+
+
+# ------------------------------------------------------------------------------------ model oracle
+CASES = [
+    ("self_extend", {"group_size": 4, "window": 8}),
+    ("self_extend", {"group_size": 3, "window": 10}),  # w not a multiple of G: r' still >= w
+    ("self_extend", {"group_size": 1, "window": 5}),
+    ("dual_chunk", {"chunk_size": 24, "local_window": 4}),
+    ("dual_chunk", {"chunk_size": 12, "local_window": 2}),  # several older chunks
+    ("dual_chunk", {"chunk_size": 20, "local_window": 0}),
+    ("string", {"shifted_offset": 12, "local_value": 4, "attention_factor": 1.0}),
+    ("string", {"shifted_offset": 20, "local_value": 8, "attention_factor": 1.2}),
+    ("leaky_rerope", {"window": 7, "k": 3.0}),
+]
+FAMILY_NAMES = list(FAMILIES)
+RUNS = [(FAMILY_NAMES[n % 4], method, params, logn) for n, (method, params) in enumerate(CASES)
+        for logn in (False, True)]
+
+
+@pytest.mark.parametrize("family,method,params,logn", RUNS)
+def test_patched_model_matches_the_per_cell_formula(family, method, params, logn):
+    tokens = torch.randint(0, 256, (1, SEQ), generator=torch.Generator().manual_seed(3))
+    expected_model = reference_model(family, method, params, logn)
+    patched = ctxext.patch(tiny_model(family, max_position_embeddings=L), method, logn=logn, **params)
+    set_attention_tuning(patched, query_block=5)
+    with torch.no_grad():
+        expected = expected_model(tokens, use_cache=False).logits
+        got = patched(tokens).logits
+        plain = tiny_model(family, max_position_embeddings=L)(tokens).logits
+    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+    if params.get("group_size") == 1 and not logn:  # SelfExtend with G = 1 is plain RoPE, via the kernel
+        assert torch.allclose(got, plain, atol=1e-5)
+    else:
+        assert (got - plain).abs().max() > 1e-3  # the method really acts on this input
+
+
+@pytest.mark.parametrize("kernel", ["concat", "naive"])
+def test_other_kernels_agree_on_cpu(kernel):
+    """The GPU/autograd form (concat) and the O(T^2) form, forced on CPU, give the fused kernel's logits."""
+    tokens = torch.randint(0, 256, (1, SEQ), generator=torch.Generator().manual_seed(4))
+    model = ctxext.patch(tiny_model("qwen3", max_position_embeddings=L), "dual_chunk", chunk_size=16,
+                         local_window=3, logn=True)
+    with torch.no_grad():
+        set_attention_tuning(model, query_block=7, kernel="lse")
+        fused = model(tokens).logits
+        set_attention_tuning(model, kernel=kernel)
+        other = model(tokens).logits
+    assert torch.allclose(other, fused, atol=1e-5), (other - fused).abs().max()
+
+
+# ------------------------------------------------------------------------------ decode = full forward
+DECODE = [
+    ("llama", "self_extend", {"group_size": 3, "window": 6}, False),
+    ("mistral", "dual_chunk", {"chunk_size": 14, "local_window": 3}, True),
+    ("qwen2", "string", {"shifted_offset": 10, "local_value": 3}, True),
+    ("qwen3", "self_extend", {"group_size": 2, "window": 16}, True),  # prompt inside w, decoding crosses it
+    ("llama", "dual_chunk", {"chunk_size": 18, "local_window": 4}, False),
+]
+
+
+@pytest.mark.parametrize("family,method,params,logn", DECODE)
+def test_cached_decoding_equals_full_forward(family, method, params, logn):
+    model = ctxext.patch(tiny_model(family, max_position_embeddings=L), method, logn=logn, **params)
+    prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        generated = model.generate(prompt, max_new_tokens=32, do_sample=False, output_logits=True,
+                                   return_dict_in_generate=True, pad_token_id=0)
+        decoded = torch.stack(generated.logits, dim=1)
+        full = model(generated.sequences).logits[:, prompt.shape[1] - 1: -1]
+    assert decoded.shape[1] == 32
+    assert torch.allclose(decoded, full, atol=1e-4), (decoded - full).abs().max()
+
+
+# ------------------------------------------------------------------------------ where nothing changes
+@pytest.mark.parametrize("family,method,params", [
+    ("llama", "self_extend", {"group_size": 4, "window": 30}),
+    ("mistral", "dual_chunk", {"chunk_size": 40, "local_window": 10}),  # chunks of 30
+    ("qwen2", "string", {"shifted_offset": 30, "local_value": 4, "attention_factor": 1.0}),
+    ("qwen3", "dual_chunk", {"chunk_size": 34, "local_window": 4}),
+])
+def test_first_region_covering_the_sequence_is_bit_identical(family, method, params):
+    tokens = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(6))
+    model = tiny_model(family)
+    with torch.no_grad():
+        plain = model(tokens).logits
+        ctxext.patch(model, method, **params)
+        assert torch.equal(model(tokens).logits, plain)
+        longer = torch.randint(0, 256, (1, 45), generator=torch.Generator().manual_seed(6))
+        patched_longer = model(longer).logits
+        ctxext.unpatch(model)
+        assert torch.equal(model(tokens).logits, plain)
+        assert not torch.allclose(patched_longer, model(longer).logits, atol=1e-5)  # past it, it acts
+
+
+# ------------------------------------------------------------------------------------ defaults, round trip
+def test_defaults_follow_the_original_length():
+    model = ctxext.patch(tiny_model("llama", max_position_embeddings=4096), "dual_chunk", factor=2)
+    assert ctxext.applied_method(model)["attention"] == {"logn": False, "method": "dual_chunk",
+                                                          "chunk_size": 3 * 4096 // 4, "local_window": 4096 // 16}
+    model = ctxext.patch(model, "string", factor=2)
+    attention = ctxext.applied_method(model)["attention"]
+    assert attention["shifted_offset"] == int(0.33 * 4096) and attention["local_value"] == 128
+    assert attention["attention_factor"] == pytest.approx(0.1 * math.log(2) + 1)
+
+
+def test_saved_checkpoint_reloads_patched_after_import_ctxext(tmp_path):
+    tokens = torch.randint(0, 256, (1, SEQ), generator=torch.Generator().manual_seed(7))
+    model = ctxext.patch(tiny_model("qwen2", max_position_embeddings=L), "self_extend", factor=2, group_size=2,
+                         window=8, logn=True)
+    save_tiny_checkpoint(tmp_path / "ckpt", model)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    assert reloaded.config.ctxext_attention["method"] == "self_extend"
+    with torch.no_grad():
+        assert torch.allclose(reloaded(tokens).logits, model(tokens).logits, atol=1e-6)
+
+
+@pytest.mark.parametrize("method,params,message", [
+    ("self_extend", {"group_size": 0}, "'group_size' must be >= 1"),
+    ("self_extend", {"window": -8}, "'window' must be >= 1"),
+    ("self_extend", {"group_size": 2.5}, "whole number"),
+    ("dual_chunk", {"chunk_size": 8, "local_window": 8}, "must be larger than 'local_window'"),
+    ("dual_chunk", {"local_window": -1}, "'local_window' must be >= 0"),
+    ("string", {"shifted_offset": 8, "local_value": 8}, "must be larger than 'local_value'"),
+    ("string", {"shifted_offset": 10, "local_value": 1.5}, "whole number"),
+    ("string", {"local_value": 128}, "must be larger than 'local_value'"),  # default S = 0.33 * 32 = 10
+])
+def test_impossible_parameters_are_value_errors(method, params, message):
+    with pytest.raises(CtxextError, match=message):
+        ctxext.patch(tiny_model("llama", max_position_embeddings=L), method, **params)
+
+
+def test_left_padded_batches_are_refused_where_positions_are_not_shift_invariant():
+    model = ctxext.patch(tiny_model("llama", max_position_embeddings=L), "self_extend", group_size=2, window=4)
+    batch = torch.randint(1, 256, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0
+    with torch.no_grad(), pytest.raises(CtxextError, match="same positions"):
+        model.generate(batch, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
+def test_compat_module_names_the_private_apis_it_wraps():
+    """Each private API ctxext relies on still exists with the shape ctxext uses (fails loudly on upgrades)."""
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers.modeling_rope_utils import RotaryEmbeddingConfigMixin
+
+    from ctxext import compat
+
+    assert compat.cpu_attention_with_lse_available()
+    q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
+    out, lse = compat.cpu_attention_with_lse(q, k, v, None, 0.5)
+    scores = (q @ k.transpose(-1, -2)) * 0.5
+    assert torch.allclose(out, torch.softmax(scores, -1) @ v, atol=1e-5)
+    assert torch.allclose(lse.reshape(1, 2, 5), torch.logsumexp(scores, -1), atol=1e-5)
+    model = tiny_model("llama")
+    assert compat.attention_implementation(model.config) == "sdpa"
+    assert compat.family_eager_attention(model.model.layers[0].self_attn) is \
+        sys.modules["transformers.models.llama.modeling_llama"].eager_attention_forward
+    assert hasattr(RotaryEmbeddingConfigMixin, "_validate_yarn_rope_parameters")  # the hook naming we extend
+    assert callable(AcceleratorState._reset_state) and callable(GradientState._reset_state)
