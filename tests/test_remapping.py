@@ -125,7 +125,7 @@ def test_patched_model_matches_the_per_cell_formula(family, method, params, logn
     if params.get("group_size") == 1 and not logn:  # SelfExtend with G = 1 is plain RoPE, via the kernel
         assert torch.allclose(got, plain, atol=1e-5)
     else:
-        assert (got - plain).abs().max() > 1e-3  # the method really acts on this input
+        assert (got - plain).abs().max() > 1e-4  # the method (or log-n) really acts on this input
 
 
 @pytest.mark.parametrize("kernel", ["concat", "naive"])
