@@ -1,23 +1,23 @@
-"""Peak memory and time of ReRoPE prefill on SmolLM2-135M, against plain SDPA and Su's two-matrix reference.
+"""Peak memory and time of the position-remapping methods' prefill on SmolLM2-135M, against plain SDPA.
 
-Three variants of one forward pass (prefill, `logits_to_keep=1`, no KV cache) over the first N tokens of
-Hamlet + Richard III:
+Variants of one forward pass (prefill, `logits_to_keep=1`, no KV cache) over the first N tokens of
+Hamlet + Richard III, run one after another at each length (interleaved, so load drifts hit all alike):
 
 - `sdpa`:   the unpatched model, transformers' SDPA attention (causal). The baseline for every ratio.
-- `rerope`: ctxext's ReRoPE (w=512, log-n; configs/methods/rerope.yaml), blocked kernel with an exact
-            log-sum-exp merge.
-- `naive`:  the same ReRoPE with Su's reference form: two full L x L score matrices per layer, a per-cell
-            choice, one softmax. Run only where its estimated peak fits in the free memory.
+- `rerope`, `leaky_rerope`, `self_extend`, `dual_chunk`, `string`: ctxext's blockwise remapping kernel
+            (exact log-sum-exp merge of the regions), with the parameters in REMAP_PARAMS.
+- `naive`:  ReRoPE in Su's reference form: full L x L score matrices per layer, a per-cell choice, one
+            softmax. Run only where its estimated peak fits in the free memory.
 
 Each measurement runs in a fresh Python process (so one variant's freed memory cannot hide another's
 peak). Memory is the process's peak RSS during the forward (Linux VmHWM, reset just before it; on GPU,
 torch.cuda.max_memory_allocated), reported both in total and as the increase over the RSS before the
 forward. A second table times the attention kernels alone, for one layer's shapes.
 
-    CTXEXT_CACHE_DIR=.cache .venv/bin/python benchmarks/rerope_memory.py [--lengths 4096,8192,16384]
-        [--variants sdpa,rerope,naive] [--window 512] [--json results.json] [--csv results.csv]
+    CTXEXT_CACHE_DIR=.cache .venv/bin/python benchmarks/remap_memory.py [--lengths 4096,8192,16384]
+        [--variants sdpa,rerope,naive] [--window 512] [--dtype fp32] [--json results.json] [--csv results.csv]
 
-Targets (issue 3): ReRoPE peak memory <= 1.5x plain SDPA and time <= 3x plain SDPA at the same length.
+Targets: every remapping method's peak memory <= 1.5x plain SDPA and time <= 3x plain SDPA at the same length.
 """
 
 from __future__ import annotations
@@ -36,6 +36,14 @@ from pathlib import Path
 
 TARGET_MEMORY, TARGET_TIME = 1.5, 3.0
 REPO = Path(__file__).resolve().parents[1]
+# Parameters for SmolLM2 (L = 8192) beyond its length; ReRoPE's window comes from --window.
+REMAP_PARAMS = {
+    "rerope": {"logn": True},
+    "leaky_rerope": {"k": 16.0, "logn": True},
+    "self_extend": {"group_size": 8, "window": 1024},
+    "dual_chunk": {},
+    "string": {},
+}
 
 
 # ------------------------------------------------------------------------------------ memory probes
@@ -91,18 +99,23 @@ def worker_model(args) -> dict:
 
     device = torch.device(args.device)
     path = assets.smollm2_checkpoint()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     model = model.eval().to(device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     text = assets.shakespeare_text(assets.HAMLET_RICHARD3)
     tokens = tokenizer(text, return_tensors="pt").input_ids[:, : args.length].to(device)
     if tokens.shape[1] < args.length:
         raise SystemExit(f"only {tokens.shape[1]} tokens of text for --length {args.length}")
-    if args.variant != "sdpa":
-        config = load_method_config(REPO / "configs/methods/rerope.yaml", {"window": args.window})
-        config.apply(model)
-        set_attention_tuning(model, kernel="naive" if args.variant == "naive" else "auto",
-                             query_block=args.query_block)
+    if args.variant == "naive":
+        load_method_config(REPO / "configs/methods/rerope.yaml", {"window": args.window}).apply(model)
+        set_attention_tuning(model, kernel="naive", query_block=args.query_block)
+    elif args.variant != "sdpa":
+        params = dict(REMAP_PARAMS[args.variant])
+        if args.variant in ("rerope", "leaky_rerope"):
+            params["window"] = args.window
+        ctxext.patch(model, args.variant, **params)
+        set_attention_tuning(model, query_block=args.query_block)
     with torch.inference_mode():
         model(tokens[:, :256], logits_to_keep=1, use_cache=False)  # warm-up: thread pools, allocator
         memory = PeakRss() if device.type == "cpu" else None
@@ -133,7 +146,7 @@ def worker_kernel(args) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from ctxext.patching.attention import rerope_attention
+    from ctxext.patching.remap_kernel import rerope_attention
 
     torch.manual_seed(0)
     heads, kv_heads, dim, n = 9, 3, 64, args.length
@@ -172,7 +185,7 @@ def naive_fits(length: int, model: bool) -> bool:
 def run_worker(mode: str, variant: str, length: int, args, logits_out: str) -> dict:
     command = [sys.executable, __file__, "--worker", mode, "--variant", variant, "--length", str(length),
                "--window", str(args.window), "--query-block", str(args.query_block), "--device", args.device,
-               "--logits-out", logits_out] + (["--threads", str(args.threads)] if args.threads else [])
+               "--dtype", args.dtype, "--logits-out", logits_out] + (["--threads", str(args.threads)] if args.threads else [])
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{mode}/{variant} at {length} failed:\n{done.stderr[-3000:]}")
@@ -186,7 +199,9 @@ def ratio(value, base):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4096,8192,16384", help="comma-separated token counts")
-    parser.add_argument("--variants", default="sdpa,rerope,naive", help="any of sdpa, rerope, naive (sdpa first)")
+    parser.add_argument("--variants", default="sdpa,rerope,leaky_rerope,self_extend,dual_chunk,string,naive",
+                        help="sdpa (first: the baseline), naive, and any of " + ", ".join(REMAP_PARAMS))
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="model dtype (default fp32)")
     parser.add_argument("--window", type=int, default=512, help="ReRoPE window w (default 512)")
     parser.add_argument("--query-block", type=int, default=256, help="queries per block of the ReRoPE kernel")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -217,9 +232,10 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     variants = [v.strip() for v in args.variants.split(",")]
     rows = []
-    scratch = Path(tempfile.mkdtemp(prefix="rerope_bench_"))
+    scratch = Path(tempfile.mkdtemp(prefix="remap_bench_"))
     plan = [(mode, length, variant) for mode in (["model"] + ([] if args.skip_kernels else ["kernel"]))
-            for length in lengths for variant in variants]
+            for length in lengths for variant in variants
+            if mode == "model" or variant in ("sdpa", "rerope", "naive")]  # the kernel table is ReRoPE's
     for mode, length, variant in tqdm(plan, desc="measurements", unit="run"):
         if variant == "naive" and not naive_fits(length, mode == "model"):
             rows.append({"mode": mode, "variant": variant, "length": length, "skipped": "does not fit in memory"})
@@ -227,14 +243,14 @@ def main() -> None:
         logits_out = str(scratch / f"{mode}-{variant}-{length}.pt")
         rows.append({"mode": mode, **run_worker(mode, variant, length, args, logits_out), "logits": logits_out})
 
-    for mode, title in (("model", "SmolLM2-135M fp32 prefill (logits_to_keep=1)"),
+    for mode, title in (("model", f"SmolLM2-135M {args.dtype} prefill (logits_to_keep=1)"),
                         ("kernel", "attention of one layer alone (9 q heads, 3 kv heads, d=64)")):
         table = [r for r in rows if r["mode"] == mode]
         if not table:
             continue
         threads = table[0].get("threads", args.threads or torch.get_num_threads())
         print(f"\n{title}; w={args.window}, block {args.query_block}, torch threads {threads}")
-        print(f"{'length':>7} {'variant':<7} {'time s':>8} {'x sdpa':>7} {'peak MB':>8} {'x sdpa':>7} "
+        print(f"{'length':>7} {'variant':<12} {'time s':>8} {'x sdpa':>7} {'peak MB':>8} {'x sdpa':>7} "
               f"{'forward +MB':>11} {'x sdpa':>7}  check")
         for length in lengths:
             base = next((r for r in table if r["length"] == length and r["variant"] == "sdpa"
@@ -243,7 +259,7 @@ def main() -> None:
                           and "skipped" not in r), None)
             for r in (r for r in table if r["length"] == length):
                 if "skipped" in r:
-                    print(f"{length:>7} {r['variant']:<7} skipped: {r['skipped']}")
+                    print(f"{length:>7} {r['variant']:<12} skipped: {r['skipped']}")
                     continue
                 check = ""
                 if mode == "model" and r["variant"] == "rerope" and naive is not None:
@@ -254,10 +270,10 @@ def main() -> None:
                     r["time_ratio"] = ratio(r["seconds"], base["seconds"])
                     r["peak_ratio"] = ratio(r["peak_mb"], base["peak_mb"])
                     r["increase_ratio"] = ratio(r["increase_mb"], base["increase_mb"])
-                print(f"{length:>7} {r['variant']:<7} {r['seconds']:>8.2f} {r.get('time_ratio', float('nan')):>7.2f} "
+                print(f"{length:>7} {r['variant']:<12} {r['seconds']:>8.2f} {r.get('time_ratio', float('nan')):>7.2f} "
                       f"{r['peak_mb']:>8.0f} {r.get('peak_ratio', float('nan')):>7.2f} {r['increase_mb']:>11.0f} "
                       f"{r.get('increase_ratio', float('nan')):>7.2f}  {check}")
-    print(f"\ntargets for rerope: time <= {TARGET_TIME}x sdpa, peak memory <= {TARGET_MEMORY}x sdpa")
+    print(f"\ntargets for every remapping method: time <= {TARGET_TIME}x sdpa, peak memory <= {TARGET_MEMORY}x sdpa")
     for row in rows:
         row.pop("logits", None)
     if args.json:

