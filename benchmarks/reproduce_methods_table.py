@@ -1,12 +1,12 @@
-"""Reproduce the single-window SmolLM2 numbers measured in METHODS.md with `ctxext eval --stride window`.
+"""Reproduce the single-window SmolLM2 reference numbers of docs/METHODS.md with `ctxext eval --stride window`.
 
-METHODS.md ("Measured here"): SmolLM2-135M-Instruct, CPU fp32, SDPA, the first 16384 tokens of Hamlet followed
-by Richard III, one window, every token scored. `ctxext eval --stride window` is that protocol (one pass over
-the first W tokens). Target: within 1% of each published number.
+docs/METHODS.md ("Published numbers we measure against", SmolLM2): SmolLM2-135M-Instruct, CPU fp32, SDPA, the
+first 16384 tokens of Hamlet followed by Richard III, one window, every token scored. `ctxext eval --stride
+window` is that protocol (one pass over the first W tokens). Target: within 1% of each reference number.
 
     CTXEXT_CACHE_DIR=.cache .venv/bin/python benchmarks/reproduce_methods_table.py [--output outputs/methods-table]
 
-About 10 minutes on 2 idle cores (fp32: 4 methods x one 16k forward, 3 x one 8k forward).
+720 s on a 2-core AMD EPYC (no AMX) under load (fp32: 4 methods x one 16k forward, 3 x one 8k forward).
 """
 
 from __future__ import annotations
@@ -20,20 +20,20 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# (label in ctxext's table, length) -> perplexity in METHODS.md
+# (label in ctxext's table, length) -> reference perplexity in docs/METHODS.md
 PUBLISHED = {
     ("none", 8192): 32.67,
     ("none", 16384): 61.33,
     ("linear x2", 16384): 79.62,
     ("yarn x2", 16384): 32.50,
-    ("dynamic_ntk x2", 16384): 33.00,  # METHODS.md: "transformers dynamic x2"; ctxext's dynamic_ntk matches it
+    ("dynamic_ntk x2", 16384): 33.00,  # reference: transformers' `dynamic` x2, which ctxext's dynamic_ntk matches
 }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output", default=str(REPO / "outputs" / "methods-table"))
-    parser.add_argument("--dtype", default="fp32", help="fp32 as in METHODS.md (default)")
+    parser.add_argument("--dtype", default="fp32", help="fp32 as the reference numbers (default)")
     args = parser.parse_args()
 
     from ctxext import assets
@@ -51,9 +51,9 @@ def main() -> int:
         return 1
     results = json.loads((Path(args.output) / "results.json").read_text())
     rows = {(r["method"], r["length"]): r for r in results["results"]}
-    print(f"\nctxext eval --stride window against METHODS.md ({time.perf_counter() - start:.0f} s, "
+    print(f"\nctxext eval --stride window against docs/METHODS.md ({time.perf_counter() - start:.0f} s, "
           f"{results['model']['dtype']}):")
-    print(f"{'setting':<24} {'METHODS.md':>10} {'ctxext':>9} {'diff':>8}")
+    print(f"{'setting':<24} {'reference':>10} {'ctxext':>9} {'diff':>8}")
     worst = 0.0
     for (label, length), published in PUBLISHED.items():
         ours = rows[(label, length)]["perplexity"]
