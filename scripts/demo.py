@@ -9,7 +9,7 @@
 
 Budget: 20 minutes on 2 CPU cores. A sliding window with stride 256 would need ~60 16k forwards per method
 per document here, so the demo uses --stride window (one pass per length over the first tokens of one
-document: Hamlet followed by Richard III, as in METHODS.md). Running it again reuses the cache.
+document: Hamlet followed by Richard III, as in docs/METHODS.md). Running it again reuses the cache.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
    scoring at steps 0, 200, ..., 1000.
 4. Write the table (the shape of PI Table 3) and the plot to docs/pi_reproduction.{md,png,json,csv}.
 
-Every perplexity is the METHODS.md sliding-window protocol (ctxext.eval), stride 256, on the same held-out
+Every perplexity is the docs/METHODS.md sliding-window protocol (ctxext.eval), stride 256, on the same held-out
 tokens, under the same precision as the fine-tuning (bf16 autocast on a CPU with native bf16).
 """
 
@@ -181,7 +181,7 @@ def markdown(result: dict) -> str:
     lines = [
         "# Position Interpolation, reproduced in miniature on a CPU",
         "",
-        "The shape of PI Table 3 (Chen et al. 2023; METHODS.md) on a tiny LLaMA pretrained at 256 tokens:",
+        "The shape of PI Table 3 (Chen et al. 2023; docs/METHODS.md) on a tiny LLaMA pretrained at 256 tokens:",
         "fine-tuning with PI recovers the perplexity at 4x the context within a few hundred steps.",
         "",
         "Made by:",
@@ -235,7 +235,7 @@ def markdown(result: dict) -> str:
         f"- Held-out text: {', '.join(result['held_out']['documents'])} ({result['held_out']['tokens']} tokens after "
         f"cutting each play to its first {result['held_out']['max_tokens_per_doc']} tokens); never trained on, "
         "neither by the tokenizer, nor in pretraining, nor in fine-tuning.",
-        f"- Perplexity: the METHODS.md sliding-window protocol, stride {result['stride']}, via ctxext.eval; "
+        f"- Perplexity: the docs/METHODS.md sliding-window protocol, stride {result['stride']}, via ctxext.eval; "
         f"precision {result['precision']}.",
         f"- Fine-tuning: {result['recipe_summary']}.",
         f"- Data: {result['data']}.",

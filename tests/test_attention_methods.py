@@ -1,6 +1,6 @@
 """Attention-level methods (log-n, ReRoPE, Leaky ReRoPE) against independent oracles.
 
-Oracles: the METHODS.md formulas written out here; a per-cell rotation by the relative position rule; Su's
+Oracles: the docs/METHODS.md formulas written out here; a per-cell rotation by the relative position rule; Su's
 reference form (two full score matrices, per-cell choice, one softmax) built from transformers' own
 `apply_rotary_pos_emb`/`repeat_kv`; a full forward recomputed at every decoding step; the unpatched model.
 """
@@ -49,7 +49,7 @@ def test_far_rotations_give_the_relative_position_rule(window, k):
     m, n = torch.meshgrid(torch.arange(0, 300), torch.arange(0, 300), indexing="ij")
     distance = (m - n).double()
     far = distance >= window
-    # METHODS.md: m-n inside the band; w (ReRoPE) or w + (m-n-w)/k (Leaky) outside it.
+    # docs/METHODS.md: m-n inside the band; w (ReRoPE) or w + (m-n-w)/k (Leaky) outside it.
     rule = torch.where(far, window + (distance - window) * leak, distance)
     assert torch.allclose(rerope_relative_position(distance.clamp(min=0), window, leak)[m >= n], rule[m >= n])
     from_rotations = far_query_positions(m, window, leak) - far_key_positions(n, leak)

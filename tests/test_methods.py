@@ -1,4 +1,4 @@
-"""The frequency functions against independent oracles: transformers' own rope types, and the METHODS.md
+"""The frequency functions against independent oracles: transformers' own rope types, and the docs/METHODS.md
 formulas written out naively in float64 Python."""
 
 import math
@@ -78,7 +78,7 @@ def test_partial_rotary_factor_matches_transformers_yarn():
     assert_rel(ours("yarn", rotary_dim=16, original=64, factor=4.0)[0], expected)
 
 
-# -------------------------------------------------------------------------- against METHODS.md formulas
+# -------------------------------------------------------------------------- against docs/METHODS.md formulas
 @pytest.mark.parametrize("factor,alpha", [(4.0, None), (4.0, 6.0), (2.0, None)])
 def test_ntk_formula(factor, alpha):
     a = factor if alpha is None else alpha

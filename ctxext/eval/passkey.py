@@ -1,4 +1,4 @@
-"""Passkey retrieval in the Landmark / YaRN format (METHODS.md, "Passkey retrieval").
+"""Passkey retrieval in the Landmark / YaRN format (docs/METHODS.md, "Passkey retrieval").
 
 A task line, filler, "The pass key is K. Remember it. K is the pass key.", more filler, then
 "What is the pass key? The pass key is". Greedy decoding of 10 new tokens; a trial succeeds when the first

@@ -1,4 +1,4 @@
-"""Sliding-window perplexity, exactly as the protocol in METHODS.md ("Perplexity protocol") states it.
+"""Sliding-window perplexity, exactly as the protocol in docs/METHODS.md ("Perplexity protocol") states it.
 
 The window plan is the loop of the HF docs page "Perplexity of fixed-length models" (Press et al.):
 

@@ -1,6 +1,6 @@
 """RoPE context-extension methods: pure math, no model code.
 
-`METHODS` maps a name to a `Method` (parameters dataclass + inv_freq function); see METHODS.md.
+`METHODS` maps a name to a `Method` (parameters dataclass + inv_freq function); see docs/METHODS.md.
 """
 
 from . import frequency, native  # noqa: F401  (registers the methods)

@@ -1,6 +1,6 @@
 """Frequency methods: each returns new inverse frequencies θ'_i and an attention factor a.
 
-Formulas and conventions follow METHODS.md (the project's reference). θ_i = b^(-2i/d) is computed in
+Formulas and conventions follow docs/METHODS.md (the project's reference). θ_i = b^(-2i/d) is computed in
 float32 exactly as transformers computes its default RoPE, so that an unscaled method is bit-identical
 to the unpatched model; per-pair scale factors are computed in float64 and applied at the end.
 """

@@ -283,7 +283,7 @@ def plan_length(documents, length: int, stride: int, bos: int | None):
 
 
 def evaluate(setup: Setup, model, lengths: list[int]) -> dict[int, float]:
-    """Perplexity at each length on the held-out documents (METHODS.md protocol, via ctxext.eval).
+    """Perplexity at each length on the held-out documents (docs/METHODS.md protocol, via ctxext.eval).
 
     The windows are shared out over the processes and the sums gathered; under FSDP/DeepSpeed every process
     scores every window, since each forward needs all of them.

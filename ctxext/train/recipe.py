@@ -99,7 +99,7 @@ class EvalSection:
     max_docs: int | None = option(5, "evaluate on at most N documents")
     max_tokens_per_doc: int | None = option(None, "cut every document to its first N tokens (faster evaluation)")
     lengths: list | None = option(None, "window lengths (default: [seq_len, the original length])")
-    stride: int = option(256, "sliding-window stride (METHODS.md protocol; PI used 256)")
+    stride: int = option(256, "sliding-window stride (docs/METHODS.md protocol; PI used 256)")
     base_reference: bool = option(True, "also score the unpatched model at the original length once (the "
                                         "reference line of the plot)")
 
