@@ -15,8 +15,8 @@ MINIMAL = {"model": "m", "output_dir": "o", "data": {"text_files": ["x.txt"]}}
 
 # ------------------------------------------------------------------------------------------------ recipe
 def test_defaults_are_the_pi_recipe():
-    """docs/METHODS.md (PI recipe): AdamW (0.9, 0.95), weight decay 0, lr 2e-5, 20 warm-up steps from 10% of lr, 1000 steps;
-    LoRA on q,k,v,o with embeddings and norms trainable (LongLoRA)."""
+    """The PI recipe (docs/METHODS.md): AdamW (0.9, 0.95), weight decay 0, lr 2e-5, 20 warm-up steps from 10% of
+    lr, 1000 steps; LoRA on q,k,v,o with embeddings and norms trainable (LongLoRA)."""
     recipe = recipe_from_mapping(MINIMAL)
     assert recipe.optim.betas == [0.9, 0.95]
     assert recipe.optim.weight_decay == 0.0
