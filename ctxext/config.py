@@ -8,7 +8,8 @@ A method YAML is a flat mapping (see configs/methods/*.yaml):
     beta_fast: 32                             # any parameter of the method
     logn: true                                # optional: log-n query scaling on top (any method)
 
-Flags given on the command line override keys from the file.
+Flags given on the command line override keys from the file. Importing this module is cheap (no torch): the
+CLI reads flag values with `parse_value` before it knows whether a model will be loaded.
 """
 
 from __future__ import annotations
@@ -21,9 +22,6 @@ from typing import Any
 import yaml
 
 from .errors import CtxextError, did_you_mean
-from .methods import get_method
-from .methods.attention import ReRopeParams, check_original_length_for_logn
-from .patching import patch
 
 TOP_LEVEL_KEYS = ("method", "factor", "original_max_position_embeddings", "logn")
 
@@ -40,6 +38,9 @@ class MethodConfig:
 
     def validate(self) -> "MethodConfig":
         """Raise a CtxextError for anything `patch` would reject, before any model is loaded."""
+        from .methods import get_method
+        from .methods.attention import check_original_length_for_logn
+
         spec = get_method(self.method)
         spec.make_params(factor=self.factor, **self.params)
         if not isinstance(self.logn, bool):
@@ -53,6 +54,8 @@ class MethodConfig:
         return self
 
     def apply(self, model):
+        from .patching import patch
+
         return patch(model, self.method, factor=self.factor,
                      original_max_position_embeddings=self.original_max_position_embeddings, logn=self.logn,
                      **self.params)
@@ -68,10 +71,13 @@ class MethodConfig:
 
     @property
     def label(self) -> str:
-        """A short name for tables and plots, e.g. 'yarn x4', 'ntk_mixed x4 +logn', 'rerope w512'."""
+        """A short name for tables and plots, e.g. 'yarn x4', 'ntk_mixed x4 +logn', 'rerope w512', 'self_extend G4 w1024'."""
+        from .methods import get_method
+        from .methods.remapping import RemapParams
+
         params = get_method(self.method).make_params(factor=self.factor, **self.params)
-        if isinstance(params, ReRopeParams):  # no scale: name the window (and the leak factor)
-            name = f"{self.method} w{params.window}" + (f" k{params.k:g}" if hasattr(params, "k") else "")
+        if isinstance(params, RemapParams):  # no scale: name the settings, e.g. the window
+            name = f"{self.method} {params.describe()}".strip()
         else:
             name = self.method if self.method == "none" else f"{self.method} x{self.factor:g}"
         return f"{name} +logn" if self.logn else name
@@ -92,6 +98,8 @@ class MethodConfig:
         method = values.pop("method", "none")
         if not isinstance(method, str):
             raise CtxextError(f"'method' must be a method name, got {method!r}")
+        from .methods import get_method
+
         spec = get_method(method)
         allowed = list(TOP_LEVEL_KEYS) + [f.name for f in dataclasses.fields(spec.params_cls) if f.name != "factor"]
         for key in values:
@@ -105,6 +113,20 @@ class MethodConfig:
             params=values,
         )
         return config.validate()
+
+
+def parse_value(text: str):
+    """A flag's or override's value: int, float, or YAML (true/false, lists); '1e6' is a float here, unlike in
+    YAML 1.1."""
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
 
 
 def read_yaml_mapping(path: str | Path) -> dict[str, Any]:

@@ -89,6 +89,10 @@ class RemapParams(MethodParams):
         """Sequences of at most this many tokens (from position 0) lie in region 0 only: plain RoPE."""
         raise NotImplementedError
 
+    def describe(self) -> str:
+        """The settings in a few characters for tables, e.g. 'w512 k16' (defaults left to be resolved omitted)."""
+        raise NotImplementedError
+
 
 # ------------------------------------------------------------------------------------ ReRoPE, Leaky
 @dataclass
@@ -96,7 +100,8 @@ class ReRopeParams(RemapParams):
     """ReRoPE: relative positions beyond the window are all read as the window."""
 
     window: int = param(512, "w: pairs closer than w keep their relative position m-n, farther ones see w "
-                             "(Su's defaults: 512 for L=4096; his results use 1024)")
+                             "(Su's defaults: 512 for L=4096; his results use 1024)",
+                        search=(1 / 32, 1.0, "log", "int", "*L"))
 
     def validate(self):
         super().validate()
@@ -115,12 +120,16 @@ class ReRopeParams(RemapParams):
     def plain_up_to(self) -> int:
         return self.window
 
+    def describe(self) -> str:
+        return f"w{self.window}"
+
 
 @dataclass
 class LeakyReRopeParams(ReRopeParams):
     """Leaky ReRoPE: beyond the window the relative position grows k times more slowly."""
 
-    k: float = param(16.0, "k > 1: past the window the relative position is w + (m-n-w)/k (Su's default 16)")
+    k: float = param(16.0, "k > 1: past the window the relative position is w + (m-n-w)/k (Su's default 16)",
+                     search=(2.0, 64.0, "log"))
 
     def validate(self):
         super().validate()
@@ -129,6 +138,9 @@ class LeakyReRopeParams(ReRopeParams):
     @property
     def leak(self) -> float:
         return 1.0 / self.k
+
+    def describe(self) -> str:
+        return f"w{self.window} k{self.k:g}"
 
 
 def check_window(window) -> int:
@@ -173,8 +185,10 @@ class SelfExtendParams(RemapParams):
     shift_invariant: ClassVar[bool] = False
 
     group_size: int = param(4, "G >= 1: keys past the window share one position per G tokens (LongLM's example: "
-                               "4; their advice: the smallest G with G*(L-w)+w >= the input length, then try larger)")
-    window: int = param(1024, "w: the neighbour window, whose pairs keep r' = r (LongLM: 512-1536 for Llama-2)")
+                               "4; their advice: the smallest G with G*(L-w)+w >= the input length, then try larger)",
+                            search=(2, 64, "log", "int"))
+    window: int = param(1024, "w: the neighbour window, whose pairs keep r' = r (LongLM: 512-1536 for Llama-2)",
+                        search=(1 / 32, 1 / 2, "log", "int", "*L"))
 
     def validate(self):
         super().validate()
@@ -196,6 +210,9 @@ class SelfExtendParams(RemapParams):
     def plain_up_to(self) -> int:
         return self.window
 
+    def describe(self) -> str:
+        return f"G{self.group_size} w{self.window}"
+
 
 # ---------------------------------------------------------------------------- Dual Chunk Attention
 @dataclass
@@ -204,9 +221,11 @@ class DualChunkParams(RemapParams):
 
     shift_invariant: ClassVar[bool] = False
 
-    chunk_size: int | None = param(None, "s: the largest relative position used (default 3L/4, as ChunkLlama)")
+    chunk_size: int | None = param(None, "s: the largest relative position used (default 3L/4, as ChunkLlama)",
+                                   search=(1 / 4, 1.0, "int", "*L"))
     local_window: int | None = param(None, "w: the local window; chunks are c = s - w tokens long "
-                                           "(default L/16, as ChunkLlama)")
+                                           "(default L/16, as ChunkLlama)",
+                                     search=(1 / 64, 1 / 4, "log", "int", "*L"))
 
     def validate(self):
         super().validate()
@@ -259,16 +278,23 @@ class DualChunkParams(RemapParams):
     def plain_up_to(self) -> int:
         return self.chunk
 
+    def describe(self) -> str:
+        return " ".join(f"{tag}{value}" for tag, value in (("s", self.chunk_size), ("w", self.local_window))
+                        if value is not None)
+
 
 # ------------------------------------------------------------------------------------------- STRING
 @dataclass
 class StringParams(RemapParams):
     """STRING: relative positions from S on are shifted back by S - W, onto well-trained ones."""
 
-    shifted_offset: int | None = param(None, "S: pairs at r >= S use r - S + W (default floor(0.33 L), as STRING)")
-    local_value: int = param(128, "W < S: the relative position the shifted pairs start from (STRING: 128)")
+    shifted_offset: int | None = param(None, "S: pairs at r >= S use r - S + W (default floor(0.33 L), as STRING)",
+                                       search=(1 / 8, 15 / 16, "int", "*L"))
+    local_value: int = param(128, "W < S: the relative position the shifted pairs start from (STRING: 128)",
+                             search=(16, 512, "log", "int"))
     attention_factor: float = param(0.1 * math.log(2) + 1, "multiplies cos and sin everywhere, as the reference "
-                                                           "code does (0.1 ln 2 + 1); 1 turns it off")
+                                                           "code does (0.1 ln 2 + 1); 1 turns it off",
+                                    search=(1.0, 1.3))
 
     def validate(self):
         super().validate()
@@ -293,6 +319,11 @@ class StringParams(RemapParams):
 
     def plain_up_to(self) -> int:
         return self.shifted_offset
+
+    def describe(self) -> str:
+        shifted = "" if self.shifted_offset is None else f"S{self.shifted_offset} "
+        factor = "" if self.attention_factor == StringParams.attention_factor else f" a{self.attention_factor:g}"
+        return f"{shifted}W{self.local_value}{factor}"
 
 
 def string_inv_freq(rotary_dim, base, original_max_position_embeddings, params, seq_len=None):
