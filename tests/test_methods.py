@@ -170,7 +170,11 @@ def test_generic_dynamic_uses_the_length_ratio(name):
 def test_factor_one_is_plain_rope(name):
     inv_freq, attention = ours(name, factor=1.0)
     assert torch.equal(inv_freq, ours("none")[0]), name
-    assert attention == 1.0
+    # STRING's attention factor does not follow the scale: the reference code always scales cos and sin by
+    # 0.1 ln 2 + 1; attention_factor=1 turns it off.
+    assert attention == (0.1 * math.log(2) + 1 if name == "string" else 1.0)
+    if name == "string":
+        assert ours(name, factor=1.0, attention_factor=1.0)[1] == 1.0
 
 
 # --------------------------------------------------------------------------------------- validation
