@@ -251,3 +251,10 @@ def test_compat_module_names_the_private_apis_it_wraps():
         sys.modules["transformers.models.llama.modeling_llama"].eager_attention_forward
     assert hasattr(RotaryEmbeddingConfigMixin, "_validate_yarn_rope_parameters")  # the hook naming we extend
     assert callable(AcceleratorState._reset_state) and callable(GradientState._reset_state)
+
+
+def test_a_static_cache_is_refused():
+    model = ctxext.patch(tiny_model("llama", max_position_embeddings=L), "string", shifted_offset=6, local_value=2)
+    with torch.no_grad(), pytest.raises(CtxextError, match="StaticCache"):
+        model.generate(torch.randint(1, 256, (1, 10)), max_new_tokens=3, do_sample=False, pad_token_id=0,
+                       cache_implementation="static")

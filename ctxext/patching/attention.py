@@ -223,10 +223,11 @@ def ctxext_attention(module, query, key, value, attention_mask, inner: str = "sd
         return inner_function(module, query, key, value, attention_mask, **kwargs)
     settings = state.settings
     q_len, total = query.shape[2], key.shape[2]
-    key_positions = _key_positions(kwargs.get("position_ids"), total, query.device)
-    query_positions = key_positions[:, total - q_len:]
+    position_ids = kwargs.get("position_ids")
+    key_positions = _key_positions(position_ids, total, query.device)
     if settings.logn:
-        scale = logn_scale(query_positions, settings.original_max_position_embeddings)
+        positions = position_ids if position_ids is not None else key_positions[:, total - q_len:]
+        scale = logn_scale(positions.to(query.device), settings.original_max_position_embeddings)
         query = query * scale[:, None, :, None].to(query.dtype)
     remap = settings.remap
     if remap is None or _within_first_region(remap, key_positions, total):
@@ -269,6 +270,12 @@ def _remapped_forward(module, state: AttentionState, query, key, value, attentio
         raise CtxextError(f"{state.settings.method} needs every row of a batch at the same positions "
                           "(no left padding); run the rows one at a time")
 
+    allowed = _allowed_from_model_mask(attention_mask, q_len, total)
+    if allowed is not None and not bool(allowed[..., -1, -1].all()):
+        # The last query always sees itself, unless the cache hands over slots it has not filled yet.
+        raise CtxextError(f"{state.settings.method} needs a cache that holds exactly the tokens seen so far "
+                          "(DynamicCache, the default), not a StaticCache or a sliding-window cache")
+
     host = state.host
     cos_k, sin_k = _rotary_at(host, query, key_positions)
     query_positions = key_positions[:, total - q_len:]
@@ -293,7 +300,6 @@ def _remapped_forward(module, state: AttentionState, query, key, value, attentio
         lo, hi = region.key_range(query_positions[0])
         lows.append((lo - first).clamp(0, total))
         highs.append((hi - first).clamp(0, total))
-    allowed = _allowed_from_model_mask(attention_mask, q_len, total)
     attn = remapped_attention(queries, keys, value, torch.stack(lows), torch.stack(highs), module.scaling,
                               allowed=allowed, query_block=state.query_block, kernel=state.kernel)
     return attn.transpose(1, 2), None
