@@ -4,12 +4,36 @@
     ctxext.patch(model, "yarn", factor=4)
     ctxext.unpatch(model)
 
-Importing ctxext registers its rope types with transformers, so checkpoints saved with them load again.
+Importing ctxext is cheap (no torch, no transformers); `patch`, `unpatch`, `applied_method` and `METHODS`
+load the library on first use. After `import ctxext`, ctxext's rope types and load hook are registered with
+transformers as soon as transformers is imported (see registration.py), so checkpoints saved with them load
+with plain `from_pretrained`.
 """
 
 from .errors import CtxextError
-from .methods import METHODS
-from .patching import applied_method, patch, unpatch
 
 __version__ = "0.1.0"
 __all__ = ["METHODS", "CtxextError", "applied_method", "patch", "unpatch", "__version__"]
+
+# name -> the module that defines it, imported on first access
+_LAZY = {"METHODS": "ctxext.methods", "applied_method": "ctxext.patching", "patch": "ctxext.patching",
+         "unpatch": "ctxext.patching"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'ctxext' has no attribute '{name}'")
+    import importlib
+
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+from . import registration  # noqa: E402  (last: it may import ctxext.patching, which needs the names above)
+
+registration.install()

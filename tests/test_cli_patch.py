@@ -176,3 +176,18 @@ def test_plot_freqs_draws_each_method(tmp_path, capsys):
     assert "kept   0, interpolated by s  64" in lines["linear"]
     # YaRN with d=128, b=1e4, L=4096: pairs up to floor(corr(32)) = 20 kept, from ceil(corr(1)) = 46 interpolated.
     assert "kept  21, interpolated by s  18" in lines["yarn"]
+
+
+def test_plot_freqs_reads_the_method_from_config(tmp_path, capsys):
+    # Written out: YaRN keeps pair i (ratio 1) up to floor(corr(beta_fast)) and fully interpolates from
+    # ceil(corr(beta_slow)), corr(beta) = d ln(L / (2 pi beta)) / (2 ln b).
+    import math
+
+    d, b, L, beta_fast, beta_slow = 128, 10000.0, 2048, 16, 1
+    corr = lambda beta: d * math.log(L / (2 * math.pi * beta)) / (2 * math.log(b))  # noqa: E731
+    kept, interpolated = math.floor(corr(beta_fast)) + 1, d // 2 - math.ceil(corr(beta_slow))
+    config = write(tmp_path, "yarn16.yaml", f"method: yarn\nfactor: 4\nbeta_fast: {beta_fast}\n"
+                                            f"original_max_position_embeddings: {L}\n")
+    code, out, err = run_cli(capsys, "plot-freqs", "--config", config, "--head-dim", d, "-o", tmp_path / "f.png")
+    assert code == 0, err
+    assert f"{'yarn x4':<16} kept {kept:3d}, interpolated by s {interpolated:3d}" in out, out

@@ -40,6 +40,22 @@ def perplexity_table(rows: list[dict], methods: list[str], lengths: list[int]) -
     return "\n".join(lines)
 
 
+
+def passkey_table(rows: list[dict], methods: list[str], lengths: list[int]) -> str:
+    """Methods x lengths: accuracy (correct/trials) per cell."""
+    by_key = {(r["method"], r["length"]): r for r in rows}
+    label_width = max(len("passkey accuracy"), *(len(m) for m in methods))
+    width = max(12, *(len(str(n)) + 2 for n in lengths))
+    lines = ["passkey accuracy".ljust(label_width) + "".join(f"{n:>{width}}" for n in lengths)]
+    lines.append("-" * len(lines[0]))
+    for method in methods:
+        cells = []
+        for n in lengths:
+            r = by_key.get((method, n))
+            cells.append(f"{r['accuracy']:.0%} ({r['correct']}/{r['trials']})" if r else "-")
+        lines.append(method.ljust(label_width) + "".join(f"{c:>{width}}" for c in cells))
+    return "\n".join(lines)
+
 def environment() -> dict:
     """Library versions, machine and time: enough to tell where a number came from."""
     import accelerate

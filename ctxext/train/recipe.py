@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from ..config import MethodConfig, read_yaml_mapping
+from ..config import MethodConfig, parse_value, read_yaml_mapping
 from ..errors import CtxextError, did_you_mean
 
 
@@ -155,8 +155,6 @@ class Recipe:
 # ------------------------------------------------------------------------------------------ overrides
 def parse_overrides(items: list[str]) -> dict[str, Any]:
     """['lora.r=16', 'seq_len=4096'] -> {'lora.r': 16, 'seq_len': 4096} (values as YAML/numbers)."""
-    from ..cli import parse_value
-
     overrides = {}
     for item in items:
         key, sep, value = item.partition("=")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import CtxextError
-
+HELP = "LoRA fine-tuning at a longer context (PI / YaRN / any method), resumable"
 DESCRIPTION = """\
 Fine-tune a model at a longer context with LoRA (PEFT), after patching it with a ctxext method. The default
 recipe is Position Interpolation's: AdamW (0.9, 0.95), weight decay 0, lr 2e-5, 20 warm-up steps from 10%,
@@ -23,7 +22,7 @@ Several GPUs (configs/accelerate/: ddp, fsdp, deepspeed-zero2), or 2 CPU process
 The global batch stays train.global_batch_size: gradient accumulation = global / (micro x processes).
 """
 
-EXAMPLES = """\
+EPILOG = """\
 examples:
   ctxext finetune --config configs/recipes/tiny-cpu.yaml output_dir=outputs/tiny train.max_steps=50
   ctxext finetune --config configs/recipes/pi-llama-7b-8k.yaml method.method=yarn lora.r=16
@@ -32,8 +31,22 @@ examples:
 """
 
 
-def cmd_finetune(args) -> int:
-    from .recipe import describe_keys, load_recipe, parse_overrides
+FORMATTER_CLASS = argparse.RawDescriptionHelpFormatter
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", metavar="RECIPE.yaml", help="the recipe (configs/recipes/*.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="recipe overrides with dotted keys, e.g. lora.r=16 train.max_steps=10 method.factor=8")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in output_dir from its last checkpoint")
+    parser.add_argument("--show-keys", action="store_true", help="list every recipe key with its default, and exit")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args) -> int:
+    from ..errors import CtxextError
+    from ..train.recipe import describe_keys, load_recipe, parse_overrides
 
     if args.show_keys:
         print(describe_keys())
@@ -41,7 +54,7 @@ def cmd_finetune(args) -> int:
     if args.config is None and not args.overrides:
         raise CtxextError("give a recipe with --config RECIPE.yaml (see configs/recipes/), or key=value settings")
     recipe = load_recipe(args.config, parse_overrides(args.overrides))
-    from .loop import finetune
+    from ..train.loop import finetune
 
     setup, records = finetune(recipe, resume=args.resume, progress=not args.no_progress)
     if setup.runtime.is_main:
@@ -62,18 +75,3 @@ def summary(setup, records: list[dict]) -> str:
             lines.append(f"  {r['step']:>4}  " + "".join(f"{r['perplexity'][n]:>12.2f}" for n in lengths))
     lines.append(f"  wrote {setup.output}/ (metrics.jsonl, metrics.png, adapter/, merged/, checkpoints/)")
     return "\n".join(lines)
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "finetune", help="LoRA fine-tuning at a longer context (PI / YaRN / any method), resumable",
-        description=DESCRIPTION, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--config", metavar="RECIPE.yaml", help="the recipe (configs/recipes/*.yaml)")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="recipe overrides with dotted keys, e.g. lora.r=16 train.max_steps=10 method.factor=8")
-    p.add_argument("--resume", action="store_true", help="continue the run in output_dir from its last checkpoint")
-    p.add_argument("--show-keys", action="store_true", help="list every recipe key with its default, and exit")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(handler=cmd_finetune)
-

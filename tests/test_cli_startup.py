@@ -1,0 +1,108 @@
+"""The command line starts fast: --help of ctxext and of every command imports neither torch nor transformers,
+and the method parameter flags, which are not argparse options any more, still parse and still fail clearly."""
+
+import argparse
+import dataclasses
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ctxext.cli import COMMANDS, build_parser, main, parse_args
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def imported_modules(*argv: str) -> set[str]:
+    """Top-level names of the modules `python -X importtime -m ctxext ARGV` imports (in a fresh process)."""
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "ctxext", *argv], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    names = set()
+    for line in result.stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            names.add(line.rsplit("|", 1)[1].strip().split(".")[0])
+    assert "ctxext" in names  # the parse above read the importtime lines
+    return names
+
+
+@pytest.mark.parametrize("argv", [["--help"], *[[name, "--help"] for name in COMMANDS]],
+                         ids=lambda argv: " ".join(argv))
+def test_help_imports_neither_torch_nor_transformers(argv):
+    names = imported_modules(*argv)
+    assert not {"torch", "transformers"} & names
+
+
+def test_import_ctxext_is_light_and_registers_once_transformers_is_imported():
+    # The registration itself (rope types, load hook) is tested by the round trips in a fresh process
+    # (tests/test_roundtrip.py); here: `import ctxext` alone pulls in nothing heavy.
+    code = "import sys, ctxext; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
+
+
+def test_command_table_help_is_each_modules_help():
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        assert module.HELP == help_text, name
+        assert callable(module.add_arguments) and callable(module.run) and module.DESCRIPTION
+
+
+def method_parameter_flags() -> set[str]:
+    from ctxext.methods import METHODS
+
+    return {f"--{f.name.replace('_', '-')}" for method in METHODS.values()
+            for f in dataclasses.fields(method.params_cls) if f.name != "factor"}
+
+
+def test_no_method_parameter_is_taken_for_an_option():
+    # A method parameter flag that is an option of the command, or a prefix of one (argparse accepts
+    # abbreviations), would never reach the method.
+    for name in COMMANDS:
+        _, parser = build_parser(name)
+        if not parser.takes_method_params:
+            continue
+        options = [s for action in parser._actions for s in action.option_strings]
+        for flag in method_parameter_flags():
+            assert not [o for o in options if o.startswith(flag)], (name, flag)
+
+
+@pytest.mark.parametrize("argv", [
+    ["patch", "MODEL", "--beta-fast", "16", "--beta-slow=2", "-o", "OUT", "--method", "yarn"],
+    ["patch", "--beta-fast", "16", "MODEL", "--beta-slow", "2", "--method", "yarn", "-o", "OUT"],  # before MODEL
+])
+def test_method_parameter_flags_become_parameters(argv):
+    args = parse_args(argv)
+    assert (args.model, args.output, args.method) == ("MODEL", "OUT", "yarn")
+    assert (args.param_beta_fast, args.param_beta_slow) == (16, 2)
+
+
+def test_method_parameter_values_read_like_yaml():
+    args = parse_args(["eval", "M", "-o", "O", "--method", "theta", "--new-base", "1e6", "--dynamic", "true",
+                       "--beta", "-0.5"])
+    assert (args.param_new_base, args.param_dynamic, args.param_beta) == (1e6, True, -0.5)
+    assert isinstance(args.param_new_base, float)
+
+
+def test_a_method_parameter_without_value_is_a_one_line_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["patch", "MODEL", "--method", "yarn", "--beta-fast", "-o", "OUT"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--beta-fast" in err
+
+
+def test_an_unknown_method_parameter_fails_with_did_you_mean(tmp_path, capsys):
+    code = main(["plot-freqs", "--method", "yarn", "--beta-fsat", "16", "-o", str(tmp_path / "f.png")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "did you mean 'beta-fast'" in err, err
+    assert not (tmp_path / "f.png").exists()
+
+
+def test_options_still_abbreviate():
+    args = parse_args(["patch", "MODEL", "--meth", "yarn", "--fact", "2", "-o", "OUT"])
+    assert (args.method, args.factor) == ("yarn", 2)
+    assert not [k for k in vars(args) if k.startswith("param_")]
+
