@@ -18,7 +18,8 @@ def test_notebook_runs_offline_and_plots(monkeypatch, tmp_path):
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     images = [o for o in outputs if o.output_type == "display_data" and "image/png" in o.get("data", {})]
-    assert len(images) == 2  # perplexity against length, and the frequency picture
+    assert len(images) == 3  # perplexity against length, the frequency picture, the remapped positions
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
-    assert "tokens scored per length" in text and "yarn x4" in "".join(
-        str(o.get("data", {}).get("text/plain", "")) for o in outputs)
+    table = "".join(str(o.get("data", {}).get("text/plain", "")) for o in outputs)
+    assert "tokens scored per length" in text and "yarn x4" in table
+    assert all(label in table for label in ("rerope w16 +logn", "self_extend G4 w16", "dual_chunk", "string W4"))
