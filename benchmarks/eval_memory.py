@@ -70,7 +70,7 @@ def worker(kind: str, dtype_name: str, length: int) -> dict:
 
     from ctxext import assets
     from ctxext.eval.perplexity import sliding_window_nll
-    from ctxext.loading import resolve_dtype
+    from ctxext.runtime import resolve_dtype
 
     path = assets.smollm2_checkpoint()
     dtype = resolve_dtype(dtype_name, torch.device("cpu"))
@@ -98,7 +98,7 @@ def interleaved_worker(naive_dtype: str, ctxext_dtype: str, length: int) -> dict
 
     from ctxext import assets
     from ctxext.eval.perplexity import evaluation_mode, plan_windows, window_nll
-    from ctxext.loading import resolve_dtype
+    from ctxext.runtime import resolve_dtype
 
     path = assets.smollm2_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -173,7 +173,7 @@ def main() -> int:
 
     import torch
 
-    from ctxext.loading import cpu_has_native_bf16, resolve_dtype
+    from ctxext.runtime import cpu_has_native_bf16, resolve_dtype
 
     auto = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
     print(f"automatic dtype on this CPU: {auto} (cpu_has_native_bf16={cpu_has_native_bf16()}); "

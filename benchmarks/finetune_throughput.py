@@ -81,16 +81,16 @@ def worker_trainer(args, folder: Path) -> dict:
     from ctxext.loading import load_model, load_tokenizer
     from ctxext.train.data import PackedSequences, token_stream
     from ctxext.train.lora import add_lora
-    from ctxext.train.loop import resolve_attention, resolve_precision
+    from ctxext.runtime import attention_implementation, training_precision
     from ctxext.train.pretrain_tiny import resolve_model_name
 
     recipe = recipe_for(args, folder / "trainer-run", text_file(folder))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    precision = resolve_precision(recipe.train.precision, device, sharded=False)
+    precision = training_precision(recipe.train.precision, device, sharded=False)
     path = resolve_model_name(recipe.model)
     tokenizer = load_tokenizer(path)
     model = load_model(path, dtype=torch.bfloat16 if precision == "bf16" else torch.float32, device=device,
-                       attn_implementation=resolve_attention("auto", device, precision))
+                       attn_implementation=attention_implementation("auto", device, precision != "fp32"))
     recipe.method.apply(model)
     model.config.use_cache = False
     model = add_lora(model, 8, 16, 0.05, ["q_proj", "k_proj", "v_proj", "o_proj"], True)

@@ -1,4 +1,4 @@
-"""Loading models and tokenizers, with the device, dtype and attention implementation picked automatically."""
+"""Loading models and tokenizers as clear one-line errors (ctxext.runtime picks device, dtype and attention)."""
 
 from __future__ import annotations
 
@@ -8,45 +8,6 @@ from pathlib import Path
 import torch
 
 from .errors import CtxextError, first_line
-
-
-def cpu_has_native_bf16() -> bool:
-    """True where the CPU has bf16 matrix instructions (AMX or AVX512-BF16), so bf16 is faster than fp32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def resolve_device(device: str = "auto") -> torch.device:
-    if device == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    try:
-        return torch.device(device)
-    except RuntimeError:
-        raise CtxextError(f"unknown device '{device}'; use auto, cpu, cuda, cuda:N or mps") from None
-
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """'auto': bf16 on a GPU that supports it or a CPU with native bf16, else fp32."""
-    if dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        if device.type == "cpu" and cpu_has_native_bf16():
-            return torch.bfloat16
-        return torch.float32
-    if dtype not in DTYPES:
-        raise CtxextError(f"unknown dtype '{dtype}'; use auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
 
 
 def check_model_source(name_or_path: str) -> None:

@@ -60,7 +60,8 @@ def evaluate_before(recipe, with_yarn: bool, progress: bool) -> list[dict]:
     from ctxext.config import MethodConfig
     from ctxext.eval.runner import EvalMethod, run_perplexity
     from ctxext.loading import load_model, load_tokenizer
-    from ctxext.train.loop import load_eval_documents, plan_length, resolve_precision
+    from ctxext.runtime import training_precision
+    from ctxext.train.loop import load_eval_documents, plan_length
     from ctxext.train.pretrain_tiny import resolve_model_name
 
     path = resolve_model_name(recipe.model)
@@ -68,7 +69,7 @@ def evaluate_before(recipe, with_yarn: bool, progress: bool) -> list[dict]:
     model = load_model(path, dtype=torch.float32, device="cpu", attn_implementation="sdpa")
     original = model.config.max_position_embeddings
     documents, _, bos = load_eval_documents(recipe, tokenizer, original, [])
-    precision = resolve_precision(recipe.train.precision, torch.device("cpu"), sharded=False)
+    precision = training_precision(recipe.train.precision, torch.device("cpu"), sharded=False)
     rows = []
     for label, mapping, lengths in comparisons(original, recipe.seq_len, with_yarn):
         method = EvalMethod(label, MethodConfig.from_mapping(mapping) if mapping else None)

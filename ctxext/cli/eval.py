@@ -44,8 +44,9 @@ def run(args) -> int:
     from ..errors import CtxextError
     from ..eval.data import load_documents
     from ..eval.report import environment, perplexity_table, plot_perplexity, write_csv, write_json
-    from ..eval.runner import Processes, plan_lengths, run_perplexity
+    from ..eval.runner import plan_lengths, run_perplexity
     from ..outputs import atomic_output_dir
+    from ..runtime import Processes, cpu_processes
     from .common import method_mappings, parse_lengths, parse_stride
     from .evaluation import (arguments, bos_choice, build_methods, check_outputs, command_line, load,
                              model_description, original_length, progress_bar)
@@ -60,7 +61,7 @@ def run(args) -> int:
         raise CtxextError("--short-docs must be skip or truncate")
     method_mappings(args)  # bad method flags fail before anything is loaded
     protected = check_outputs(args)
-    processes = Processes(cpu=True if args.device == "cpu" else None)
+    processes = Processes(cpu=cpu_processes(args.device))
 
     model, tokenizer, runtime = load(args, processes)
     methods = build_methods(args, model)

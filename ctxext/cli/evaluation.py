@@ -57,34 +57,10 @@ def _make_labels_unique(methods) -> None:
 
 
 def resolve_runtime(args, processes) -> dict:
-    """device, dtype and attention implementation, with the reason for each automatic choice."""
-    import torch
+    """device, dtype and attention implementation from --device/--dtype/--attn-implementation (ctxext.runtime)."""
+    from ..runtime import inference_runtime
 
-    from ..loading import cpu_has_native_bf16, resolve_device, resolve_dtype
-
-    if args.device == "auto" and processes.device is not None:
-        device = processes.device
-    else:
-        device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    if args.dtype != "auto":
-        dtype_reason = "given"
-    elif device.type == "cuda":
-        dtype_reason = "auto: GPU"
-    elif device.type == "cpu":
-        dtype_reason = ("auto: CPU with fast native bf16" if cpu_has_native_bf16()
-                        else "auto: CPU without fast native bf16")
-    else:
-        dtype_reason = "auto"
-    attn = args.attn_implementation
-    if attn == "auto":
-        attn = "sdpa"
-        if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-            from transformers.utils import is_flash_attn_2_available
-
-            if is_flash_attn_2_available():
-                attn = "flash_attention_2"
-    return {"device": device, "dtype": dtype, "dtype_reason": dtype_reason, "attn_implementation": attn}
+    return inference_runtime(args.device, args.dtype, args.attn_implementation, processes)
 
 
 def bos_choice(args, tokenizer) -> tuple[int | None, dict]:

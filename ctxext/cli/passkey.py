@@ -37,8 +37,8 @@ def run(args) -> int:
     from ..errors import CtxextError
     from ..eval.passkey import NEW_TOKENS, accuracy_rows, plan_trials, run_passkey
     from ..eval.report import environment, passkey_table, plot_passkey_heatmap, write_csv, write_json
-    from ..eval.runner import Processes
     from ..outputs import atomic_output_dir
+    from ..runtime import Processes, cpu_processes
     from .common import method_mappings, parse_depths, parse_lengths
     from .evaluation import (arguments, bos_choice, build_methods, check_outputs, command_line, load,
                              model_description, progress_bar)
@@ -50,7 +50,7 @@ def run(args) -> int:
         raise CtxextError(f"--trials must be at least 1, got {args.trials}")
     method_mappings(args)  # bad method flags fail before anything is loaded
     protected = check_outputs(args)
-    processes = Processes(cpu=True if args.device == "cpu" else None)
+    processes = Processes(cpu=cpu_processes(args.device))
     model, tokenizer, runtime = load(args, processes)
     methods = build_methods(args, model)
     bos_id, bos_info = bos_choice(args, tokenizer)

@@ -98,7 +98,7 @@ def generate_answer(model: nn.Module, tokenizer, prompt: torch.Tensor) -> str:
 def run_passkey(model: nn.Module, tokenizer, trials: list[Trial], methods, bos_token_id: int | None,
                 processes=None, progress=None) -> list[dict]:
     """One record per (method, trial): key, depth, length, prompt tokens, output, correct. Same on every process."""
-    from .runner import Processes
+    from ..runtime import Processes
 
     processes = processes or Processes()
     prompts = {}

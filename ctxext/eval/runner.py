@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import CtxextError
+from ..runtime import Processes
 from .data import Document, tokens_fingerprint
 from .perplexity import Window, evaluation_mode, perplexity, plan_windows, text_tokens_per_window, window_nll
 
@@ -91,43 +92,6 @@ def plan_lengths(documents: list[Document], lengths: list[int], stride: int | No
 def scored_tokens_fingerprint(documents: list[Document], plan: LengthPlan) -> str:
     """A hash of the targets of a plan, in order: the same for every method by construction."""
     return tokens_fingerprint(documents[w.doc].ids[w.end - w.scored:w.end] for w in plan.windows)
-
-
-class Processes:
-    """This process's rank among `accelerate` processes (1 process when not launched by accelerate)."""
-
-    def __init__(self, cpu: bool | None = None):
-        import os
-
-        self.state = None
-        self.rank, self.world_size = 0, 1
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from accelerate import PartialState
-
-            # Without cpu=True accelerate ignores WORLD_SIZE on a machine with no GPU (gloo needs it).
-            if cpu is None:
-                cpu = not torch.cuda.is_available()
-            self.state = PartialState(cpu=cpu)
-            self.rank, self.world_size = self.state.process_index, self.state.num_processes
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def device(self) -> torch.device | None:
-        return self.state.device if self.state is not None else None
-
-    def gather(self, items: list) -> list:
-        if self.world_size == 1:
-            return list(items)
-        from accelerate.utils import gather_object
-
-        return gather_object(list(items))
-
-    def barrier(self) -> None:
-        if self.state is not None:
-            self.state.wait_for_everyone()
 
 
 @dataclass

@@ -28,6 +28,8 @@ import torch
 import yaml
 
 from ..errors import CtxextError
+from ..runtime import (Processes, attention_implementation, cpu_processes, launched_sharded, on_main_first,
+                       training_precision)
 from .recipe import Recipe
 
 CHECKPOINTS = "checkpoints"
@@ -61,6 +63,7 @@ def sample_indices(step: int, micro_step: int, rank: int, world_size: int, micro
 @dataclass
 class Runtime:
     accelerator: object
+    processes: Processes
     precision: str  # fp32 | bf16-mixed | bf16
     weights_dtype: torch.dtype
     attn_implementation: str
@@ -78,87 +81,28 @@ class Runtime:
         return self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
 
 
-def resolve_precision(precision: str, device: torch.device, sharded: bool) -> str:
-    """'auto': bf16 weights with fp32 adapters on a GPU; bf16 autocast over fp32 weights on a CPU with native bf16
-    (or under FSDP/DeepSpeed, which cast themselves); else fp32."""
-    from ..loading import cpu_has_native_bf16
-
-    if precision != "auto":
-        return precision
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return "bf16-mixed" if sharded else "bf16"
-    if device.type == "cpu" and cpu_has_native_bf16():
-        return "bf16-mixed"
-    return "fp32"
-
-
-def resolve_attention(attn: str, device: torch.device, precision: str) -> str:
-    if attn != "auto":
-        return attn
-    if device.type == "cuda" and precision != "fp32":
-        from transformers.utils import is_flash_attn_2_available
-
-        if is_flash_attn_2_available():
-            return "flash_attention_2"
-    return "sdpa"
-
-
-def launched_sharded() -> bool:
-    """Whether `accelerate launch` asked for FSDP or DeepSpeed (it says so in the environment)."""
-    from accelerate.utils import parse_flag_from_env
-
-    return parse_flag_from_env("ACCELERATE_USE_FSDP") or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
-
-
 def make_runtime(recipe: Recipe) -> Runtime:
-    from accelerate import Accelerator, PartialState
-    from accelerate.state import AcceleratorState, GradientState
+    """The accelerate processes, device, precision and attention of a run (ctxext.runtime chooses them)."""
+    from accelerate import Accelerator
 
     train = recipe.train
-    # On a machine without GPUs accelerate ignores torchrun's WORLD_SIZE unless told cpu=True (then: gloo).
-    cpu = train.device == "cpu" or (train.device == "auto" and not torch.cuda.is_available())
-    probe = PartialState(cpu=cpu)  # the device and the process count
-    world = probe.num_processes
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched > world:
-        raise CtxextError(f"launched as {launched} processes, but accelerate set up {world}: every process would "
-                          "write the same output. On a machine without GPUs use "
-                          "`accelerate launch --multi_gpu --num_processes N` (torchrun; ctxext joins with gloo)")
-    if world == 1:
-        # One process may run several recipes (reproduce_pi.py, tests): each gets a fresh accelerator state.
-        AcceleratorState._reset_state()
-        GradientState._reset_state()
-    device = probe.device if (train.device == "auto" or world > 1) else torch.device(train.device)
-    sharded = launched_sharded()
+    processes = Processes(cpu=cpu_processes(train.device), always=True)
+    world = processes.world_size
+    device = processes.device_for(train.device)
     if train.global_batch_size % (train.micro_batch_size * world):
         raise CtxextError(
             f"train.global_batch_size ({train.global_batch_size}) must be a multiple of train.micro_batch_size "
             f"({train.micro_batch_size}) x processes ({world})")
     accumulation = train.global_batch_size // (train.micro_batch_size * world)
-    precision = resolve_precision(train.precision, device, sharded)
+    precision = training_precision(train.precision, device, launched_sharded())
     if precision != "fp32" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise CtxextError(f"train.precision={precision}, but this GPU has no bf16; use train.precision=fp32")
-    accelerator = Accelerator(cpu=cpu or device.type == "cpu", gradient_accumulation_steps=accumulation,
+    accelerator = Accelerator(cpu=cpu_processes(train.device) or device.type == "cpu",
+                              gradient_accumulation_steps=accumulation,
                               mixed_precision="no" if precision == "fp32" else "bf16")
     weights_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    attn = resolve_attention(train.attn_implementation, accelerator.device, precision)
-    return Runtime(accelerator, precision, weights_dtype, attn, accumulation)
-
-
-def on_main_first(runtime: Runtime, fn):
-    """Run `fn` on the main process, then let the others continue; a CtxextError there stops every process."""
-    outcome = [None]
-    if runtime.is_main:
-        try:
-            fn()
-        except CtxextError as error:
-            outcome = [str(error)]
-    if runtime.accelerator.num_processes > 1:
-        from accelerate.utils import broadcast_object_list
-
-        broadcast_object_list(outcome)
-    if outcome[0] is not None:
-        raise CtxextError(outcome[0])
+    attn = attention_implementation(train.attn_implementation, accelerator.device, precision != "fp32")
+    return Runtime(accelerator, processes, precision, weights_dtype, attn, accumulation)
 
 
 # ------------------------------------------------------------------------------------------ setting up
@@ -211,7 +155,7 @@ def prepare(recipe: Recipe, resume: bool, progress: bool = True) -> Setup:
     from accelerate.utils import set_seed
 
     set_seed(recipe.seed)  # the same LoRA init on every process and every run
-    on_main_first(runtime, lambda: resolve_model_name(recipe.model))  # builds the tiny model once, if named
+    on_main_first(runtime.processes, lambda: resolve_model_name(recipe.model))  # builds the tiny model once, if named
     model_path = resolve_model_name(recipe.model)
     tokenizer = load_tokenizer(model_path)
     model = load_model(model_path, dtype=runtime.weights_dtype, device=runtime.accelerator.device,
@@ -238,7 +182,7 @@ def prepare(recipe: Recipe, resume: bool, progress: bool = True) -> Setup:
     length = recipe.train_sequence_length
     needed = recipe.train.max_steps * recipe.train.global_batch_size * length + 2 * length
     max_tokens = recipe.data.max_tokens or needed
-    on_main_first(runtime, lambda: token_stream(recipe.data, tokenizer, max_tokens, is_main=True, progress=progress))
+    on_main_first(runtime.processes, lambda: token_stream(recipe.data, tokenizer, max_tokens, is_main=True, progress=progress))
     stream, info = token_stream(recipe.data, tokenizer, max_tokens, is_main=False)
     train_data = PackedSequences(stream, length, seed=recipe.seed)
     info.update(sequence_length=length, sequences_per_epoch=train_data.per_epoch,

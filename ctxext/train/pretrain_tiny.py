@@ -117,20 +117,12 @@ def cosine_lr(step: int, settings: TinyPretrainSettings) -> float:
     return settings.min_lr + 0.5 * (settings.lr - settings.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def use_bf16_autocast(precision: str, device: torch.device) -> bool:
-    from ..loading import cpu_has_native_bf16
-
-    if precision == "auto":
-        if device.type == "cuda":
-            return torch.cuda.is_bf16_supported()
-        return device.type == "cpu" and cpu_has_native_bf16()
-    return precision == "bf16-mixed"
-
-
 def pretrain(settings: TinyPretrainSettings, output: Path, progress: bool = True) -> dict:
     """Train the tokenizer and the model from scratch and save both to `output` (an existing empty dir)."""
     from tqdm.auto import tqdm
     from transformers import LlamaForCausalLM
+
+    from ..runtime import resolve_device, training_precision
 
     import resource
 
@@ -143,9 +135,9 @@ def pretrain(settings: TinyPretrainSettings, output: Path, progress: bool = True
     torch.manual_seed(settings.seed)
     config = tiny_llama_config(settings, tokenizer.eos_token_id)
     model = LlamaForCausalLM(config)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device("auto")
     model.to(device).train()
-    bf16 = use_bf16_autocast(settings.precision, device)
+    bf16 = training_precision(settings.precision, device, sharded=False) != "fp32"  # autocast over fp32 weights
 
     # Weight decay on matrices only (not on norms), as nanoGPT does.
     decay = [p for p in model.parameters() if p.dim() >= 2]

@@ -1,0 +1,199 @@
+"""Where and how a model runs: device, dtype (or training precision), attention implementation, and the
+`accelerate` processes. Evaluation, fine-tuning and the tiny-model pretraining all choose through here.
+
+The automatic choices: bf16 where it is fast (a GPU that supports it; a CPU with AMX or AVX512-BF16), else
+fp16 on an older GPU for inference and fp32 everywhere else; FlashAttention-2 on a GPU in half precision
+where it is installed, else SDPA.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .errors import CtxextError, first_line
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16")
+
+
+# ----------------------------------------------------------------------------------------------- device
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU has bf16 matrix instructions (AMX or AVX512-BF16), so bf16 is faster than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def bf16_is_fast(device: torch.device) -> bool:
+    """Whether bf16 is the fast choice on `device`: a GPU with bf16, or a CPU with native bf16."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and cpu_has_native_bf16()
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """'auto': cuda > mps > cpu; otherwise the named device."""
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise CtxextError(f"unknown device '{device}'; use auto, cpu, cuda, cuda:N or mps") from None
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """'auto': bf16 where it is fast, fp16 on a GPU without bf16, else fp32."""
+    if dtype == "auto":
+        if bf16_is_fast(device):
+            return torch.bfloat16
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise CtxextError(f"unknown dtype '{dtype}'; use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def dtype_reason(requested: str, device: torch.device) -> str:
+    """Why `resolve_dtype(requested, device)` chose what it chose, for the printed and recorded runtime."""
+    if requested != "auto":
+        return "given"
+    if device.type == "cuda":
+        return "auto: GPU"
+    if device.type == "cpu":
+        return "auto: CPU with fast native bf16" if cpu_has_native_bf16() else "auto: CPU without fast native bf16"
+    return "auto"
+
+
+def training_precision(precision: str, device: torch.device, sharded: bool) -> str:
+    """'auto': bf16 weights with fp32 adapters on a GPU (bf16 autocast over fp32 weights under FSDP/DeepSpeed,
+    which cast themselves); bf16 autocast over fp32 weights on a CPU with native bf16; else fp32."""
+    if precision not in PRECISIONS:
+        raise CtxextError(f"unknown precision '{precision}'; use {', '.join(PRECISIONS)}")
+    if precision != "auto":
+        return precision
+    if not bf16_is_fast(device):
+        return "fp32"
+    return "bf16" if device.type == "cuda" and not sharded else "bf16-mixed"
+
+
+def attention_implementation(requested: str, device: torch.device, half_precision: bool) -> str:
+    """'auto': flash_attention_2 on a GPU in bf16/fp16 where it is installed, else sdpa."""
+    if requested != "auto":
+        return requested
+    if device.type == "cuda" and half_precision:
+        from transformers.utils import is_flash_attn_2_available
+
+        if is_flash_attn_2_available():
+            return "flash_attention_2"
+    return "sdpa"
+
+
+def inference_runtime(device: str, dtype: str, attn_implementation: str, processes: "Processes") -> dict:
+    """device, dtype and attention implementation for evaluation, with the reason for the dtype."""
+    chosen = processes.device_for(device)
+    torch_dtype = resolve_dtype(dtype, chosen)
+    return {"device": chosen, "dtype": torch_dtype, "dtype_reason": dtype_reason(dtype, chosen),
+            "attn_implementation": attention_implementation(attn_implementation, chosen,
+                                                            torch_dtype in (torch.bfloat16, torch.float16))}
+
+
+# -------------------------------------------------------------------------------------------- processes
+def cpu_processes(device: str) -> bool:
+    """Whether accelerate must join the processes on the CPU (gloo): asked for, or 'auto' without a GPU.
+    Without cpu=True, accelerate ignores torchrun's WORLD_SIZE on a machine with no GPU."""
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+
+class Processes:
+    """This process among those `accelerate launch` (or torchrun) started; one process when not launched.
+
+    `cpu`: join the processes on the CPU (None: when there is no GPU). `always`: set up accelerate's state even
+    for a single process (training needs it); a single process then starts from a fresh state, so one Python
+    process can run several trainings (tests, the pretraining before a fine-tune).
+    """
+
+    def __init__(self, cpu: bool | None = None, always: bool = False):
+        self.state = None
+        self.rank, self.world_size = 0, 1
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched == 1 and not always:
+            return
+        from accelerate import PartialState
+
+        self.state = PartialState(cpu=(not torch.cuda.is_available()) if cpu is None else cpu)
+        self.rank, self.world_size = self.state.process_index, self.state.num_processes
+        if launched > self.world_size:
+            raise CtxextError(
+                f"launched as {launched} processes, but accelerate set up {self.world_size}: every process would "
+                "write the same output. On a machine without GPUs use "
+                "`accelerate launch --multi_gpu --num_processes N` (torchrun; ctxext joins with gloo)")
+        if self.world_size == 1:
+            from .compat import reset_accelerate_state
+
+            reset_accelerate_state()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device(self) -> torch.device | None:
+        """accelerate's device for this process (None when accelerate is not set up)."""
+        return self.state.device if self.state is not None else None
+
+    def device_for(self, requested: str) -> torch.device:
+        """The device to run on: this process's own under several processes (or for 'auto' when accelerate is
+        set up), else `resolve_device(requested)`."""
+        if self.state is not None and (self.world_size > 1 or requested == "auto"):
+            return self.state.device
+        return resolve_device(requested)
+
+    def gather(self, items: list) -> list:
+        """Every process's items, concatenated in rank order (on every process)."""
+        if self.world_size == 1:
+            return list(items)
+        from accelerate.utils import gather_object
+
+        return gather_object(list(items))
+
+
+def launched_sharded() -> bool:
+    """Whether `accelerate launch` asked for FSDP or DeepSpeed (it says so in the environment)."""
+    from accelerate.utils import parse_flag_from_env
+
+    return parse_flag_from_env("ACCELERATE_USE_FSDP") or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
+
+
+def on_main_first(processes: Processes, fn) -> None:
+    """Run `fn` on the main process, then let the others continue (e.g. it builds a cache they then read).
+
+    Any exception there stops every process: the others wait in the broadcast below, so the main process
+    must always reach it. The main process re-raises its own exception; the others raise a CtxextError with
+    its message (a CtxextError's as is, any other's first line with its type).
+    """
+    failure = [None]
+    error = None
+    if processes.is_main:
+        try:
+            fn()
+        except BaseException as caught:  # noqa: BLE001  (re-raised below, after the others are told)
+            error = caught
+            failure = [str(caught) if isinstance(caught, CtxextError)
+                       else f"the main process failed: {type(caught).__name__}: {first_line(caught)}"]
+    if processes.world_size > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(failure)
+    if error is not None:
+        raise error
+    if failure[0] is not None:
+        raise CtxextError(failure[0])
