@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from .errors import CtxextError, did_you_mean
+from .validate import boolean, whole_number
 
 TOP_LEVEL_KEYS = ("method", "factor", "original_max_position_embeddings", "logn")
 
@@ -43,14 +44,12 @@ class MethodConfig:
 
         spec = get_method(self.method)
         spec.make_params(factor=self.factor, **self.params)
-        if not isinstance(self.logn, bool):
-            raise CtxextError(f"'logn' must be true or false, got {self.logn!r}")
-        if self.original_max_position_embeddings is not None:
-            value = self.original_max_position_embeddings
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise CtxextError(f"'original_max_position_embeddings' must be a positive integer, got {value!r}")
-            if self.logn:
-                check_original_length_for_logn(value)
+        boolean("logn", self.logn)
+        # 4096.0 (YAML, or 4e3 on the command line) is 4096, as patch() reads it.
+        self.original_max_position_embeddings = whole_number(
+            "original_max_position_embeddings", self.original_max_position_embeddings, allow_none=True)
+        if self.logn and self.original_max_position_embeddings is not None:
+            check_original_length_for_logn(self.original_max_position_embeddings)
         return self
 
     def apply(self, model):

@@ -49,7 +49,7 @@ def test_shipped_recipes_load(path):
     ({**MINIMAL, "train": {"precision": "bf61"}}, "'train.precision' must be one of"),
     ({**MINIMAL, "optim": {"betas": [0.9]}}, "'optim.betas' must be two numbers"),
     ({"model": "m", "output_dir": "o"}, "give the training data"),
-    ({**MINIMAL, "seq_len": 0}, "'seq_len' must be a positive integer"),
+    ({**MINIMAL, "seq_len": 0}, "'seq_len' must be >= 1"),
     ({**MINIMAL, "seq_len": 1024, "pose": {"enabled": True, "train_window": 2048}}, "must not exceed seq_len"),
 ])
 def test_recipe_errors_are_one_line(mapping, message):

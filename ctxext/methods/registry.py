@@ -11,13 +11,13 @@ included); only length-dependent methods (the dynamic variants, longrope) read i
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from ..errors import CtxextError, did_you_mean
+from ..validate import boolean, number
 
 
 def param(default, help: str, **kwargs):
@@ -50,18 +50,12 @@ class DynamicParams(MethodParams):
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.dynamic, bool):
-            raise CtxextError(f"'dynamic' must be true or false, got {self.dynamic!r}")
+        boolean("dynamic", self.dynamic)
 
 
 def _check_number(name: str, value, minimum: float | None = None, strict: bool = False, allow_none=False):
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise CtxextError(f"'{name}' must be a number, got {value!r}")
-    if minimum is not None and (value <= minimum if strict else value < minimum):
-        relation = ">" if strict else ">="
-        raise CtxextError(f"'{name}' must be {relation} {minimum:g}, got {value!r}")
+    """The methods' name for `ctxext.validate.number` (kept: every params dataclass calls it)."""
+    number(name, value, minimum=minimum, strict=strict, allow_none=allow_none)
 
 
 InvFreqFn = Callable[..., tuple[torch.Tensor, float]]

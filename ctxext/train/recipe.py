@@ -29,6 +29,9 @@ import yaml
 
 from ..config import MethodConfig, parse_value, read_yaml_mapping
 from ..errors import CtxextError, did_you_mean
+from ..validate import boolean, choice, number, string_list, whole_number
+
+PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16")  # what ctxext.runtime.training_precision understands
 
 
 def option(default, help: str):
@@ -194,34 +197,6 @@ def _check_keys(given: dict, allowed: list[str], where: str) -> None:
                               f"the keys are: {', '.join(allowed)}")
 
 
-def _positive_int(value, name: str, zero_ok: bool = False) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero_ok else 1):
-        raise CtxextError(f"'{name}' must be a {'non-negative' if zero_ok else 'positive'} integer, got {value!r}")
-    return value
-
-
-def _number(value, name: str, minimum: float | None = None, maximum: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise CtxextError(f"'{name}' must be a number, got {value!r}")
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise CtxextError(f"'{name}' must be between {minimum} and {maximum}, got {value!r}")
-    return float(value)
-
-
-def _string_list(value, name: str) -> list[str]:
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise CtxextError(f"'{name}' must be a list of strings, got {value!r}")
-    return value
-
-
-def _choice(value, name: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise CtxextError(f"'{name}' must be one of {', '.join(choices)}, got {value!r}{did_you_mean(value, choices)}")
-    return value
-
-
 def _section(cls, given, name: str):
     if given is None:
         given = {}
@@ -237,69 +212,64 @@ def validate(recipe: Recipe) -> Recipe:
         raise CtxextError("the recipe has no 'model' (a checkpoint directory, hub id or ctxext:tiny-shakespeare)")
     if not isinstance(recipe.output_dir, str) or not recipe.output_dir:
         raise CtxextError("the recipe has no 'output_dir'; set it in the recipe or with output_dir=PATH")
-    _positive_int(recipe.seq_len, "seq_len")
-    _positive_int(recipe.seed, "seed", zero_ok=True)
+    recipe.seq_len = whole_number("seq_len", recipe.seq_len)
+    recipe.seed = whole_number("seed", recipe.seed, minimum=0)
 
     lora = recipe.lora
-    _positive_int(lora.r, "lora.r")
-    _number(lora.alpha, "lora.alpha", minimum=0)
-    _number(lora.dropout, "lora.dropout", 0.0, 1.0)
-    lora.target_modules = _string_list(lora.target_modules, "lora.target_modules")
+    lora.r = whole_number("lora.r", lora.r)
+    number("lora.alpha", lora.alpha, minimum=0)
+    number("lora.dropout", lora.dropout, minimum=0, maximum=1)
+    lora.target_modules = string_list("lora.target_modules", lora.target_modules)
     if not lora.target_modules:
         raise CtxextError("'lora.target_modules' is empty; LoRA needs at least one module, e.g. q_proj")
-    if not isinstance(lora.train_embeddings_and_norms, bool):
-        raise CtxextError(f"'lora.train_embeddings_and_norms' must be true or false, got {lora.train_embeddings_and_norms!r}")
+    boolean("lora.train_embeddings_and_norms", lora.train_embeddings_and_norms)
 
     optim = recipe.optim
-    _number(optim.lr, "optim.lr", minimum=0)
+    number("optim.lr", optim.lr, minimum=0)
     if (not isinstance(optim.betas, (list, tuple)) or len(optim.betas) != 2
             or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in optim.betas)):
         raise CtxextError(f"'optim.betas' must be two numbers in [0, 1), got {optim.betas!r}")
-    _number(optim.weight_decay, "optim.weight_decay", minimum=0)
-    _positive_int(optim.warmup_steps, "optim.warmup_steps", zero_ok=True)
-    _number(optim.warmup_start_factor, "optim.warmup_start_factor", 0.0, 1.0)
-    _choice(optim.schedule, "optim.schedule", ("constant", "cosine"))
-    _number(optim.max_grad_norm, "optim.max_grad_norm", minimum=0)
+    number("optim.weight_decay", optim.weight_decay, minimum=0)
+    optim.warmup_steps = whole_number("optim.warmup_steps", optim.warmup_steps, minimum=0)
+    number("optim.warmup_start_factor", optim.warmup_start_factor, minimum=0, maximum=1)
+    choice("optim.schedule", optim.schedule, ("constant", "cosine"))
+    number("optim.max_grad_norm", optim.max_grad_norm, minimum=0)
 
     train = recipe.train
-    _positive_int(train.max_steps, "train.max_steps")
-    _positive_int(train.global_batch_size, "train.global_batch_size")
-    _positive_int(train.micro_batch_size, "train.micro_batch_size")
-    _choice(train.precision, "train.precision", ("auto", "fp32", "bf16-mixed", "bf16"))
-    _choice(train.attn_implementation, "train.attn_implementation",
-            ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"))
-    _positive_int(train.checkpoint_every, "train.checkpoint_every", zero_ok=True)
-    _positive_int(train.log_every, "train.log_every")
+    train.max_steps = whole_number("train.max_steps", train.max_steps)
+    train.global_batch_size = whole_number("train.global_batch_size", train.global_batch_size)
+    train.micro_batch_size = whole_number("train.micro_batch_size", train.micro_batch_size)
+    choice("train.precision", train.precision, PRECISIONS)
+    choice("train.attn_implementation", train.attn_implementation,
+           ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"))
+    train.checkpoint_every = whole_number("train.checkpoint_every", train.checkpoint_every, minimum=0)
+    train.log_every = whole_number("train.log_every", train.log_every)
 
     data = recipe.data
-    data.text_files = _string_list(data.text_files, "data.text_files")
-    data.exclude = _string_list(data.exclude, "data.exclude")
+    data.text_files = string_list("data.text_files", data.text_files)
+    data.exclude = string_list("data.exclude", data.exclude)
     if bool(data.dataset) == bool(data.text_files):
         raise CtxextError("give the training data with data.dataset=NAME or data.text_files=[PATH, ...] (one of them)")
-    if data.max_tokens is not None:
-        _positive_int(data.max_tokens, "data.max_tokens")
+    data.max_tokens = whole_number("data.max_tokens", data.max_tokens, allow_none=True)
 
     ev = recipe.eval
-    _positive_int(ev.every, "eval.every", zero_ok=True)
-    ev.text_files = _string_list(ev.text_files, "eval.text_files")
+    ev.every = whole_number("eval.every", ev.every, minimum=0)
+    ev.text_files = string_list("eval.text_files", ev.text_files)
     if ev.every and bool(ev.dataset) == bool(ev.text_files):
         raise CtxextError("give the held-out data with eval.dataset=NAME or eval.text_files=[PATH] (one of them); "
                           "eval.dataset=null with eval.text_files, or eval.every=0 for no evaluation")
-    if ev.max_docs is not None:
-        _positive_int(ev.max_docs, "eval.max_docs")
-    if ev.max_tokens_per_doc is not None:
-        _positive_int(ev.max_tokens_per_doc, "eval.max_tokens_per_doc")
+    ev.max_docs = whole_number("eval.max_docs", ev.max_docs, allow_none=True)
+    ev.max_tokens_per_doc = whole_number("eval.max_tokens_per_doc", ev.max_tokens_per_doc, allow_none=True)
     if ev.lengths is not None:
         if not isinstance(ev.lengths, list) or not ev.lengths:
             raise CtxextError(f"'eval.lengths' must be a list of window lengths, got {ev.lengths!r}")
-        for value in ev.lengths:
-            _positive_int(value, "eval.lengths")
-    _positive_int(ev.stride, "eval.stride")
+        ev.lengths = [whole_number("eval.lengths", value) for value in ev.lengths]
+    ev.stride = whole_number("eval.stride", ev.stride)
 
     pose = recipe.pose
     if pose.enabled:
-        _positive_int(pose.train_window, "pose.train_window")
-        _positive_int(pose.num_chunks, "pose.num_chunks")
+        pose.train_window = whole_number("pose.train_window", pose.train_window)
+        pose.num_chunks = whole_number("pose.num_chunks", pose.num_chunks)
         if pose.train_window > recipe.seq_len:
             raise CtxextError(f"pose.train_window ({pose.train_window}) must not exceed seq_len ({recipe.seq_len})")
         if pose.num_chunks > pose.train_window:
