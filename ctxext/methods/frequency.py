@@ -65,7 +65,8 @@ register(Method(
 @dataclass
 class NtkParams(DynamicParams):
     alpha: float | None = param(
-        None, "NTK alpha: the lowest frequency is interpolated by exactly alpha (default: factor)"
+        None, "NTK alpha: the lowest frequency is interpolated by exactly alpha (default: factor)",
+        search=(1.0, 4.0, "log", "*factor"),
     )
 
     def validate(self):
@@ -107,7 +108,7 @@ register(Method(
 # ----------------------------------------------------------------------------------------- ntk_mixed
 @dataclass
 class NtkMixedParams(DynamicParams):
-    beta: float = param(0.625, "exponent beta: 1 gives ntk_fixed, 0 gives linear")
+    beta: float = param(0.625, "exponent beta: 1 gives ntk_fixed, 0 gives linear", search=(0.1, 2.0))
 
     def validate(self):
         super().validate()
@@ -133,8 +134,10 @@ register(Method(
 # --------------------------------------------------------------------------------- ntk_by_parts, yarn
 @dataclass
 class ByPartsParams(DynamicParams):
-    beta_fast: float = param(32.0, "pairs that turn more than beta_fast times within L are kept (extrapolated)")
-    beta_slow: float = param(1.0, "pairs that turn fewer than beta_slow times within L are interpolated by s")
+    beta_fast: float = param(32.0, "pairs that turn more than beta_fast times within L are kept (extrapolated)",
+                             search=(4.0, 128.0, "log"))
+    beta_slow: float = param(1.0, "pairs that turn fewer than beta_slow times within L are interpolated by s",
+                             search=(0.25, 4.0, "log"))
     ramp: str = param("index", "'index': ramp linear in the pair index, as the YaRN code and transformers;"
                                " 'ratio': linear in r = L/wavelength, as the YaRN paper")
     truncate: bool = param(True, "round the ramp ends to whole pairs (floor/ceil), as the YaRN code does")
@@ -198,7 +201,7 @@ register(Method(
 @dataclass
 class YarnParams(ByPartsParams):
     attention_factor: float | None = param(
-        None, "override the attention factor a (default: 0.1*ln(s)+1, or the mscale ratio)"
+        None, "override the attention factor a (default: 0.1*ln(s)+1, or the mscale ratio)", search=(0.9, 1.5)
     )
     mscale: float | None = param(None, "DeepSeek-style: a = m(s, mscale)/m(s, mscale_all_dim), with both set")
     mscale_all_dim: float | None = param(None, "see mscale")
@@ -250,7 +253,8 @@ register(Method(
 # ------------------------------------------------------------------------------------------- theta
 @dataclass
 class ThetaParams(MethodParams):
-    new_base: float | None = param(None, "the new RoPE base b' (e.g. 1e6, as Code Llama); required")
+    new_base: float | None = param(None, "the new RoPE base b' (e.g. 1e6, as Code Llama); required",
+                                   search=(1.0, 1000.0, "log", "*base"))
 
     def validate(self):
         super().validate()

@@ -32,8 +32,10 @@ def _transformers_inv_freq(rope_type, rotary_dim, base, original_max_position_em
 
 @dataclass
 class Llama3Params(MethodParams):
-    low_freq_factor: float = param(1.0, "wavelengths above L/low_freq_factor are divided by s")
-    high_freq_factor: float = param(4.0, "wavelengths below L/high_freq_factor are kept; smooth in between")
+    low_freq_factor: float = param(1.0, "wavelengths above L/low_freq_factor are divided by s",
+                                   search=(0.25, 2.0, "log"))
+    high_freq_factor: float = param(4.0, "wavelengths below L/high_freq_factor are kept; smooth in between",
+                                    search=(2.0, 32.0, "log"))
 
     def validate(self):
         super().validate()

@@ -1,0 +1,70 @@
+"""Writing a patched checkpoint: what `ctxext patch` does, shared with `ctxext search` (its best result)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class PatchedCheckpoint:
+    """What was written, for the caller to report."""
+
+    output: Path
+    label: str
+    rope_parameters: dict
+    max_position_embeddings_before: int
+    max_position_embeddings: int
+    applied: dict
+
+    @property
+    def loads_in_plain_transformers(self) -> str:
+        native = not self.applied["rope_type"].startswith("ctxext_")
+        if self.applied["attention"]:  # log-n / remapping live in patched attention layers, re-installed by ctxext
+            return ("the frequencies only; log-n/ReRoPE need `import ctxext` first" if native
+                    else "after `import ctxext`")
+        return "yes" if native else "after `import ctxext`"
+
+
+def write_patched_checkpoint(source: str, method_config, output: str | Path, overwrite: bool = False,
+                             written_by: str = "ctxext patch", extra_record: dict | None = None) -> PatchedCheckpoint:
+    """Load `source` in its own dtype on the CPU, apply `method_config`, and write a complete checkpoint (weights,
+    config, tokenizer, ctxext.yaml recording what was applied) to `output`, atomically. The source is never
+    written to; an existing non-empty `output` needs `overwrite`."""
+    import yaml
+
+    from . import __version__
+    from .loading import load_config, load_model, load_tokenizer
+    from .outputs import atomic_output_dir, check_output_dir
+    from .patching import applied_method
+    from .patching.families import check_supported
+
+    protected = [source] if Path(source).exists() else []
+    check_output_dir(output, protected, overwrite)
+    config = load_config(source)
+    check_supported(config, f"'{source}' (model type '{config.model_type}')")
+
+    model = load_model(source, dtype="auto", device="cpu")
+    tokenizer = load_tokenizer(source)
+    original_length = model.config.max_position_embeddings
+    method_config.apply(model)
+    applied = applied_method(model)
+
+    with atomic_output_dir(output, protected, overwrite) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        record = {
+            "source_model": source,
+            "ctxext_version": __version__,
+            **method_config.to_dict(),
+            "original_max_position_embeddings": applied["original_max_position_embeddings"],
+            "rope_parameters": dict(model.config.rope_parameters),
+            "max_position_embeddings": model.config.max_position_embeddings,
+            **(extra_record or {}),
+        }
+        (staging / "ctxext.yaml").write_text(
+            f"# Written by `{written_by}`: what was applied to the source model.\n"
+            + yaml.safe_dump(record, sort_keys=False)
+        )
+    return PatchedCheckpoint(Path(output).resolve(), method_config.label, dict(model.config.rope_parameters),
+                             original_length, model.config.max_position_embeddings, applied)

@@ -1,0 +1,126 @@
+"""What a search minimises: ctxext's own perplexity on calibration documents, optionally with passkey accuracy.
+
+- `ppl`: perplexity (the METHODS.md protocol, `sliding_window_nll`) over the calibration documents at the search
+  length: one window per document by default (`stride=None`), or a sliding window.
+- `passkey`: the passkey error rate (1 - accuracy) at the search length, on seeded keys (`ctxext.eval.passkey`).
+- `ppl+passkey`: perplexity x 2^(1 - accuracy): perfect retrieval leaves the perplexity as it is, no retrieval
+  doubles it.
+
+The same scoring re-scores the best parameters and the defaults on held-out documents after the search.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..errors import CtxextError
+from .loop import InvalidParams
+
+OBJECTIVES = ("ppl", "passkey", "ppl+passkey")
+
+
+def check_objective(name: str) -> str:
+    if name not in OBJECTIVES:
+        raise CtxextError(f"--objective must be one of {', '.join(OBJECTIVES)}, got '{name}'")
+    return name
+
+
+def method_config(base: dict, params: dict):
+    """A validated MethodConfig from the fixed settings and one trial's parameters; InvalidParams if rejected."""
+    from ..config import MethodConfig
+
+    try:
+        return MethodConfig.from_mapping({**base, **{k: v for k, v in params.items() if v is not None}})
+    except CtxextError as error:
+        raise InvalidParams(str(error)) from None
+
+
+def score_perplexity(model, config, documents, length: int, stride: int | None, bos_token_id: int | None) -> dict:
+    """Summed NLL and scored tokens over `documents` (per document too) with `config` applied (None: as loaded)."""
+    from ..eval.perplexity import perplexity, sliding_window_nll
+    from ..patching import unpatch
+
+    _apply(model, config)
+    try:
+        per_document = []
+        for doc in documents:
+            nll, tokens = sliding_window_nll(model, doc.ids, length, length if stride is None else stride,
+                                             bos_token_id)
+            per_document.append({"document": doc.name, "nll_sum": nll, "tokens": tokens,
+                                 "perplexity": perplexity(nll, tokens)})
+    finally:
+        unpatch(model)
+    nll_sum = math.fsum(d["nll_sum"] for d in per_document)
+    tokens = sum(d["tokens"] for d in per_document)
+    return {"perplexity": perplexity(nll_sum, tokens), "nll_sum": nll_sum, "tokens": tokens,
+            "documents": per_document}
+
+
+def score_passkey(model, tokenizer, config, trials, bos_token_id: int | None) -> dict:
+    from ..eval.passkey import run_passkey
+
+    records = run_passkey(model, tokenizer, trials, [_CheckedMethod("trial", config)], bos_token_id)
+    correct = sum(r["correct"] for r in records)
+    return {"passkey_accuracy": correct / len(records), "passkey_correct": correct, "passkey_trials": len(records)}
+
+
+def _apply(model, config) -> None:
+    from ..patching import unpatch
+
+    if config is None:
+        unpatch(model)
+        return
+    try:
+        config.apply(model)  # a remapping method checks its resolved parameters against L only here
+    except CtxextError as error:
+        raise InvalidParams(str(error)) from None
+
+
+class _CheckedMethod:
+    """An EvalMethod whose parameter errors at patch time are InvalidParams."""
+
+    def __init__(self, label, config):
+        self.label, self.config = label, config
+
+    def apply(self, model):
+        _apply(model, self.config)
+
+    def remove(self, model):
+        from ..patching import unpatch
+
+        unpatch(model)
+
+
+@dataclass
+class Objective:
+    """Scores one trial's parameters on the calibration data: {"value": ..., perplexity and/or passkey metrics}."""
+
+    kind: str
+    base: dict  # method, factor, original_max_position_embeddings, logn and the fixed parameters
+    model: object
+    tokenizer: object
+    documents: list
+    length: int
+    stride: int | None = None
+    bos_token_id: int | None = None
+    passkey_trials: list = field(default_factory=list)
+
+    def __call__(self, params: dict) -> dict:
+        config = method_config(self.base, params)
+        metrics = {}
+        if self.kind in ("ppl", "ppl+passkey"):
+            scored = score_perplexity(self.model, config, self.documents, self.length, self.stride, self.bos_token_id)
+            metrics.update(perplexity=scored["perplexity"], nll_sum=scored["nll_sum"], tokens=scored["tokens"])
+        if self.kind in ("passkey", "ppl+passkey"):
+            metrics.update(score_passkey(self.model, self.tokenizer, config, self.passkey_trials, self.bos_token_id))
+        metrics["value"] = combine(self.kind, metrics)
+        return metrics
+
+
+def combine(kind: str, metrics: dict) -> float:
+    if kind == "ppl":
+        return metrics["perplexity"]
+    if kind == "passkey":
+        return 1.0 - metrics["passkey_accuracy"]
+    return metrics["perplexity"] * 2.0 ** (1.0 - metrics["passkey_accuracy"])

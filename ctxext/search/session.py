@@ -1,0 +1,291 @@
+"""One search end to end, in an output directory that a later run can resume:
+
+    OUT/search.json     what the search is (model, method, s, N, L, space, objective, data, dtype); a resume must match
+    OUT/trials.jsonl    every trial, appended as it finishes (see `loop`)
+    OUT/results.json    the best trial, and the defaults and the best re-scored on held-out documents
+    OUT/objective.png   the objective per trial, with the running best
+    OUT/factors.png     (longrope) the per-pair factors found, against the defaults and the starting curve
+    OUT/checkpoint/     the best parameters as a checkpoint, written by the same code as `ctxext patch`
+
+Every file is written whole to a temporary name and renamed into place; trials.jsonl is appended line by line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import CtxextError
+from .loop import TRIALS_FILE, TrialLog, best_trial
+from .space import Range
+
+SEARCH_FILE = "search.json"
+RESULTS_FILE = "results.json"
+CHECKPOINT_DIR = "checkpoint"
+OBJECTIVE_PLOT = "objective.png"
+FACTORS_PLOT = "factors.png"
+OUTPUT_NAMES = (SEARCH_FILE, TRIALS_FILE, RESULTS_FILE, OBJECTIVE_PLOT, FACTORS_PLOT, CHECKPOINT_DIR)
+
+
+@dataclass
+class SearchSettings:
+    """What defines a search; a resumed search must have the same (search.json)."""
+
+    model: str
+    method: str
+    factor: float
+    length: int
+    original_max_position_embeddings: int
+    logn: bool = False
+    fixed: dict = field(default_factory=dict)  # parameters given as flags and not searched
+    start: dict = field(default_factory=dict)  # searched parameters given as flags: trial 0's values
+    space: list[Range] = field(default_factory=list)  # empty for longrope
+    objective: str = "ppl"
+    stride: int | None = None  # None: one window per document
+    seed: int = 0
+    startup_trials: int = 5  # TPE's random trials before it models the objective
+    longrope: dict | None = None  # start_method, knots, sigma, upper, popsize
+    passkey: dict | None = None  # trials, depths (keys seeded by `seed`)
+    data: dict = field(default_factory=dict)  # calibration / held-out document names and token fingerprints
+    dtype: str = ""
+
+    @property
+    def base(self) -> dict:
+        """The method config every trial shares; a trial adds its parameters."""
+        return {"method": self.method, "factor": self.factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings,
+                "logn": self.logn, **self.fixed}
+
+    def to_dict(self) -> dict:
+        values = asdict(self)
+        values["space"] = [{"name": r.name, **r.to_dict()} for r in self.space]
+        return values
+
+
+# --------------------------------------------------------------------------------------------- files
+def atomic_write_text(path: Path, text: str) -> None:
+    path = Path(path)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False,
+                                     encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.chmod(handle.name, 0o644)
+    os.replace(handle.name, path)
+
+
+def write_json(path: Path, payload: dict) -> None:
+    atomic_write_text(path, json.dumps(payload, indent=2, allow_nan=False, default=str) + "\n")
+
+
+def check_output(out: str | Path, settings: dict, resume: bool, overwrite: bool, protected=()) -> str:
+    """'new' or 'resume' for the output directory, or a one-line CtxextError. Writes nothing."""
+    from ..outputs import check_output_dir
+
+    out = Path(out).expanduser()
+    check_output_dir(out, protected, overwrite=True)  # overlap with an input; non-empty is judged here
+    search_file = out / SEARCH_FILE
+    if resume:
+        if not search_file.is_file():
+            raise CtxextError(f"--resume: '{out}' holds no search to resume ({SEARCH_FILE} is missing)")
+        try:
+            logged = json.loads(search_file.read_text())
+        except json.JSONDecodeError:
+            raise CtxextError(f"--resume: '{search_file}' is not valid JSON") from None
+        expected = json.loads(json.dumps(settings, default=str))
+        differing = sorted(k for k in set(logged) | set(expected) if logged.get(k) != expected.get(k))
+        if differing:
+            raise CtxextError(f"--resume: the search in '{out}' was started with other settings (they differ in: "
+                              f"{', '.join(differing)}); resume with the same ones, or choose another -o")
+        return "resume"
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            hint = "--resume to continue it or --overwrite" if search_file.is_file() else "another -o or --overwrite"
+            raise CtxextError(f"output directory '{out}' already exists and is not empty; use {hint}")
+        strangers = [p.name for p in out.iterdir() if p.name not in OUTPUT_NAMES and not p.name.startswith(".")]
+        if strangers:
+            raise CtxextError(f"--overwrite: '{out}' holds files that are not a search's ({', '.join(strangers[:3])})"
+                              "; choose another -o")
+    return "new"
+
+
+def start_output(out: Path, settings: dict, mode: str) -> None:
+    """Create the output directory (emptied of an earlier search's files under --overwrite) with search.json."""
+    out = Path(out)
+    if mode == "resume":
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    for name in OUTPUT_NAMES:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    write_json(out / SEARCH_FILE, settings)
+
+
+# ------------------------------------------------------------------------------------------- the trials
+def run_trials(settings: SearchSettings, objective, out: Path, trials: int, rotary_dim: int, base: float,
+               progress=None) -> list[dict]:
+    """Run (or continue) the search until `trials` trials are logged; returns every logged trial."""
+    from .loop import longrope_search, scalar_search
+
+    log = TrialLog(Path(out) / TRIALS_FILE)
+    if settings.method == "longrope":
+        start, defaults, upper = longrope_curves(settings, rotary_dim, base)
+        lr = settings.longrope
+        return longrope_search(start, defaults, objective, log, trials, settings.seed, lr["knots"], lr["sigma"],
+                               upper, lr.get("popsize"), progress)
+    start = {r.name: settings.start.get(r.name, _default(settings.method, r.name)) for r in settings.space}
+    return scalar_search(settings.space, start, objective, log, trials, settings.seed, settings.startup_trials,
+                         progress)
+
+
+def _default(method_name: str, name: str):
+    import dataclasses
+
+    from ..methods import get_method
+
+    field_ = next(f for f in dataclasses.fields(get_method(method_name).params_cls) if f.name == name)
+    return field_.default
+
+
+def longrope_curves(settings: SearchSettings, rotary_dim: int, base: float):
+    """(starting factors, the defaults' factors, the upper bound) of a LongRoPE search."""
+    import numpy as np
+
+    from .longrope import start_factors
+
+    lr = settings.longrope
+    L, s = settings.original_max_position_embeddings, settings.factor
+    start = np.maximum.accumulate(start_factors(lr["start_method"], s, rotary_dim, base, L))
+    upper = float(lr.get("upper") or max(2.0 * s, float(start.max())))
+    return start, [float(s)] * (rotary_dim // 2), upper
+
+
+# ------------------------------------------------------------------------------------------ the results
+def held_out_scores(settings: SearchSettings, history: list[dict], model, documents, bos_token_id,
+                    baseline: bool = True, progress=None) -> dict:
+    """Perplexity of the defaults (trial 0), the best trial and (optionally) the model as loaded on `documents`."""
+    from .objective import method_config, score_perplexity
+
+    best = best_trial(history)
+    rows = {}
+    candidates = [("defaults", history[0])] + ([("best", best)] if best is not None else [])
+    for name, trial in candidates:
+        if trial["state"] != "complete":
+            rows[name] = None
+            continue
+        if name == "best" and trial["number"] == history[0]["number"]:
+            rows[name] = rows["defaults"]
+            continue
+        rows[name] = score_perplexity(model, method_config(settings.base, trial["params"]), documents,
+                                      settings.length, settings.stride, bos_token_id)
+        if progress is not None:
+            progress.update(1)
+    if baseline:
+        rows["none"] = score_perplexity(model, None, documents, settings.length, settings.stride, bos_token_id)
+    return rows
+
+
+def summarize(settings: SearchSettings, history: list[dict], held_out: dict, seconds: float,
+              environment: dict | None = None, checkpoint: dict | None = None) -> dict:
+    """results.json: settings, best and default trials, calibration and held-out numbers side by side."""
+    best = best_trial(history)
+    defaults = history[0]
+    value = (lambda t: t["value"] if t and t["state"] == "complete" else None)
+
+    def improvement(new, old):
+        return None if new is None or old is None or old == 0 else (new - old) / old
+
+    held = {name: (None if row is None else {"perplexity": row["perplexity"], "tokens": row["tokens"],
+                                              "documents": row["documents"]})
+            for name, row in held_out.items()}
+    held_ppl = {name: (row or {}).get("perplexity") for name, row in held.items()}
+    return {
+        "settings": settings.to_dict(),
+        "trials": {"logged": len(history), "complete": sum(t["state"] == "complete" for t in history),
+                   "invalid": sum(t["state"] == "invalid" for t in history),
+                   "diverged": sum(t["state"] == "diverged" for t in history),
+                   "repeats": sum("repeat_of" in t for t in history)},
+        "best": best,
+        "defaults": defaults,
+        "calibration": {"objective": settings.objective, "defaults": value(defaults), "best": value(best),
+                        "change": improvement(value(best), value(defaults))},
+        "held_out": {"documents": settings.data.get("held_out", {}).get("documents", []),
+                     "perplexity": held_ppl,
+                     "change": improvement(held_ppl.get("best"), held_ppl.get("defaults")),
+                     "scores": held},
+        "checkpoint": checkpoint,
+        "seconds": {"this_run": round(seconds, 1),
+                    "trials_total": round(sum(t.get("seconds", 0.0) for t in history), 1)},
+        "environment": environment,
+    }
+
+
+def plot_objective(history: list[dict], path: Path, title: str, objective: str) -> None:
+    from ..eval.report import _figure
+
+    fig = _figure(figsize=(7.5, 4.2))
+    ax = fig.subplots()
+    done = [t for t in history if t["state"] == "complete"]
+    failed = [t["number"] for t in history if t["state"] != "complete"]
+    ax.scatter([t["number"] for t in done], [t["value"] for t in done], s=18, label="trial", zorder=3)
+    running, best = [], math.inf
+    for t in history:
+        if t["state"] == "complete":
+            best = min(best, t["value"])
+        running.append(best)
+    ax.step(range(len(history)), running, where="post", color="C1", label="best so far")
+    if done and done[0]["number"] == 0:
+        ax.scatter([0], [done[0]["value"]], s=60, marker="*", color="C3", zorder=4, label="trial 0 (defaults)")
+    if failed:
+        low = min((t["value"] for t in done), default=1.0)
+        ax.scatter(failed, [low] * len(failed), marker="x", color="grey", label="invalid / diverged")
+    values = [t["value"] for t in done]
+    if values and objective != "passkey" and min(values) > 0 and max(values) / min(values) > 20:
+        ax.set_yscale("log")
+    ax.set_xlabel("trial")
+    ax.set_ylabel({"ppl": "calibration perplexity", "passkey": "passkey error rate",
+                   "ppl+passkey": "perplexity x 2^(1 - passkey accuracy)"}[objective] + " (lower is better)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_factors(curves: dict[str, list[float]], path: Path, title: str) -> None:
+    """Per-pair factors θ_i/θ'_i (1 = kept, s = interpolated like PI), one line per curve."""
+    from ..eval.report import _figure
+
+    fig = _figure(figsize=(7.5, 4.2))
+    ax = fig.subplots()
+    for (label, factors), style in zip(curves.items(), ("--", ":", "-", "-.")):
+        ax.plot(range(len(factors)), factors, style, marker="." if style == "-" else None, label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("pair i (fast -> slow)")
+    ax.set_ylabel("factor θ_i / θ'_i")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def save_plot(plot, data, path: Path, *rest) -> None:
+    """`plot(data, path, *rest)` drawn to a temporary file that is then renamed into place."""
+    path = Path(path)
+    staging = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    plot(data, staging, *rest)
+    os.replace(staging, path)
+
+
+def elapsed(started: float) -> float:
+    return time.perf_counter() - started

@@ -1,0 +1,291 @@
+"""`ctxext search` on tiny models: trial 0, a planted optimum, resume, the search loop, bad input."""
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ctxext
+from ctxext.cli import main
+from ctxext.errors import CtxextError
+from ctxext.methods import METHODS, get_method
+from ctxext.search.loop import TrialLog, best_trial, scalar_search
+from ctxext.search.space import Range, build_space, searchable_fields
+from tests.conftest import save_tiny_checkpoint, tiny_model
+
+pytest.importorskip("optuna")
+pytest.importorskip("cma")
+
+WORDS = 256
+
+
+def run_cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def write_documents(folder, documents):
+    folder.mkdir(parents=True, exist_ok=True)
+    for index, ids in enumerate(documents):
+        (folder / f"doc{index}.txt").write_text(" ".join(f"w{int(i)}" for i in ids))
+    return folder
+
+
+def naive_perplexity(model, documents, window):
+    """exp(mean NLL) of the first `window` tokens of each document, from the full logits (no ctxext eval code)."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids in documents:
+            ids = torch.as_tensor(ids[:window]).unsqueeze(0)
+            logits = model(ids).logits[0, :-1].double()
+            total += float(F.cross_entropy(logits, ids[0, 1:], reduction="sum"))
+            count += ids.shape[1] - 1
+    return math.exp(total / count)
+
+
+def read_trials(out):
+    return [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny LLaMA (L = 64) and four random 300-token documents."""
+    root = tmp_path_factory.mktemp("search")
+    source = save_tiny_checkpoint(root / "tiny", tiny_model("llama"))
+    g = torch.Generator().manual_seed(0)
+    docs = write_documents(root / "docs", [torch.randint(0, WORDS, (300,), generator=g) for _ in range(4)])
+    return source, docs
+
+
+# --------------------------------------------------------------------------------------------- trial 0
+def test_trial_0_is_the_defaults_and_scores_what_the_patched_model_scores(tiny, tmp_path, capsys):
+    source, docs = tiny
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(capsys, "search", source, "--method", "yarn", "--factor", 4, "--length", 256,
+                                "--text-file", docs, "--trials", 3, "--dtype", "fp32", "--no-progress", "-o", out)
+    assert code == 0, err
+    trials = read_trials(out)
+    assert trials[0]["role"] == "defaults"
+    defaults = {f.name: f.default for f in searchable_fields(get_method("yarn")).values()}
+    assert trials[0]["params"] == {k: defaults[k] for k in ("beta_fast", "beta_slow", "attention_factor")}
+    # Oracle: the defaults applied with ctxext.patch, scored from full logits in float64.
+    model = ctxext.patch(tiny_model("llama"), "yarn", factor=4.0)
+    ids = [torch.tensor([int(w[1:]) for w in (docs / "doc0.txt").read_text().split()])]
+    assert trials[0]["value"] == pytest.approx(naive_perplexity(model, ids, 256), rel=1e-5)
+    results = json.loads((out / "results.json").read_text())
+    assert results["calibration"]["defaults"] == trials[0]["value"]
+    assert results["calibration"]["best"] <= trials[0]["value"]
+    assert results["held_out"]["documents"] == [str(docs / f"doc{i}.txt") for i in (1, 2, 3)]
+    assert {p.name for p in out.iterdir()} >= {"search.json", "trials.jsonl", "results.json", "objective.png",
+                                               "checkpoint"}
+
+
+def test_a_flag_for_a_searched_parameter_sets_trial_0_and_other_flags_stay_fixed(tiny, tmp_path, capsys):
+    source, docs = tiny
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "search", source, "--method", "yarn", "--factor", 4, "--length", 256,
+                           "--params", "beta_fast", "--beta-fast", 16, "--beta-slow", 2, "--text-file", docs,
+                           "--trials", 4, "--dtype", "fp32", "--no-progress", "-o", out)
+    assert code == 0, err
+    trials = read_trials(out)
+    assert trials[0]["params"] == {"beta_fast": 16}
+    assert all(set(t["params"]) == {"beta_fast"} for t in trials)
+    settings = json.loads((out / "search.json").read_text())
+    assert settings["fixed"] == {"beta_slow": 2} and settings["start"] == {"beta_fast": 16}
+
+
+# ---------------------------------------------------------------------------------------- planted optimum
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """A sharp tiny model and text sampled from it patched with NTK alpha = 10: the expected NLL of that text is
+    lowest at alpha = 10, so the search's optimum is planted there."""
+    root = tmp_path_factory.mktemp("planted")
+    teacher = tiny_model("llama", seed=1)
+    with torch.no_grad():  # peaked outputs and sharp attention: the positions matter
+        teacher.lm_head.weight.mul_(20)
+        for layer in teacher.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    source = save_tiny_checkpoint(root / "teacher", teacher)
+    ctxext.patch(teacher, "ntk", factor=4, alpha=10.0)
+    torch.manual_seed(0)
+    documents = []
+    with torch.no_grad():
+        for _ in range(6):
+            start = torch.randint(0, WORDS, (1, 1))
+            documents.append(teacher.generate(start, max_new_tokens=255, min_new_tokens=255, do_sample=True, top_k=0,
+                                              top_p=1.0, temperature=1.0, pad_token_id=0)[0])
+    ctxext.unpatch(teacher)
+    return source, teacher, documents, write_documents(root / "docs", documents)
+
+
+def test_the_search_finds_an_optimum_planted_in_a_tiny_model(planted, tmp_path, capsys):
+    source, teacher, documents, folder = planted
+    # The oracle: the objective on a grid, from full logits, with ctxext.patch.
+    grid = {}
+    for alpha in range(4, 17):
+        ctxext.patch(teacher, "ntk", factor=4, alpha=float(alpha))
+        grid[alpha] = naive_perplexity(teacher, documents, 256)
+    ctxext.unpatch(teacher)
+    planted_alpha = min(grid, key=grid.get)
+    assert planted_alpha == 10  # the plant took: the grid's optimum is where the text came from
+
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "search", source, "--method", "ntk", "--factor", 4, "--length", 256,
+                           "--text-file", folder, "--calibration-docs", 6, "--held-out", 0, "--trials", 24,
+                           "--dtype", "fp32", "--no-progress", "-o", out)
+    assert code == 0, err
+    best = best_trial(read_trials(out))
+    assert best["params"]["alpha"] == pytest.approx(10.0, rel=0.08)
+    assert best["value"] <= grid[10] * 1.01  # within 1% of the optimum the grid found
+    assert best["value"] < read_trials(out)[0]["value"]  # and better than the defaults (alpha = s = 4)
+
+
+def test_tpe_finds_a_planted_minimum_through_the_search_loop(tmp_path):
+    space = build_space(get_method("yarn"), {"factor": 4, "L": 64, "base": 1e4}, ["beta_fast", "beta_slow"])
+
+    def objective(params):
+        return {"value": math.log(params["beta_fast"] / 20) ** 2 + math.log(params["beta_slow"] / 1.5) ** 2}
+
+    history = scalar_search(space, {"beta_fast": 32.0, "beta_slow": 1.0}, objective, TrialLog(tmp_path / "t.jsonl"),
+                            trials=40, seed=0)
+    best = best_trial(history)
+    # The minimum is 0 at (20, 1.5); trial 0 (32, 1) scores 0.39.
+    assert best["value"] < 0.05
+    assert best["params"]["beta_fast"] == pytest.approx(20, rel=0.2)
+    assert best["params"]["beta_slow"] == pytest.approx(1.5, rel=0.2)
+
+
+# -------------------------------------------------------------------------------------------------- resume
+def test_a_resumed_search_continues_the_log_and_matches_an_uninterrupted_one(tmp_path):
+    space = [Range("x", -5.0, 5.0), Range("n", 1, 50, integer=True, log=True)]
+    calls = []
+
+    def objective(params):
+        calls.append(params)
+        return {"value": (params["x"] - 1.2) ** 2 + abs(math.log(params["n"] / 7))}
+
+    whole = scalar_search(space, {"x": 0.0, "n": 3}, objective, TrialLog(tmp_path / "whole.jsonl"), trials=14, seed=3)
+    calls.clear()
+    log = TrialLog(tmp_path / "parts.jsonl")
+    scalar_search(space, {"x": 0.0, "n": 3}, objective, log, trials=6, seed=3)
+    with open(log.path, "a") as handle:  # a crash in the middle of writing trial 6
+        handle.write('{"number": 6, "role": "sea')
+    resumed = scalar_search(space, {"x": 0.0, "n": 3}, objective, log, trials=14, seed=3)
+    assert len(calls) == 6 + 8 - sum("repeat_of" in t for t in resumed)  # no logged trial scored again
+    assert [t["number"] for t in resumed] == list(range(14))
+    strip = [{k: v for k, v in t.items() if k != "seconds"} for t in resumed]
+    assert strip == [{k: v for k, v in t.items() if k != "seconds"} for t in whole]
+    assert best_trial(resumed) == best_trial(whole) or best_trial(resumed)["number"] == best_trial(whole)["number"]
+
+
+def test_resume_from_the_command_line(tiny, tmp_path, capsys):
+    source, docs = tiny
+    common = ["search", source, "--method", "leaky_rerope", "--length", 256, "--text-file", docs, "--dtype", "fp32",
+              "--no-progress", "--held-out", 1]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert run_cli(capsys, *common, "--trials", 7, "-o", whole)[0] == 0
+    assert run_cli(capsys, *common, "--trials", 3, "-o", parts)[0] == 0
+    code, _, err = run_cli(capsys, *common, "--trials", 3, "-o", parts)  # the output exists: resume or overwrite
+    assert code == 2 and "--resume" in err
+    code, stdout, err = run_cli(capsys, *common, "--trials", 7, "-o", parts, "--resume")
+    assert code == 0, err
+    assert "(resumed)" in stdout
+    a, b = read_trials(whole), read_trials(parts)
+    assert [t["number"] for t in b] == list(range(7))
+    assert [(t["params"], t["value"]) for t in a] == [(t["params"], t["value"]) for t in b]
+    results = json.loads((parts / "results.json").read_text())
+    assert results["best"]["number"] == best_trial(a)["number"]
+    # A resume with other settings is refused, and changes nothing.
+    before = (parts / "trials.jsonl").read_bytes()
+    code, _, err = run_cli(capsys, *common, "--trials", 9, "-o", parts, "--resume", "--seed", 1)
+    assert code == 2 and "seed" in err and len(err.strip().splitlines()) == 1
+    assert (parts / "trials.jsonl").read_bytes() == before
+
+
+def test_invalid_combinations_are_logged_and_avoided(tmp_path):
+    space = build_space(get_method("dual_chunk"), {"factor": 4, "L": 64, "base": 1e4}, None)
+
+    def objective(params):
+        if params["chunk_size"] <= params["local_window"]:
+            from ctxext.search.loop import InvalidParams
+
+            raise InvalidParams("chunk_size must be larger than local_window")
+        return {"value": float(params["chunk_size"])}
+
+    history = scalar_search(space, {"chunk_size": 48, "local_window": 4}, objective, TrialLog(tmp_path / "t.jsonl"),
+                            trials=12, seed=0)
+    assert all(t["state"] in ("complete", "invalid") for t in history)
+    assert all((t["state"] == "invalid") == (t["params"]["chunk_size"] <= t["params"]["local_window"])
+               for t in history)
+
+
+# ------------------------------------------------------------------------------------------------ ranges
+def test_every_declared_range_resolves_to_a_non_empty_range():
+    scales = {"factor": 4.0, "L": 4096, "base": 1e4}
+    searched = 0
+    for method in METHODS.values():
+        for name, field in searchable_fields(method).items():
+            if "search" not in field.metadata:
+                continue
+            (r,) = build_space(method, scales, [name])
+            assert r.low < r.high, (method.name, name)
+            if field.default is not None and not isinstance(field.default, bool):
+                assert r.low <= field.default <= r.high or name == "alpha", (method.name, name, field.default)
+            searched += 1
+    assert searched >= 15
+    (window,) = build_space(get_method("rerope"), scales, ["window"])
+    assert (window.to_dict()["low"], window.to_dict()["high"]) == (128, 4096)  # 1/32 L to L, whole numbers
+
+
+# --------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("extra, message", [
+    (["--method", "yarn", "--params", "beta_fst"], "did you mean 'beta_fast'"),
+    (["--method", "yarn", "--params", "ramp"], "declares no search range"),
+    (["--method", "linear"], "no parameter to search"),
+    (["--method", "yarn", "--space", "EMPTY"], "is empty"),
+    (["--method", "yarn", "--length", 64], "not above the original length L = 64"),
+    (["--method", "yarn", "--original-max-position-embeddings", 512], "not above the original length L = 512"),
+    (["--method", "longrope", "--params", "long_factor"], "do not apply"),
+    (["--method", "longrope", "--longrope-knots", 99], "--longrope-knots"),
+    (["--method", "theta"], "needs 'new_base'"),
+    (["--method", "yarn", "--calibration-docs", 9], "--calibration-docs wants 9"),
+    (["--method", "yarn", "--resume"], "holds no search to resume"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny, tmp_path, capsys, extra, message):
+    source, docs = tiny
+    space = tmp_path / "space.yaml"
+    space.write_text("beta_fast: {low: 64, high: 8}\n")
+    extra = [str(space) if e == "EMPTY" else e for e in extra]
+    argv = ["search", source, "--length", 256, "--text-file", docs, "--dtype", "fp32", "--no-progress",
+            "-o", tmp_path / "out", *extra]
+    code, stdout, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_without_optuna_the_command_says_how_to_install(tiny, tmp_path, capsys, monkeypatch):
+    source, docs = tiny
+    monkeypatch.setitem(sys.modules, "optuna", None)  # import optuna now raises ImportError
+    code, _, err = run_cli(capsys, "search", source, "--method", "yarn", "--factor", 4, "--length", 256,
+                           "--text-file", docs, "-o", tmp_path / "out")
+    assert code == 2 and "pip install 'ctxext[search]'" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_ranges_reject_bad_specifications():
+    with pytest.raises(CtxextError, match="is empty"):
+        Range("x", 2.0, 2.0)
+    with pytest.raises(CtxextError, match="log range needs low > 0"):
+        Range("x", 0.0, 2.0, log=True)
+    with pytest.raises(CtxextError, match="no whole number"):
+        Range("x", 2.2, 2.8, integer=True)
+    with pytest.raises(CtxextError, match="has no searchable parameter 'windw'.*did you mean 'window'"):
+        build_space(get_method("rerope"), {"factor": 2, "L": 64, "base": 1e4}, space={"windw": [1, 2]})
+    assert np.isclose(Range("x", 1.0, 8.0, log=True).distribution().high, 8.0)
