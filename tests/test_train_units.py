@@ -155,3 +155,15 @@ def test_pose_positions_are_chunks_with_growing_skips(chunks):
         assert max(skips_seen) > 0.9 * (target - window)  # nested draws: the last skip leans high
     assert torch.equal(pose_position_ids(window, target, chunks, pose_generator(1, 5)),
                        pose_position_ids(window, target, chunks, pose_generator(1, 5)))
+
+
+def test_the_training_loop_plans_the_windows_ctxext_eval_plans():
+    # One stride rule: where the window is not longer than the stride, both slide by half the window.
+    from ctxext.eval.data import Document
+    from ctxext.eval.runner import plan_lengths
+    from ctxext.train.loop import plan_length
+
+    docs = [Document("d", torch.arange(300))]
+    for length, stride in [(64, 64), (64, 100), (128, 32)]:
+        assert plan_length(docs, length, stride, None).windows == plan_lengths(docs, [length], stride, None)[0].windows
+    assert plan_length(docs, 64, 64, None).stride == 32

@@ -24,7 +24,8 @@ def add_arguments(parser) -> None:
                         help=f"windows (evaluated contexts) in tokens, e.g. 2048,4096 or 2k,4k "
                              f"(default {DEFAULT_LENGTHS})")
     parser.add_argument("--stride", default="256", metavar="S",
-                        help="how far each window advances (default 256); 'window' = one pass per document")
+                        help="how far each window advances (default 256; a window not longer than it advances by "
+                             "half its length); 'window' = one pass per document")
     parser.add_argument("--short-docs", choices=("skip", "truncate"), default="skip",
                         help="a document shorter than the window: skip it (default; reported) or score it in one "
                              "window of its own length")
@@ -54,9 +55,6 @@ def run(args) -> int:
     started = time.perf_counter()
     lengths = parse_lengths(args.lengths)
     stride = parse_stride(args.stride)
-    if stride is not None and stride > lengths[0]:
-        raise CtxextError(f"--stride {stride} is larger than the window {lengths[0]}; use a stride <= every length "
-                          "(or --stride window for one pass per document)")
     if args.short_docs not in ("skip", "truncate"):
         raise CtxextError("--short-docs must be skip or truncate")
     method_mappings(args)  # bad method flags fail before anything is loaded
@@ -73,6 +71,9 @@ def run(args) -> int:
 
     if processes.is_main:
         mode = "one pass per document (stride = window)" if stride is None else f"sliding window, stride {stride}"
+        halved = [f"{p.stride} at {p.length}" for p in plans if stride is not None and p.stride != stride]
+        if halved:
+            mode += f" ({', '.join(halved)}: half of a window not longer than the stride)"
         print(f"ctxext eval: {len(docs.documents)} documents ({sum(len(d) for d in docs.documents)} tokens), "
               f"{mode}, {len(methods)} methods x {len(lengths)} lengths; {runtime['dtype']} "
               f"({runtime['dtype_reason']}) on {runtime['device']}, {runtime['attn_implementation']}"
@@ -99,6 +100,9 @@ def run(args) -> int:
                     "ctxext docs/METHODS.md 'Perplexity protocol'",
             "mode": "truncate: one pass per document over its first window" if stride is None else "sliding window",
             "stride": "window" if stride is None else stride,
+            "stride_per_length": {str(p.length): p.stride for p in plans},
+            "stride_rule": "a window not longer than the stride slides by half its length (ctxext.eval.perplexity."
+                           "stride_at)",
             "scoring": "each token is scored once; tokens scored by an earlier window get label -100",
             "averaging": "token-weighted: exp(sum of NLL / tokens scored) over all documents",
             "documents": "evaluated separately",

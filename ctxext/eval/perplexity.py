@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CtxextError
+from ..validate import whole_number
 
 # Positions per LM-head chunk: 256 x 49152 vocab x 4 bytes = 50 MB of fp32 logits (and as much for the softmax).
 LM_HEAD_CHUNK = 256
@@ -53,14 +54,25 @@ def text_tokens_per_window(window: int, bos_token_id: int | None) -> int:
     return window - 1 if bos_token_id is not None else window
 
 
-def check_window_and_stride(window: int, stride: int) -> None:
-    for name, value in (("window", window), ("stride", stride)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise CtxextError(f"{name} must be an integer, got {value!r}")
-    if window < 2:
-        raise CtxextError(f"window must be at least 2 tokens, got {window}")
-    if not 0 < stride <= window:
+def check_window_and_stride(window: int, stride: int) -> tuple[int, int]:
+    window = whole_number("window", window, minimum=2)
+    stride = whole_number("stride", stride)
+    if stride > window:
         raise CtxextError(f"stride must be between 1 and the window ({window}), got {stride}")
+    return window, stride
+
+
+def stride_at(window: int, stride: int | None) -> int:
+    """The stride a requested stride means at one window length, for `ctxext eval` and the training loop alike.
+
+    None (`--stride window`) is truncate mode: one pass per document (stride = window). An integer stride
+    always slides: where the window is not longer than it, the stride becomes half the window, so that every
+    token is still scored with some context (stride = window would mean one pass, a longer one would skip
+    tokens).
+    """
+    if stride is None:
+        return window
+    return stride if stride < window else max(1, window // 2)
 
 
 def plan_windows(n_tokens: int, window: int, stride: int, bos_token_id: int | None = None, doc: int = 0) -> list[Window]:
@@ -68,7 +80,7 @@ def plan_windows(n_tokens: int, window: int, stride: int, bos_token_id: int | No
 
     A document shorter than a window is an error here: the caller skips or truncates it, and says so.
     """
-    check_window_and_stride(window, stride)
+    window, stride = check_window_and_stride(window, stride)
     span = text_tokens_per_window(window, bos_token_id)
     if n_tokens < span:
         raise CtxextError(f"a document of {n_tokens} tokens is shorter than the window ({span} text tokens)")

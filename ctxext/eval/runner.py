@@ -17,7 +17,8 @@ from torch import nn
 from ..errors import CtxextError
 from ..runtime import Processes
 from .data import Document, tokens_fingerprint
-from .perplexity import Window, evaluation_mode, perplexity, plan_windows, text_tokens_per_window, window_nll
+from .perplexity import (Window, evaluation_mode, perplexity, plan_windows, stride_at, text_tokens_per_window,
+                         window_nll)
 
 SHORT_DOC_POLICIES = ("skip", "truncate")
 
@@ -59,12 +60,12 @@ class LengthPlan:
 
 def plan_lengths(documents: list[Document], lengths: list[int], stride: int | None, bos_token_id: int | None,
                  short_docs: str = "skip") -> list[LengthPlan]:
-    """One LengthPlan per length; `stride` None means one pass per document (stride = window)."""
+    """One LengthPlan per length, at the stride `stride_at` gives (None: one pass per document)."""
     if short_docs not in SHORT_DOC_POLICIES:
         raise CtxextError(f"short-document policy must be one of {', '.join(SHORT_DOC_POLICIES)}, got {short_docs!r}")
     plans = []
     for length in lengths:
-        step = length if stride is None else stride
+        step = stride_at(length, stride)
         windows, skipped, truncated, used = [], [], [], 0
         for index, doc in enumerate(documents):
             if len(doc) < text_tokens_per_window(length, bos_token_id):

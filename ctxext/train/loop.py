@@ -219,11 +219,10 @@ def load_eval_documents(recipe: Recipe, tokenizer, original_length: int, train_n
 
 
 def plan_length(documents, length: int, stride: int, bos: int | None):
-    """The evaluator's window plan at one length. A window no longer than the stride gets stride = window / 2:
-    in the protocol, stride == window means one truncated pass, and every token should be scored here."""
+    """The evaluator's window plan at one length (the stride rule is `ctxext.eval.perplexity.stride_at`)."""
     from ..eval.runner import plan_lengths
 
-    return plan_lengths(documents, [length], stride if stride < length else max(1, length // 2), bos)[0]
+    return plan_lengths(documents, [length], stride, bos)[0]
 
 
 def evaluate(setup: Setup, model, lengths: list[int]) -> dict[int, float]:
