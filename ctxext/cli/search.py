@@ -57,6 +57,8 @@ def add_arguments(parser) -> None:
                        help="the first K documents long enough for a window are the calibration data (default 1)")
     group.add_argument("--held-out", type=int, default=None, metavar="N",
                        help="re-score on the next N long-enough documents (default: up to 3 of them; 0: none)")
+    group.add_argument("--no-checkpoint", action="store_true",
+                       help="do not write the best parameters as a checkpoint (OUT/checkpoint)")
     group.add_argument("--no-baseline", action="store_true",
                        help="do not score the model as loaded (no method) on the held-out documents")
     group.add_argument("--passkey-trials", type=int, default=2, metavar="N",
@@ -145,14 +147,16 @@ def run(args) -> int:
     from ..eval.report import environment
     from ..search.objective import method_config
 
-    best_config = method_config(settings.base, best["params"])
-    objective.model = model = None  # free the search's copy: the checkpoint is written from the source's own weights
-    written = write_patched_checkpoint(
-        args.model, best_config, out / session.CHECKPOINT_DIR, overwrite=True, written_by="ctxext search",
-        extra_record={"search": {"output": str(out.resolve()), "trial": best["number"], "objective":
-                                 settings.objective, "value": best["value"], "length": settings.length}})
-    checkpoint = {"path": str(written.output), "rope_type": written.applied["rope_type"],
-                  "loads_in_plain_transformers": written.loads_in_plain_transformers}
+    checkpoint = None
+    if not args.no_checkpoint:
+        best_config = method_config(settings.base, best["params"])
+        objective.model = model = None  # free the search's copy: the checkpoint is written from the source's weights
+        written = write_patched_checkpoint(
+            args.model, best_config, out / session.CHECKPOINT_DIR, overwrite=True, written_by="ctxext search",
+            extra_record={"search": {"output": str(out.resolve()), "trial": best["number"], "objective":
+                                     settings.objective, "value": best["value"], "length": settings.length}})
+        checkpoint = {"path": str(written.output), "rope_type": written.applied["rope_type"],
+                      "loads_in_plain_transformers": written.loads_in_plain_transformers}
     results = session.summarize(settings, history, held_out, time.perf_counter() - started, environment(),
                                 checkpoint)
     session.write_json(out / session.RESULTS_FILE, results)
@@ -334,7 +338,8 @@ def _print_summary(results: dict, out) -> None:
     if "long_factor" in best["params"]:
         shown["long_factor"] = "[" + ", ".join(f"{f:.3g}" for f in best["params"]["long_factor"]) + "]"
     print("best parameters: " + (", ".join(f"{k}={v}" for k, v in shown.items()) or "the defaults"))
-    print(f"trials: {results['trials']['logged']} ({results['trials']['invalid']} invalid); checkpoint: "
-          f"{results['checkpoint']['path']} (rope_type {results['checkpoint']['rope_type']}; loads in plain "
-          f"transformers: {results['checkpoint']['loads_in_plain_transformers']})")
+    written = results["checkpoint"]
+    print(f"trials: {results['trials']['logged']} ({results['trials']['invalid']} invalid); checkpoint: " + (
+        f"{written['path']} (rope_type {written['rope_type']}; loads in plain transformers: "
+        f"{written['loads_in_plain_transformers']})" if written else "not written (--no-checkpoint)"))
     print(f"results: {out.resolve()} (results.json, trials.jsonl, objective.png)")

@@ -249,8 +249,15 @@ def plot_objective(history: list[dict], path: Path, title: str, objective: str) 
         low = min((t["value"] for t in done), default=1.0)
         ax.scatter(failed, [low] * len(failed), marker="x", color="grey", label="invalid / diverged")
     values = [t["value"] for t in done]
-    if values and objective != "passkey" and min(values) > 0 and max(values) / min(values) > 20:
-        ax.set_yscale("log")
+    if values and objective != "passkey" and min(values) > 0 and max(values) / min(values) > 1.5:
+        from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+        ax.set_yscale("log")  # a few bad trials would flatten the good ones on a linear axis
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0)))
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    else:
+        ax.ticklabel_format(axis="y", useOffset=False)
     ax.set_xlabel("trial")
     ax.set_ylabel({"ppl": "calibration perplexity", "passkey": "passkey error rate",
                    "ppl+passkey": "perplexity x 2^(1 - passkey accuracy)"}[objective] + " (lower is better)")

@@ -1,0 +1,491 @@
+"""The method comparison report: every ctxext method on SmolLM2, at its defaults and at searched parameters.
+
+Writes docs/comparison.md (the page a user reads to choose a method), docs/comparison.png and
+docs/comparison.json. SmolLM2-135M (L = 8192) at 16k (s = 2) and 32k (s = 4):
+
+- **Perplexity** on held-out plays (Othello, King Lear, Coriolanus by default): one window over each document's
+  first N tokens, every token scored (`sliding_window_nll` with window = stride = N).
+- **Native**, the reference of the project's goal: the unpatched model over the same tokens in 8192-token windows
+  with stride 4096.
+- **Passkey** accuracy at 16k (`ctxext.eval.passkey`, seeded keys at a few depths).
+- **Searched parameters**: `ctxext search` at the same length on calibration text the report never scores
+  (Hamlet followed by Richard III), resumable, `--search-trials` trials per method; the best trial so far is used.
+
+Every (method, document, length) cell is cached on disk as soon as it is computed, in
+$CTXEXT_CACHE_DIR/compare_methods (else outputs/compare_methods), keyed by the model, dtype, method settings,
+tokens and protocol, so the report builds up over several runs and never recomputes a cell; each search resumes
+from its trials.jsonl. The report is rewritten after every cell; a partial one lists the cells still missing.
+At 32k on a 2-core CPU this is hours: run it again (or with --max-minutes) until nothing is missing.
+
+    CTXEXT_CACHE_DIR=.cache nice -n 10 env OMP_NUM_THREADS=1 .venv/bin/python scripts/compare_methods.py \\
+        --lengths 16384 --search-trials 12 --max-minutes 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+CALIBRATION = "hamlet_gut+richard_iii_gut"
+HELD_OUT = ("othello_gut", "lear_gut", "coriolanus_gut")
+NATIVE = "native"
+PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
+
+
+@dataclass
+class Variant:
+    """A row of the report: a method at its defaults or at searched parameters."""
+
+    method: str
+    kind: str  # "defaults" | "searched"
+    config: dict | None  # the method config (None: not available yet, see note)
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.method if self.kind == "defaults" else f"{self.method} (searched)"
+
+
+def methods_to_compare() -> list[str]:
+    from ctxext.methods import METHODS
+
+    return list(METHODS)
+
+
+def searchable(method: str) -> bool:
+    from ctxext.methods import get_method
+    from ctxext.search.space import searchable_fields
+
+    if method == "longrope":
+        return True
+    return any("search" in f.metadata for f in searchable_fields(get_method(method)).values())
+
+
+def default_variant(method: str, factor: float) -> Variant:
+    if method == "theta":
+        return Variant(method, "defaults", None, "no default: 'new_base' is required (see the searched row)")
+    if method == "none":
+        return Variant(method, "defaults", {"method": "none"})
+    return Variant(method, "defaults", {"method": method, "factor": factor})
+
+
+# -------------------------------------------------------------------------------------------- the cells
+class CellCache:
+    """One JSON file per cell, named by the hash of everything the cell depends on."""
+
+    def __init__(self, folder: Path, context: dict):
+        self.folder = folder
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.context = context  # model fingerprint, dtype, BOS: part of every key
+
+    def key(self, **fields) -> str:
+        text = json.dumps({**self.context, **fields}, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+    def get(self, **fields) -> dict | None:
+        path = self.folder / f"{self.key(**fields)}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def put(self, value: dict, **fields) -> dict:
+        from ctxext.search.session import write_json
+
+        record = {"key": {**self.context, **fields}, **value}
+        write_json(self.folder / f"{self.key(**fields)}.json", record)
+        return record
+
+
+def model_fingerprint(path: Path) -> str:
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for weights in sorted(path.glob("*.safetensors")):
+        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+    return digest.hexdigest()[:16]
+
+
+def machine() -> str:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")),
+                 platform.processor() or platform.machine())
+    return f"{model}, {os.cpu_count()} cores{', AMX' if 'amx_bf16' in flags else ''}, no GPU"
+
+
+# ------------------------------------------------------------------------------------------- the report
+def overall(cells: list[dict | None]) -> float | None:
+    if not cells or any(c is None for c in cells):
+        return None
+    return math.exp(math.fsum(c["nll_sum"] for c in cells) / sum(c["tokens"] for c in cells))
+
+
+def describe_params(config: dict | None, factor: float) -> str:
+    if config is None:
+        return "-"
+    shown = {k: v for k, v in config.items() if k not in ("method", "factor", "original_max_position_embeddings")}
+    if "long_factor" in shown:
+        factors = shown.pop("long_factor")
+        shown["long_factor"] = f"{len(factors)} pairs, {min(factors):.2f}..{max(factors):.2f}"
+    if not shown:
+        return "defaults"
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
+
+
+def build_report(state: dict, out_dir: Path) -> None:
+    """docs/comparison.md, .json and .png from the cells computed so far."""
+    from ctxext.search.session import atomic_write_text, write_json
+
+    lengths, docs, rows = state["lengths"], state["documents"], state["rows"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = {}
+    for length in lengths:
+        native = overall([state["cells"].get((NATIVE, doc, length)) for doc in docs])
+        scored = {}
+        for row in rows:
+            label = row["label"]
+            if row["configs"].get(length) is None:
+                continue
+            value = overall([state["cells"].get((label, doc, length)) for doc in docs])
+            if value is not None:
+                scored[label] = value
+        ranked = sorted(scored, key=scored.get)
+        table[length] = {"native": native, "perplexity": scored, "rank": {k: i + 1 for i, k in enumerate(ranked)}}
+
+    missing = state["missing"]
+    lines = [
+        "# Choosing a method: every ctxext method on SmolLM2-135M, at its defaults and searched",
+        "",
+        "Written by `scripts/compare_methods.py` (cells cached; run it again to fill what is missing). "
+        f"Model: SmolLM2-135M-Instruct (L = 8192), {state['dtype']} on {state['machine']}.",
+        "",
+        f"- **Perplexity**: one window over the first N tokens of each held-out play ({', '.join(docs)}), every token "
+        "scored; the column is exp(token-weighted mean NLL) over the plays. Lower is better; rank 1 is the best "
+        "method at that length.",
+        "- **vs native**: the ratio to the unpatched model in 8192-token windows with stride 4096 over the same "
+        "tokens (the model's own quality on that text, the project's reference).",
+        f"- **Passkey**: accuracy at {state['passkey_length']} tokens, {len(PASSKEY_DEPTHS)} seeded keys at depths "
+        f"{', '.join(f'{d:g}' for d in PASSKEY_DEPTHS)} (the Landmark/YaRN format).",
+        f"- **Searched**: the best of `ctxext search` ({state['search_trials']} trials per method and length; "
+        f"TPE, LongRoPE by CMA-ES from YaRN's factors) on calibration text the table never scores "
+        f"({CALIBRATION.replace('+', ' + ')}, first N tokens). 'search vs defaults' is the held-out change.",
+        "",
+    ]
+    header = "| method | parameters |"
+    rule = "|---|---|"
+    for length in lengths:
+        header += f" {length // 1024}k ppl | rank | vs native |"
+        rule += "---:|---:|---:|"
+    header += f" passkey {state['passkey_length'] // 1024}k | search vs defaults |"
+    rule += "---:|---|"
+    lines += [header, rule]
+    native_line = f"| **native** (unpatched, 8k windows) | - |"
+    for length in lengths:
+        value = table[length]["native"]
+        native_line += f" {value:.2f} | - | 1.00 |" if value else " ... | - | - |"
+    lines.append(native_line + " - | - |")
+    by_label = {row["label"]: row for row in rows}
+    for row in rows:
+        line = f"| {row['label']} | {'searched (below)' if row['kind'] == 'searched' else row['note'] or 'defaults'} |"
+        changes = []
+        for length in lengths:
+            value = table[length]["perplexity"].get(row["label"])
+            native = table[length]["native"]
+            if row["configs"].get(length) is None:
+                line += " ... | | |" if row["kind"] == "searched" else " n/a | | |"
+                continue
+            rank = table[length]["rank"].get(row["label"])
+            line += (f" {value:.2f} | {rank} | {value / native:.3f} |" if value and native else
+                     f" {value:.2f} | {rank} | ... |" if value else " ... | | |")
+            if row["kind"] == "searched" and value:
+                default = table[length]["perplexity"].get(row["method"])
+                if default:
+                    changes.append(f"{length // 1024}k {100 * (value - default) / default:+.1f}%")
+        passkey = state["passkey"].get(row["label"])
+        line += f" {passkey['correct']}/{passkey['trials']} |" if passkey else " ... |"
+        line += f" {', '.join(changes) or '-'} |"
+        lines.append(line)
+    lines += ["", "Searched parameters per length:", ""]
+    for row in rows:
+        if row["kind"] != "searched":
+            continue
+        for length in lengths:
+            info = row["search"].get(length)
+            if info:
+                lines.append(f"- {row['method']} at {length // 1024}k: {describe_params(row['configs'].get(length), 0)}"
+                             f" (best of {info['trials']} trials, trial {info['best']}; calibration "
+                             f"{info['calibration_defaults']:.2f} -> {info['calibration_best']:.2f})")
+    lines += ["", "Per document (perplexity):", ""]
+    for length in lengths:
+        lines += [f"**{length // 1024}k**", "", f"| method | {' | '.join(docs)} |"]
+        lines.append("|---|" + "---:|" * len(docs))
+        for label in [NATIVE] + [r["label"] for r in rows]:
+            cells = [state["cells"].get((label, doc, length)) for doc in docs]
+            if any(cells):
+                lines.append(f"| {label} | " + " | ".join(
+                    f"{math.exp(c['nll_sum'] / c['tokens']):.2f}" if c else "..." for c in cells) + " |")
+        lines.append("")
+    seconds = sum(c.get("seconds", 0.0) for c in state["cells"].values()) + \
+        sum(p.get("seconds", 0.0) for p in state["passkey"].values()) + state["search_seconds"]
+    lines += [
+        f"**Run time**: {seconds / 3600:.1f} h of computation in the cells and searches so far "
+        f"(cells {len(state['cells'])}, passkey cells {len(state['passkey'])}, search trials "
+        f"{state['search_trial_count']}); this run {state['run_seconds'] / 60:.0f} min, on {state['machine']}, "
+        "shared with other jobs.",
+        "",
+    ]
+    if missing:
+        lines += [f"**Partial report: {len(missing)} cells are missing** (run the script again to compute them):", ""]
+        lines += [f"- {m}" for m in missing[:60]] + ([f"- ... and {len(missing) - 60} more"] if len(missing) > 60 else [])
+    else:
+        lines.append("Every cell is computed.")
+    atomic_write_text(out_dir / "comparison.md", "\n".join(lines) + "\n")
+    write_json(out_dir / "comparison.json", {
+        "lengths": lengths, "documents": docs, "table": {str(k): v for k, v in table.items()},
+        "rows": [{k: v for k, v in row.items() if k != "configs"} | {"configs": {str(k): v for k, v in
+                 row["configs"].items()}} for row in rows],
+        "passkey": state["passkey"], "missing": missing, "machine": state["machine"], "dtype": state["dtype"],
+        "cells": [{"label": k[0], "document": k[1], "length": k[2], **{f: v[f] for f in ("nll_sum", "tokens",
+                                                                                          "seconds")}}
+                  for k, v in state["cells"].items()]})
+    plot(table, rows, lengths, out_dir / "comparison.png", by_label)
+
+
+def plot(table: dict, rows: list[dict], lengths: list[int], path: Path, by_label: dict) -> None:
+    from ctxext.eval.report import _figure
+
+    labels = [r["label"] for r in rows if any(r["label"] in table[n]["perplexity"] for n in lengths)]
+    if not labels:
+        return
+    fig = _figure(figsize=(8, 0.28 * len(labels) * len(lengths) + 1.5))
+    axes = fig.subplots(1, len(lengths), squeeze=False, sharey=True)
+    for ax, length in zip(axes[0], lengths):
+        values = [table[length]["perplexity"].get(label, float("nan")) for label in labels]
+        colors = ["C1" if by_label[label]["kind"] == "searched" else "C0" for label in labels]
+        ax.barh(range(len(labels)), values, color=colors)
+        native = table[length]["native"]
+        if native:
+            ax.axvline(native, color="k", lw=1, ls="--", label=f"native {native:.2f}")
+            ax.legend(fontsize=7, loc="lower right")
+        finite = [v for v in values if math.isfinite(v)]
+        if finite and native:
+            ax.set_xlim(min(finite + [native]) * 0.95, min(max(finite), 3 * native) * 1.05)
+        ax.set_title(f"{length // 1024}k (s = {length / 8192:g})", fontsize=9)
+        ax.set_xlabel("held-out perplexity (lower is better)")
+    axes[0][0].set_yticks(range(len(labels)), labels, fontsize=7)
+    axes[0][0].invert_yaxis()
+    fig.tight_layout()
+    staging = path.with_name(f".{path.stem}.tmp.png")
+    fig.savefig(staging, dpi=110)
+    os.replace(staging, path)
+
+
+# ---------------------------------------------------------------------------------------------- running
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", default="16384,32768", help="comma-separated N (default 16384,32768)")
+    parser.add_argument("--methods", default=None, help="comma-separated methods (default: every method)")
+    parser.add_argument("--held-out", default=",".join(HELD_OUT), help="Shakespeare texts scored (default %(default)s)")
+    parser.add_argument("--passkey-length", type=int, default=16384)
+    parser.add_argument("--search-trials", type=int, default=12, help="trials per search (default 12; 0: no searches)")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--max-minutes", type=float, default=None, help="start no new cell after this many minutes")
+    parser.add_argument("--report-only", action="store_true", help="write the report from the cached cells only")
+    parser.add_argument("--output", default=str(REPO / "docs"), help="where comparison.md/.png/.json go")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    import torch
+
+    from ctxext import assets
+    from ctxext.config import MethodConfig
+    from ctxext.eval.data import tokenizer_adds_bos, tokens_fingerprint
+    from ctxext.eval.passkey import plan_trials, run_passkey
+    from ctxext.eval.perplexity import sliding_window_nll, text_tokens_per_window
+    from ctxext.loading import load_model, load_tokenizer
+    from ctxext.search.loop import best_trial
+    from ctxext.search.objective import _CheckedMethod, score_perplexity
+
+    started = time.perf_counter()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    docs = [d.strip() for d in args.held_out.split(",")]
+    methods = args.methods.split(",") if args.methods else methods_to_compare()
+    root = Path(os.environ["CTXEXT_CACHE_DIR"]) / "compare_methods" if os.environ.get("CTXEXT_CACHE_DIR") else \
+        REPO / "outputs" / "compare_methods"
+    checkpoint = assets.smollm2_checkpoint()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    tokenizer = load_tokenizer(str(checkpoint))
+    bos = tokenizer.bos_token_id if tokenizer_adds_bos(tokenizer) else None
+    cache = CellCache(root / "cells", {"model": model_fingerprint(checkpoint), "dtype": args.dtype, "bos": bos})
+    texts = {doc: torch.tensor(tokenizer(assets.shakespeare_text([doc]), add_special_tokens=False).input_ids)
+             for doc in docs}
+    L = 8192
+    model = None
+
+    def get_model():
+        nonlocal model
+        if model is None:
+            model = load_model(str(checkpoint), dtype=dtype, device="cpu", attn_implementation="sdpa")
+        return model
+
+    def out_of_time() -> bool:
+        return args.report_only or (args.max_minutes is not None and
+                                    time.perf_counter() - started > 60 * args.max_minutes)
+
+    def search_dir(method: str, length: int) -> Path:
+        return root / "searches" / f"{method}-{length}"
+
+    def searched_variant(method: str, length: int) -> tuple[Variant, dict | None]:
+        folder = search_dir(method, length)
+        trials_file = folder / "trials.jsonl"
+        if not trials_file.exists():
+            return Variant(method, "searched", None, "search not run yet"), None
+        from ctxext.search.loop import TrialLog
+
+        history = TrialLog(trials_file).read()
+        best = best_trial(history)
+        settings = json.loads((folder / "search.json").read_text())
+        if best is None:
+            return Variant(method, "searched", None, "no valid trial yet"), None
+        base = {"method": settings["method"], "factor": settings["factor"],
+                "original_max_position_embeddings": settings["original_max_position_embeddings"],
+                **settings["fixed"], **{k: v for k, v in best["params"].items() if v is not None}}
+        info = {"trials": len(history), "best": best["number"], "calibration_defaults": history[0]["value"],
+                "calibration_best": best["value"]}
+        return Variant(method, "searched", base), info
+
+    def run_search(method: str, length: int) -> None:
+        from ctxext.cli import main as ctxext_main
+
+        folder = search_dir(method, length)
+        argv = ["search", str(checkpoint), "--method", method, "--factor", str(length / L), "--length", str(length),
+                "--dataset", f"shakespeare:{CALIBRATION}", "--held-out", "0", "--trials", str(args.search_trials),
+                "--no-checkpoint", "--no-progress", "--dtype", args.dtype, "-o", str(folder)]
+        if (folder / "search.json").exists():
+            argv.append("--resume")
+        if method == "theta":  # no default base: start where NTK-aware puts it, b * s^(d/(d-2)) (d = 64)
+            argv += ["--new-base", str(1e5 * (length / L) ** (64 / 62))]
+        print(f"search: {method} at {length}", flush=True)
+        code = ctxext_main(argv)
+        if code != 0:
+            print(f"  search of {method} at {length} failed (exit {code})", flush=True)
+
+    def search_finished(method: str, length: int) -> bool:
+        trials_file = search_dir(method, length) / "trials.jsonl"
+        return trials_file.exists() and len(trials_file.read_text().splitlines()) >= args.search_trials
+
+    cells, passkey, missing = {}, {}, []
+
+    def perplexity_cell(label: str, config: dict | None, doc: str, length: int, compute: bool) -> None:
+        span = text_tokens_per_window(length, bos)
+        ids = texts[doc][:span]
+        fields = {"kind": "perplexity", "config": config, "document": doc, "length": length,
+                  "tokens": tokens_fingerprint([ids]), "protocol": "one window" if label != NATIVE else "8192/4096"}
+        found = cache.get(**fields)
+        if found is None and compute and not out_of_time():
+            began = time.perf_counter()
+            if label == NATIVE:
+                nll, tokens = sliding_window_nll(get_model(), ids, 8192, 4096, bos)
+            else:
+                scored = score_perplexity(get_model(), MethodConfig.from_mapping(config), [_Doc(doc, ids)], length,
+                                          None, bos)
+                nll, tokens = scored["nll_sum"], scored["tokens"]
+            found = cache.put({"nll_sum": nll, "tokens": tokens, "seconds": time.perf_counter() - began}, **fields)
+            print(f"  {label} @ {length} on {doc}: {math.exp(nll / tokens):.3f} "
+                  f"({found['seconds']:.0f} s)", flush=True)
+        if found is None:
+            missing.append(f"perplexity: {label} at {length} on {doc}")
+        else:
+            cells[(label, doc, length)] = found
+
+    def passkey_cell(label: str, config: dict | None, compute: bool) -> None:
+        trials = plan_trials([args.passkey_length], list(PASSKEY_DEPTHS), 1, seed=0)
+        fields = {"kind": "passkey", "config": config, "length": args.passkey_length,
+                  "keys": [(t.depth, t.key) for t in trials]}
+        found = cache.get(**fields)
+        if found is None and compute and not out_of_time():
+            began = time.perf_counter()
+            method = _CheckedMethod(label, MethodConfig.from_mapping(config) if config else None)
+            records = run_passkey(get_model(), tokenizer, trials, [method], bos)
+            found = cache.put({"correct": sum(r["correct"] for r in records), "trials": len(records),
+                               "records": records, "seconds": time.perf_counter() - began}, **fields)
+            print(f"  passkey {label}: {found['correct']}/{found['trials']} ({found['seconds']:.0f} s)", flush=True)
+        if found is None:
+            missing.append(f"passkey: {label} at {args.passkey_length}")
+        else:
+            passkey[label] = found
+
+    def collect(compute_defaults: bool, compute_searched: bool) -> list[dict]:
+        cells.clear(), passkey.clear(), missing.clear()
+        rows = {}
+        for length in lengths:
+            for doc in docs:
+                perplexity_cell(NATIVE, None, doc, length, compute_defaults)
+        for method in methods:
+            for kind in ("defaults", "searched"):
+                if kind == "searched" and not (args.search_trials and searchable(method) and method != "none"):
+                    continue
+                for length in lengths:
+                    if kind == "defaults":
+                        variant, info = default_variant(method, length / L), None
+                    else:
+                        variant, info = searched_variant(method, length)
+                    row = rows.setdefault(variant.label, {"label": variant.label, "method": method, "kind": kind,
+                                                          "note": variant.note, "configs": {}, "search": {}})
+                    row["configs"][length] = variant.config
+                    if info:
+                        row["search"][length] = info
+                    if variant.config is None:
+                        if kind == "searched":
+                            missing.append(f"search: {method} at {length}")
+                        continue
+                    compute = compute_defaults if kind == "defaults" else compute_searched
+                    for doc in docs:
+                        perplexity_cell(variant.label, variant.config, doc, length, compute)
+                    if length == args.passkey_length:
+                        passkey_cell(variant.label, variant.config, compute)
+        return list(rows.values())
+
+    def report(rows: list[dict]) -> None:
+        search_seconds, search_trials = 0.0, 0
+        for folder in (root / "searches").glob("*") if (root / "searches").exists() else []:
+            for line in (folder / "trials.jsonl").read_text().splitlines() if (folder / "trials.jsonl").exists() else []:
+                search_seconds += json.loads(line).get("seconds", 0.0)
+                search_trials += 1
+        build_report({"lengths": lengths, "documents": docs, "rows": rows, "cells": cells, "passkey": passkey,
+                      "missing": missing, "dtype": args.dtype, "machine": machine(),
+                      "passkey_length": args.passkey_length, "search_trials": args.search_trials,
+                      "search_seconds": search_seconds, "search_trial_count": search_trials,
+                      "run_seconds": time.perf_counter() - started}, Path(args.output))
+
+    # 1. defaults (and native) everywhere, 2. searches, 3. the searched rows; the report after each stage.
+    report(collect(compute_defaults=True, compute_searched=False))
+    if args.search_trials and not args.report_only:
+        for length in lengths:
+            for method in methods:
+                if method == "none" or not searchable(method) or search_finished(method, length) or out_of_time():
+                    continue
+                run_search(method, length)
+                report(collect(compute_defaults=False, compute_searched=True))
+    report(collect(compute_defaults=False, compute_searched=True))
+    print(f"\n{Path(args.output) / 'comparison.md'}: {len(missing)} cells missing", flush=True)
+    return 0
+
+
+@dataclass
+class _Doc:
+    name: str
+    ids: object
+
+    def __len__(self):
+        return len(self.ids)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
