@@ -141,7 +141,7 @@ def worker_trainer(args, folder: Path) -> dict:
     return {"step_seconds": timer.times, "precision": precision, "device": str(device), "losses": losses}
 
 
-def run_worker(kind: str, args) -> dict:
+def run_worker(kind: str) -> dict:
     command = [sys.executable, __file__, "--worker", kind, *sys.argv[1:]]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
@@ -183,7 +183,7 @@ def main() -> None:
     runs = {"ctxext": [], "trainer": []}
     for _ in range(args.repeats):
         for kind in ("ctxext", "trainer"):
-            runs[kind].append(run_worker(kind, args))
+            runs[kind].append(run_worker(kind))
             print(f"  {kind}: median step {statistics.median(runs[kind][-1]['step_seconds'][args.warmup:]):.2f} s, "
                   f"peak {runs[kind][-1]['peak_memory_mb']:.0f} MB", flush=True)
     tokens_per_step = args.micro_batch * args.accumulation * args.seq_len

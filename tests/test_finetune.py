@@ -185,13 +185,27 @@ def test_run_writes_metrics_adapter_and_merged_checkpoint(reference_run, tiny_ch
     assert AutoModelForCausalLM.from_pretrained(tiny_checkpoint).config.rope_parameters["rope_type"] == "default"
 
 
+# A run that dies with no clean-up (SIGKILL) right after a given step.
+KILLED_RUN = """
+import os, signal, sys
+from ctxext.train.loop import finetune
+from ctxext.train.recipe import load_recipe
+
+def kill_after(step):
+    if step == int(sys.argv[2]):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+finetune(load_recipe(sys.argv[1]), progress=False, after_step=kill_after)
+"""
+
+
 def test_resume_after_kill_gives_the_uninterrupted_metrics(reference_run, tiny_checkpoint, texts):
     folder, reference = reference_run
     output = folder / "killed"
     recipe = write_recipe(folder, tiny_checkpoint, texts, output)
-    command = [sys.executable, "-m", "ctxext", "finetune", "--config", str(recipe), "--no-progress"]
     # SIGKILL right after step 3: the last checkpoint is step 2, and step 3 was logged (and must be dropped).
-    killed = subprocess.run(command, cwd=REPO, env=env(CTXEXT_TEST_KILL_AT_STEP="3"), capture_output=True, text=True)
+    command = [sys.executable, "-c", KILLED_RUN, str(recipe), "3"]
+    killed = subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True)
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert max(r["step"] for r in read_metrics(output)) == 3
     assert not (output / "adapter").exists()

@@ -173,3 +173,17 @@ def test_peft_wrapped_model_is_patched_through_the_wrapper():
     ctxext.patch(model, "linear", factor=2.0)
     ctxext.patch(reference, "linear", factor=2.0)
     torch.testing.assert_close(logits(model), logits(reference))
+
+
+def test_is_dynamic_says_whether_the_rotation_follows_the_length():
+    from ctxext.patching import is_dynamic
+
+    model = tiny_model("llama")
+    assert not is_dynamic(model)
+    assert not is_dynamic(ctxext.patch(model, "yarn", factor=4.0))
+    assert is_dynamic(ctxext.patch(model, "yarn", factor=4.0, dynamic=True))  # s = max(1, l/L)
+    assert is_dynamic(ctxext.patch(model, "dynamic_ntk", factor=2.0))
+    assert not is_dynamic(ctxext.unpatch(model))
+    # A checkpoint saved with transformers' own dynamic type, loaded without ctxext's patch.
+    dynamic = tiny_model("qwen2", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    assert is_dynamic(dynamic)

@@ -115,8 +115,13 @@ def _rotary_dim(config) -> int | None:
 
 
 def original_length(model) -> int | None:
-    rope = dict(getattr(model.config, "rope_parameters", None) or {})
-    return rope.get("original_max_position_embeddings") or getattr(model.config, "max_position_embeddings", None)
+    """L as patch() reads it; for a model ctxext cannot patch (evaluated as loaded), its max_position_embeddings."""
+    from .. import patching
+
+    try:
+        return patching.original_length(model)
+    except CtxextError:
+        return getattr(model.config, "max_position_embeddings", None)
 
 
 def progress_bar(args, processes, total: int, unit: str):

@@ -138,7 +138,7 @@ def load_hf_dataset(name: str, split: str | None, config: str | None, streaming:
         if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
             loaded = datasets.load_from_disk(str(path))
             if isinstance(loaded, datasets.DatasetDict):
-                split = split or _pick_split(list(loaded), name)
+                split = split or _pick_split(list(loaded))
                 if split not in loaded:
                     raise CtxextError(f"dataset '{name}' has no split '{split}'; it has: {', '.join(loaded)}")
                 loaded = loaded[split]
@@ -175,7 +175,7 @@ def load_hf_dataset(name: str, split: str | None, config: str | None, streaming:
         raise CtxextError(f"could not load dataset '{name}': {first_line(error)}{hint}") from None
 
 
-def _pick_split(splits: list[str], name: str) -> str:
+def _pick_split(splits: list[str]) -> str:
     for preferred in ("test", "validation", "train"):
         if preferred in splits:
             return preferred

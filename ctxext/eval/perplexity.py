@@ -101,12 +101,12 @@ def plan_windows(n_tokens: int, window: int, stride: int, bos_token_id: int | No
 
 def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     """(decoder returning last_hidden_state, LM head) for the families ctxext knows, else None."""
-    from ..patching import SUPPORTED_FAMILIES, rotary_host
+    from ..patching import SUPPORTED_FAMILIES
 
     inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
     if getattr(getattr(inner, "config", None), "model_type", None) not in SUPPORTED_FAMILIES:
         return None
-    decoder, head = rotary_host(inner), inner.get_output_embeddings()
+    decoder, head = inner.get_decoder(), inner.get_output_embeddings()
     if decoder is inner or head is None:
         return None
     return decoder, head

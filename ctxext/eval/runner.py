@@ -11,7 +11,6 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from ..errors import CtxextError

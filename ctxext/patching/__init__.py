@@ -4,10 +4,10 @@ from .attention import register_load_hook
 from .families import SUPPORTED_FAMILIES, rotary_dim, rotary_host
 from .patch import applied_method, original_length, patch, unpatch
 from .rope_types import register_rope_types
-from .rotary import ScaledRotaryEmbedding
+from .rotary import ScaledRotaryEmbedding, is_dynamic
 
 register_rope_types()
 register_load_hook()  # models built from a config with `ctxext_attention` come up patched
 
-__all__ = ["SUPPORTED_FAMILIES", "ScaledRotaryEmbedding", "applied_method", "original_length", "patch", "rotary_dim", "rotary_host",
-           "unpatch"]
+__all__ = ["SUPPORTED_FAMILIES", "ScaledRotaryEmbedding", "applied_method", "is_dynamic", "original_length", "patch",
+           "rotary_dim", "rotary_host", "unpatch"]

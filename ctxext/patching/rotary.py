@@ -69,3 +69,14 @@ class ScaledRotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"method={self.method.name}, params={self.params.to_dict()}, L={self.original_max_position_embeddings}"
+
+
+def is_dynamic(model: nn.Module) -> bool:
+    """Whether the model's rotary embedding follows the current length, so that no longest length applies: a
+    dynamic (or length-dependent) ctxext method, or a rope type transformers rescales with the length."""
+    from .families import rotary_host
+
+    host = rotary_host(model)
+    if isinstance(host.rotary_emb, ScaledRotaryEmbedding):
+        return host.rotary_emb.dynamic
+    return "dynamic" in (host.config.rope_parameters or {}).get("rope_type", "default")

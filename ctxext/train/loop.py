@@ -19,7 +19,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +32,6 @@ from ..runtime import (Processes, attention_implementation, cpu_processes, launc
 from .recipe import Recipe
 
 CHECKPOINTS = "checkpoints"
-# Testing hook: SIGKILL this process right after step N (a crash with no clean-up), for the resume test.
-KILL_AT_STEP_ENV = "CTXEXT_TEST_KILL_AT_STEP"
 
 
 # --------------------------------------------------------------------------------------- the schedule
@@ -124,10 +121,9 @@ class Setup:
 
 def supported_length(model) -> int | None:
     """The longest sequence the patched model is meant for, or None for dynamic methods (no limit)."""
-    from ..patching import rotary_host
+    from ..patching import is_dynamic
 
-    rotary = rotary_host(model).rotary_emb
-    if getattr(rotary, "dynamic", False):
+    if is_dynamic(model):
         return None
     return int(model.config.max_position_embeddings)
 
@@ -454,7 +450,9 @@ def merge_adapter(model_path: str, adapter: Path, method):
 
 
 # ------------------------------------------------------------------------------------------------- train
-def train(setup: Setup, resume: bool, progress: bool = True) -> list[dict]:
+def train(setup: Setup, resume: bool, progress: bool = True, after_step=None) -> list[dict]:
+    """Run the steps; `after_step(step)`, if given, is called after each optimizer step is logged, evaluated and
+    checkpointed (1-based step)."""
     from tqdm.auto import tqdm
 
     from .lora import count_parameters
@@ -494,7 +492,6 @@ def train(setup: Setup, resume: bool, progress: bool = True) -> list[dict]:
     tokens_per_step = recipe.train.global_batch_size * length
     eval_every = recipe.eval.every
     ckpt_every = recipe.train.checkpoint_every
-    kill_at = int(os.environ.get(KILL_AT_STEP_ENV, "0") or 0)
 
     def run_eval(step: int) -> dict:
         started = time.perf_counter()
@@ -566,8 +563,8 @@ def train(setup: Setup, resume: bool, progress: bool = True) -> list[dict]:
             if runtime.is_main:
                 plot_metrics(log.read(), output / "metrics.png", plot_title(setup))
         window_clock += time.perf_counter() - paused
-        if kill_at and done == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if after_step is not None:
+            after_step(done)
     bar.close()
 
     save_checkpoint(setup, model, optimizer, recipe.train.max_steps, tokens,
@@ -639,9 +636,10 @@ def write_run_record(setup: Setup, n_trainable: int, n_total: int, resume: bool,
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
 
 
-def finetune(recipe: Recipe, resume: bool = False, progress: bool = True) -> tuple[Setup, list[dict]]:
-    """Run a recipe end to end; returns the setup and the metrics records (on the main process)."""
+def finetune(recipe: Recipe, resume: bool = False, progress: bool = True, after_step=None) -> tuple[Setup, list[dict]]:
+    """Run a recipe end to end; returns the setup and the metrics records (on the main process). `after_step`:
+    see `train`."""
     setup = prepare(recipe, resume, progress)
-    records = train(setup, resume, progress)
+    records = train(setup, resume, progress, after_step)
     return setup, records
 

@@ -12,10 +12,6 @@ from torch import nn
 from ..errors import CtxextError, did_you_mean
 
 
-def module_leaf_names(model: nn.Module) -> set[str]:
-    return {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
-
-
 def check_target_modules(model: nn.Module, targets: list[str]) -> None:
     """Every LoRA target must name a Linear layer of the model, or the run stops before anything is written."""
     linear_leaves = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
