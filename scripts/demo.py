@@ -33,9 +33,11 @@ FACTOR = 2  # 8192 x 2 = 16384
 
 
 def demo_methods() -> list:
-    """The frequency methods, ReRoPE (w=1024) with log-n, and NTK-mixed with log-n."""
+    """The frequency methods, ReRoPE (w=1024) with log-n, NTK-mixed with log-n, and the other training-free
+    position-remapping methods at their defaults (SelfExtend G=4 w=1024; Dual Chunk s=3L/4 w=L/16; STRING)."""
     return ["none", "linear", "ntk", "ntk_mixed", "yarn",
-            {"method": "rerope", "factor": 1, "window": 1024, "logn": True}, {"method": "ntk_mixed", "logn": True}]
+            {"method": "rerope", "factor": 1, "window": 1024, "logn": True}, {"method": "ntk_mixed", "logn": True},
+            {"method": "self_extend"}, {"method": "dual_chunk"}, {"method": "string", "factor": 1}]
 
 
 def run(step: str, args: list[str]) -> None:
