@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import CtxextError
+from ..validate import boolean, whole_number
 from .registry import MethodParams, get_method
 from .remapping import (  # noqa: F401  (re-exported: the ReRoPE names have always lived here)
     LeakyReRopeParams,
@@ -41,10 +42,10 @@ def check_original_length_for_logn(original_max_position_embeddings) -> int:
             "log-n scaling needs the original context length L (original_max_position_embeddings) and none is "
             "known; give it with --original-max-position-embeddings (API: original_max_position_embeddings=...)"
         )
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < 2:
-        # ln L must be positive: L = 1 would divide by zero.
+    value = whole_number("original_max_position_embeddings", value, minimum=None)
+    if value < 2:  # ln L must be positive: L = 1 would divide by zero
         raise CtxextError(f"log-n scaling needs an original length L >= 2, got {value!r}")
-    return int(value)
+    return value
 
 
 def logn_scale(positions: torch.Tensor, original_max_position_embeddings: int) -> torch.Tensor:
@@ -69,8 +70,7 @@ class AttentionSettings:
     original_max_position_embeddings: int | None = None  # L for log-n
 
     def __post_init__(self):
-        if not isinstance(self.logn, bool):
-            raise CtxextError(f"'logn' must be true or false, got {self.logn!r}")
+        boolean("logn", self.logn)
         if self.method is not None:
             if not issubclass(get_method(self.method).params_cls, RemapParams):
                 raise CtxextError(f"'{self.method}' is not a position-remapping method")

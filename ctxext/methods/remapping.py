@@ -29,7 +29,8 @@ import torch
 
 from ..errors import CtxextError
 from .frequency import none_inv_freq
-from .registry import Method, MethodParams, _check_number, param, register
+from ..validate import number, whole_number
+from .registry import Method, MethodParams, param, register
 
 # A lower bound for "every earlier key": clamped to the first key by the kernel.
 FIRST_KEY = -(1 << 60)
@@ -59,16 +60,6 @@ def local_band(width: int) -> Region:
 def beyond_band(width: int, query_position: PositionRule | None, key_position: PositionRule | None) -> Region:
     """Every key at distance >= width."""
     return Region("far", lambda i: (torch.full_like(i, FIRST_KEY), i - width + 1), query_position, key_position)
-
-
-def whole_number(name: str, value, minimum: int) -> int:
-    """A whole-number parameter >= minimum (4096.0 is accepted as 4096)."""
-    _check_number(name, value)
-    if int(value) != value:
-        raise CtxextError(f"'{name}' must be a whole number, got {value!r}")
-    if value < minimum:
-        raise CtxextError(f"'{name}' must be >= {minimum}, got {value!r}")
-    return int(value)
 
 
 @dataclass
@@ -148,7 +139,7 @@ def check_window(window) -> int:
 
 
 def check_leak_factor(k) -> float:
-    _check_number("k", k)
+    number("k", k)
     if k <= 1:
         raise CtxextError(f"'k' must be > 1 for Leaky ReRoPE (k = 1 is plain RoPE), got {k!r}")
     return float(k)
@@ -299,7 +290,7 @@ class StringParams(RemapParams):
     def validate(self):
         super().validate()
         self.local_value = whole_number("local_value", self.local_value, 0)
-        _check_number("attention_factor", self.attention_factor, minimum=0.0, strict=True)
+        number("attention_factor", self.attention_factor, minimum=0.0, strict=True)
         if self.shifted_offset is not None:
             self.shifted_offset = whole_number("shifted_offset", self.shifted_offset, 1)
             if self.shifted_offset <= self.local_value:

@@ -3,25 +3,16 @@
 from __future__ import annotations
 
 import copy
-import math
 
 from torch import nn
 
-from ..errors import CtxextError
+from ..validate import boolean, whole_number
 from ..methods import get_method
 from ..methods.attention import AttentionSettings, check_original_length_for_logn
 from .attention import CONFIG_KEY, install_attention, record_attention_in_config, sync_attention_with_config
 from .families import rotary_dim, rotary_host
 from .rope_types import rope_parameters_for
 from .rotary import ScaledRotaryEmbedding
-
-
-def _check_original_length(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise CtxextError(f"'original_max_position_embeddings' must be a positive integer, got {value!r}")
-    if int(value) != value:
-        raise CtxextError(f"'original_max_position_embeddings' must be a whole number, got {value!r}")
-    return int(value)
 
 
 def patch(model: nn.Module, method: str, factor: float = 1.0, original_max_position_embeddings: int | None = None,
@@ -40,13 +31,12 @@ def patch(model: nn.Module, method: str, factor: float = 1.0, original_max_posit
     host = rotary_host(model)
     spec = get_method(method)
     method_params = spec.make_params(factor=factor, **params)
-    if not isinstance(logn, bool):
-        raise CtxextError(f"'logn' must be true or false, got {logn!r}")
+    boolean("logn", logn)
     if original_max_position_embeddings is None:
         original_max_position_embeddings = original_length(model)
     if logn:
         check_original_length_for_logn(original_max_position_embeddings)
-    L = _check_original_length(original_max_position_embeddings)
+    L = whole_number("original_max_position_embeddings", original_max_position_embeddings)
     attention = AttentionSettings.for_method(spec.name, method_params, logn, L)
     unpatch(model)
 
