@@ -258,3 +258,22 @@ def test_a_static_cache_is_refused():
     with torch.no_grad(), pytest.raises(CtxextError, match="StaticCache"):
         model.generate(torch.randint(1, 256, (1, 10)), max_new_tokens=3, do_sample=False, pad_token_id=0,
                        cache_implementation="static")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--method", "self_extend", "--group-size", "0"], "'group_size' must be >= 1"),
+    (["--method", "self_extend", "--window", "1.5"], "whole number"),
+    (["--method", "dual_chunk", "--chunk-size", "8", "--local-window", "8"], "larger than 'local_window'"),
+    (["--method", "string", "--shifted-offset", "4", "--local-value", "8"], "larger than 'local_value'"),
+    (["--method", "string", "--local-value", "-1"], "'local_value' must be >= 0"),
+])
+def test_cli_rejects_impossible_parameters_with_one_line_and_exit_2(tmp_path, capsys, flags, message):
+    from ctxext.cli import main
+
+    source = save_tiny_checkpoint(tmp_path / "model", tiny_model("llama", max_position_embeddings=L))
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["patch", str(source), "-o", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not out.exists()
