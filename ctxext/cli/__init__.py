@@ -30,6 +30,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("ctxext.cli.eval",
              "sliding-window perplexity at several lengths, for several methods on the same tokens"),
     "passkey": ("ctxext.cli.passkey", "passkey retrieval accuracy per length and depth (Landmark/YaRN format)"),
+    "tasks": ("ctxext.cli.tasks",
+              "lm-evaluation-harness tasks (RULER, LongBench v2, babilong, ...) under several methods, side by side"),
     "finetune": ("ctxext.cli.finetune",
                  "LoRA fine-tuning at a longer context (PI / YaRN / any method), resumable"),
     "search": ("ctxext.cli.search",

@@ -1,0 +1,426 @@
+"""The bridge to lm-evaluation-harness: its tasks, run on a model that ctxext patched in memory.
+
+One *cell* is one (method, task, length): the model is patched with the method, wrapped in lm-eval's `HFLM`,
+and `lm_eval.simple_evaluate` runs the task with the length in the task's metadata, exactly as a user of
+lm-eval would call it. `simple_evaluate` seeds Python's, NumPy's and torch's generators itself before it builds
+the task, so RULER's synthetic prompts are the same for every method. Each cell's result is cached on disk
+as soon as it is done, so an interrupted run resumes and a table can grow over several runs.
+
+lm-eval is an optional dependency (`pip install "ctxext[tasks]"`): it is imported inside the functions here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import io
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import CtxextError, did_you_mean, first_line
+
+INSTALL_HINT = 'pip install "ctxext[tasks]"'
+# HFLM left-truncates a prompt to max_length minus the task's generation budget. RULER sizes its prompts so that
+# prompt + generation fits the length; this margin keeps a BOS or a tokenizer difference from cutting the prompt.
+GENERATION_MARGIN = 256
+# lm-eval's RULER generators fail below a few hundred tokens (and ruler_vt does not finish at 400).
+MIN_RULER_LENGTH = 1024
+# Tasks whose data builders take the length from the metadata, by the folder lm-eval keeps them in.
+LENGTH_CONVENTIONS = {"ruler": "RULER: max_seq_lengths=[N]", "babilong": "babilong: max_seq_lengths='Nk'"}
+
+
+def import_lm_eval():
+    """lm_eval, or a one-line error that says how to install it."""
+    try:
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM  # noqa: F401  (the wrapper every cell uses)
+    except ImportError as error:
+        raise CtxextError(f"ctxext tasks needs lm-evaluation-harness, which is not installed "
+                          f"({first_line(error)}); install it with: {INSTALL_HINT}") from None
+    return lm_eval
+
+
+# ------------------------------------------------------------------------------------------------ tasks
+@dataclass(frozen=True)
+class TaskSpec:
+    """A task (or group, or tag) name as lm-eval knows it, and how it takes a length (None: it does not)."""
+
+    name: str
+    convention: str | None
+
+
+class TaskManagers:
+    """lm-eval TaskManagers, one per metadata, kept for the whole process. A TaskManager builds fresh tasks at
+    every load, so sharing one changes no result; indexing lm-eval's 14k task YAMLs takes 5-25 s here, so the
+    index is built once and each metadata gets a copy of the manager with its own task factory."""
+
+    _by_metadata: dict[str, object] = {}
+
+    def get(self, metadata: dict):
+        from lm_eval.tasks import TaskManager
+
+        key = json.dumps(metadata, sort_keys=True)
+        if key not in self._by_metadata:
+            _drop_metadata_hint()
+            base = next(iter(self._by_metadata.values()), None)
+            self._by_metadata[key] = (_with_metadata(base, metadata) if base is not None else None) or \
+                TaskManager(metadata=metadata)
+        return self._by_metadata[key]
+
+    def any(self):
+        return next(iter(self._by_metadata.values())) if self._by_metadata else self.get({})
+
+
+def _with_metadata(manager, metadata: dict):
+    """`manager` with its index and another metadata: what TaskManager(metadata=...) makes, without indexing
+    again (lm-eval 0.4.13's layout; None if it differs, and a fresh TaskManager is built instead)."""
+    try:
+        from lm_eval.tasks._factory import TaskFactory
+
+        if not hasattr(manager, "_factory"):
+            return None
+        view = copy.copy(manager)
+        view.metadata = metadata
+        view._factory = TaskFactory(meta=metadata)
+        return view
+    except (ImportError, TypeError):
+        return None
+
+
+class _MetadataHintFilter(logging.Filter):
+    """lm-eval tells, at every task it builds from metadata, that metadata can be passed: ctxext passes it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
+
+
+def _drop_metadata_hint() -> None:
+    logger = logging.getLogger("lm_eval.api.task")
+    if not any(isinstance(f, _MetadataHintFilter) for f in logger.filters):
+        logger.addFilter(_MetadataHintFilter())
+
+
+def resolve_tasks(names: list[str], manager) -> list[TaskSpec]:
+    """TaskSpecs for the names; an unknown name is a one-line error with the closest known name."""
+    specs = []
+    for name in names:
+        entry = manager.task_index.get(name)
+        if entry is None:
+            raise CtxextError(f"unknown lm-eval task '{name}'{did_you_mean(name, manager.all_tasks)}; "
+                              f"`lm-eval ls tasks` lists them (ctxext runs any of them)")
+        specs.append(TaskSpec(name, _length_convention(name, manager)))
+    return specs
+
+
+def _length_convention(name: str, manager, seen: frozenset = frozenset()) -> str | None:
+    entry = manager.task_index[name]
+    if entry.yaml_path is not None:
+        folder = Path(entry.yaml_path).parent.name
+        return folder if folder in LENGTH_CONVENTIONS else None
+    members = [m for m in sorted(entry.tags or ()) if m in manager.task_index and m not in seen]  # a tag
+    conventions = {_length_convention(m, manager, seen | {name}) for m in members}
+    return conventions.pop() if len(conventions) == 1 else None
+
+
+def check_lengths(specs: list[TaskSpec], lengths: list[int]) -> None:
+    for spec in specs:
+        if spec.convention == "ruler" and lengths[0] < MIN_RULER_LENGTH:
+            raise CtxextError(f"RULER tasks ({spec.name}) need --lengths of at least {MIN_RULER_LENGTH} tokens "
+                              f"(lm-eval cannot build shorter prompts), got {lengths[0]}")
+        if spec.convention == "babilong" and any(n % 1024 for n in lengths):
+            raise CtxextError(f"babilong tasks ({spec.name}) come in lengths of whole thousands (1k = 1024 tokens: "
+                              f"4k, 8k, ...), got {', '.join(str(n) for n in lengths if n % 1024)}")
+
+
+def task_metadata(spec: TaskSpec, length: int | None, tokenizer_name: str) -> dict:
+    """What lm-eval hands the task's data builder: the tokenizer (RULER sizes its prompts with it) and the length."""
+    metadata = {"tokenizer": tokenizer_name, "pretrained": tokenizer_name}
+    if spec.convention == "ruler":
+        metadata["max_seq_lengths"] = [length]
+    elif spec.convention == "babilong":
+        metadata["max_seq_lengths"] = f"{length // 1024}k"
+    return metadata
+
+
+def task_lengths(spec: TaskSpec, lengths: list[int]) -> list[int | None]:
+    return list(lengths) if spec.convention else [None]
+
+
+def check_task_data(spec: TaskSpec, manager, length: int | None) -> None:
+    """Build the task's data once (at the shortest length), so that what cannot be fetched or built fails now,
+    in one line, before any model runs. lm-eval's chatter while it builds goes nowhere unless it fails."""
+    chatter = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter), _lm_eval_logging(logging.ERROR):
+            manager.load([spec.name])
+    except ImportError as error:
+        raise CtxextError(f"task '{spec.name}' needs a package that is not installed ({first_line(error)}); "
+                          f"{INSTALL_HINT} installs what the RULER tasks need") from None
+    except OSError as error:  # ConnectionError, requests' errors, a missing file
+        raise CtxextError(f"task '{spec.name}' needs data that could not be fetched: {fetch_failure(error)}") \
+            from None
+    except Exception as error:  # noqa: BLE001  (lm-eval raises ValueError, AssertionError, KeyError, ...)
+        at = f" at length {length}" if length else ""
+        raise CtxextError(f"lm-eval could not build task '{spec.name}'{at}: {type(error).__name__}: "
+                          f"{first_line(error)}") from None
+
+
+def fetch_failure(error: BaseException) -> str:
+    """What could not be fetched: the URL of a failed request, else the error's first line."""
+    request = getattr(error, "request", None)
+    url = getattr(request, "url", None)
+    if url:
+        return f"{url} ({type(error).__name__}; no network?)"
+    return first_line(error)
+
+
+@contextlib.contextmanager
+def _lm_eval_logging(level: int):
+    logger = logging.getLogger("lm_eval")
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
+
+
+# ------------------------------------------------------------------------------------------------ cells
+@dataclass
+class Cell:
+    """One (method, task, length) and, once run or read from the cache, lm-eval's result."""
+
+    method: object  # ctxext.eval.runner.EvalMethod
+    task: TaskSpec
+    length: int | None
+    key: dict = field(default_factory=dict)
+    result: dict | None = None
+    cached: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.method.label} | {self.task.name}{f' | {self.length}' if self.length else ''}"
+
+
+def plan_cells(methods: list, specs: list[TaskSpec], lengths: list[int]) -> list[Cell]:
+    """Task by task, length by length, every method: an interrupted run leaves whole columns done."""
+    return [Cell(method, spec, length) for spec in specs for length in task_lengths(spec, lengths)
+            for method in methods]
+
+
+def max_length_for(cell: Cell, lengths: list[int]) -> int:
+    """HFLM's max_length: the cell's length (the longest one for tasks without lengths) plus the margin."""
+    return (cell.length or max(lengths)) + GENERATION_MARGIN
+
+
+def cell_key(cell: Cell, common: dict, max_length: int) -> dict:
+    """Everything a cell's result depends on; its hash names the cache file."""
+    return {**common, "method": cell.method.description, "task": cell.task.name, "length": cell.length,
+            "max_length": max_length}
+
+
+class CellCache:
+    """One JSON file per cell, named by the hash of its key, written atomically; None: no cache."""
+
+    def __init__(self, directory: str | Path | None):
+        self.directory = Path(directory).expanduser() if directory is not None else None
+
+    @staticmethod
+    def canonical(key: dict) -> dict:
+        return json.loads(json.dumps(key, sort_keys=True, default=str))
+
+    def digest(self, key: dict) -> str:
+        return hashlib.sha256(json.dumps(self.canonical(key), sort_keys=True).encode()).hexdigest()[:20]
+
+    def path(self, key: dict) -> Path | None:
+        return self.directory / f"{self.digest(key)}.json" if self.directory is not None else None
+
+    def load(self, key: dict) -> dict | None:
+        path = self.path(key)
+        if path is None or not path.is_file():
+            return None
+        try:
+            stored = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None  # a damaged entry is computed again
+        return stored.get("result") if stored.get("key") == self.canonical(key) else None
+
+    def save(self, key: dict, result: dict) -> None:
+        path = self.path(key)
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(handle, "w") as out:
+                json.dump({"key": self.canonical(key), "result": result}, out, default=_jsonable)
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+
+
+def _jsonable(value):
+    from lm_eval.utils import handle_non_serializable
+
+    return handle_non_serializable(value)
+
+
+def model_fingerprint(name_or_path: str, model) -> dict:
+    """What identifies the weights without reading them: a local checkpoint's files (name, size, mtime), or a
+    hub id with the commit transformers resolved."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        files = sorted((str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns)
+                       for f in path.rglob("*") if f.is_file())
+        digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()
+        return {"path": str(path.resolve()), "files_sha256": digest}
+    return {"hub_id": name_or_path, "commit": getattr(model.config, "_commit_hash", None)}
+
+
+# -------------------------------------------------------------------------------------------------- run
+def harness_model(model, tokenizer, max_length: int, batch_size, processes):
+    """lm-eval's HFLM around the (patched) model. Under several processes it gets lm-eval's data-parallel setup
+    (which HFLM makes only for a model it loads itself): each process answers every world_size-th request."""
+    from lm_eval.models.huggingface import HFLM
+
+    with _lm_eval_logging(logging.ERROR):  # its warnings about a pre-built model are about what we do below
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, max_length=max_length, batch_size=batch_size)
+    if processes.world_size > 1:
+        from accelerate import Accelerator
+
+        lm.accelerator = Accelerator()
+        lm._rank, lm._world_size = processes.rank, processes.world_size
+    return lm
+
+
+def evaluate_cell(lm, spec: TaskSpec, manager, limit: int | None, apply_chat_template: bool,
+                  quiet: bool = False) -> dict | None:
+    """lm_eval.simple_evaluate on one task; what it returns, reduced to what results.json keeps (None off the
+    main process)."""
+    import lm_eval
+
+    started = time.perf_counter()
+    sink = _Discard() if quiet else None
+    with contextlib.redirect_stderr(sink) if quiet else contextlib.nullcontext():
+        out = lm_eval.simple_evaluate(model=lm, tasks=[spec.name], limit=limit, task_manager=manager,
+                                      apply_chat_template=apply_chat_template)
+    if out is None:
+        return None
+    config = out.get("config", {})
+    return {
+        "results": out["results"],
+        "groups": out.get("groups", {}),
+        "n-samples": out.get("n-samples", {}),
+        "versions": out.get("versions", {}),
+        "n-shot": out.get("n-shot", {}),
+        "higher_is_better": out.get("higher_is_better", {}),
+        "configs": json.loads(json.dumps(out.get("configs", {}), default=_jsonable)),
+        "config": {k: config.get(k) for k in ("limit", "bootstrap_iters", "gen_kwargs", "random_seed",
+                                              "numpy_seed", "torch_seed", "fewshot_seed", "batch_size",
+                                              "model_dtype", "model_num_parameters")},
+        "max_length": out.get("max_length"),
+        "lm_eval_version": out.get("lm_eval_version"),
+        "samples": {task: [sample_record(s) for s in samples] for task, samples in out.get("samples", {}).items()},
+        "seconds": time.perf_counter() - started,
+    }
+
+
+class _Discard(io.TextIOBase):
+    def write(self, text):
+        return len(text)
+
+
+def sample_record(sample: dict) -> dict:
+    """A sample without its prompt (RULER prompts are the length itself): ids, hashes, the answer and scores."""
+    doc = sample.get("doc", {}) if isinstance(sample.get("doc"), dict) else {}
+    responses = sample.get("filtered_resps", [])
+    record = {
+        "doc_id": sample.get("doc_id"),
+        "doc_hash": sample.get("doc_hash"),
+        "prompt_hash": sample.get("prompt_hash"),
+        "target": sample.get("target"),
+        "response": responses[0] if len(responses) == 1 else responses,
+        "metrics": {m: sample.get(m) for m in sample.get("metrics", [])},
+    }
+    if "length" in doc:
+        record["ruler_length"] = doc["length"]  # RULER's count: prompt tokens + the generation budget
+    return json.loads(json.dumps(record, default=_jsonable))
+
+
+def run_cells(cells: list[Cell], model, tokenizer, managers: TaskManagers, cache: CellCache, *, lengths: list[int],
+              tokenizer_name: str, common_key: dict, limit: int | None, batch_size, apply_chat_template: bool,
+              processes, cached_only: bool = False, quiet: bool = False, report=print) -> list[Cell]:
+    """Run (or read from the cache) every cell; `report(line)` is called on the main process after each one."""
+    for cell in cells:
+        cell.key = cell_key(cell, common_key, max_length_for(cell, lengths))
+    found = [cache.load(cell.key) for cell in cells] if processes.is_main else None
+    found = _broadcast(found, processes)
+    todo = sum(f is None for f in found)
+    if processes.is_main and todo < len(cells):
+        report(f"{len(cells) - todo} of {len(cells)} cells from the cache ({cache.directory})")
+    for index, (cell, result) in enumerate(zip(cells, found), 1):
+        if result is not None:
+            cell.result, cell.cached = result, True
+            continue
+        if cached_only:
+            continue
+        manager = managers.get(task_metadata(cell.task, cell.length, tokenizer_name))
+        lm = harness_model(model, tokenizer, max_length_for(cell, lengths), batch_size, processes)
+        cell.method.apply(model)
+        try:
+            cell.result = evaluate_cell(lm, cell.task, manager, limit, apply_chat_template, quiet)
+        finally:
+            cell.method.remove(model)
+        if processes.is_main:
+            cache.save(cell.key, cell.result)
+            report(f"[{index}/{len(cells)}] {cell.name}: {cell_summary(cell)} "
+                   f"({cell.result['seconds']:.0f} s)")
+    return cells
+
+
+def _broadcast(items, processes):
+    if processes.world_size == 1:
+        return items
+    from accelerate.utils import broadcast_object_list
+
+    holder = [items]
+    broadcast_object_list(holder)
+    return holder[0]
+
+
+# ---------------------------------------------------------------------------------------------- scores
+def cell_scores(cell: Cell) -> list[dict]:
+    """The numbers of a cell as rows (method, task, length, metric, value, samples), one per lm-eval result
+    entry and metric. A RULER cell's metric named after its length is called 'score'; RULER's -1 placeholders
+    for the lengths the cell did not run are left out."""
+    if cell.result is None:
+        return []
+    rows = []
+    for task, entry in cell.result["results"].items():
+        samples = entry.get("sample_len", cell.result.get("n-samples", {}).get(task, {}).get("effective"))
+        for metric, value in entry.items():
+            if "," not in metric or "_stderr" in metric or not isinstance(value, (int, float)):
+                continue
+            name, _, filter_name = metric.partition(",")
+            if cell.task.convention == "ruler":
+                if name != str(cell.length):
+                    continue
+                name = "score"
+            rows.append({"method": cell.method.label, "task": task, "length": cell.length,
+                         "metric": name if filter_name == "none" else f"{name},{filter_name}",
+                         "value": float(value), "samples": samples, "seconds": cell.result.get("seconds"),
+                         "cached": cell.cached})
+    return rows
+
+
+def cell_summary(cell: Cell) -> str:
+    rows = cell_scores(cell)
+    return ", ".join(f"{r['task']} {r['metric']} {r['value']:.3f}" for r in rows[:4]) + \
+        (", ..." if len(rows) > 4 else "") if rows else "no scores"

@@ -1,0 +1,177 @@
+"""`ctxext tasks` gives lm-eval's own results: the same scores and the same answers, sample by sample, as
+`lm_eval.simple_evaluate` on HFLM over the model unpatched and patched with `ctxext.patch`; its cache resumes;
+bad input is one line, exit code 2, nothing written."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+
+from ctxext.cli import main  # noqa: E402
+
+LENGTH = 4096
+LIMIT = 2
+
+
+@pytest.fixture(scope="module")
+def ruler_checkpoint(tmp_path_factory, smollm2_path):
+    """A random 2-layer LLaMA (L = 2048) with SmolLM2's tokenizer, which RULER needs to size its prompts.
+
+    Its attention weights are large (std 0.3, not 0.02), so attention is sharp and depends on positions:
+    plain RoPE and YaRN x2 then answer differently at 4096, and the comparison below can tell them apart
+    (with the usual small init every method gives the same text). Its scores are 0, so the samples'
+    answers carry the test.
+    """
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("ruler-tiny")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                         rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attention = layer.self_attn
+            for projection in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj):
+                projection.weight.normal_(0, 0.3)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def lm_eval_reference(checkpoint, method: str | None, task_manager) -> dict:
+    """What a user of lm-eval gets: HFLM over the model (patched with ctxext.patch, or not) and simple_evaluate
+    with RULER's metadata, through lm-eval's own TaskManager (not ctxext's copies of one)."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import ctxext
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    if method is not None:
+        ctxext.patch(model, method, factor=2)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, max_length=LENGTH + 256)
+    return lm_eval.simple_evaluate(model=lm, tasks=["niah_single_1"], limit=LIMIT, task_manager=task_manager)
+
+
+def tasks_args(checkpoint, tmp_path, *extra):
+    return ["tasks", str(checkpoint), "--method", "yarn", "--factor", "2", "--tasks", "niah_single_1",
+            "--lengths", str(LENGTH), "--limit", str(LIMIT), "--dtype", "fp32", "--no-progress",
+            "--cache-dir", str(tmp_path / "cells"), *extra]
+
+
+def test_same_results_and_answers_as_lm_eval_then_resumes_from_the_cache(ruler_checkpoint, tmp_path, monkeypatch):
+    assert main(tasks_args(ruler_checkpoint, tmp_path, "-o", str(tmp_path / "out"))) == 0
+    ours = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [(c["method"], c["task"], c["length"]) for c in ours["cells"]] == \
+        [("none", "niah_single_1", LENGTH), ("yarn x2", "niah_single_1", LENGTH)]
+
+    from lm_eval.tasks import TaskManager
+
+    # What simple_evaluate(metadata=...) builds itself, built once for both calls (indexing takes seconds).
+    task_manager = TaskManager(metadata={"max_seq_lengths": [LENGTH], "tokenizer": str(ruler_checkpoint),
+                                         "pretrained": str(ruler_checkpoint)})
+    answers = {}
+    for cell, method in zip(ours["cells"], [None, "yarn"]):
+        reference = lm_eval_reference(ruler_checkpoint, method, task_manager)
+        assert cell["lm_eval"]["results"] == reference["results"]  # lm-eval's results dict, verbatim
+        samples = cell["lm_eval"]["samples"]["niah_single_1"]
+        expected = reference["samples"]["niah_single_1"]
+        assert len(samples) == len(expected) == LIMIT
+        for got, want in zip(samples, expected):
+            assert (got["doc_id"], got["doc_hash"], got["prompt_hash"]) == \
+                   (want["doc_id"], want["doc_hash"], want["prompt_hash"])  # the same prompts
+            assert got["response"] == want["filtered_resps"][0]
+            assert got["metrics"] == {str(LENGTH): want[str(LENGTH)]}
+        # The table's number is the mean of lm-eval's per-sample scores.
+        score = next(r["value"] for r in ours["scores"] if r["method"] == cell["method"])
+        assert score == pytest.approx(sum(s[str(LENGTH)] for s in expected) / LIMIT)
+        answers[cell["method"]] = [s["response"] for s in samples]
+    assert answers["none"] != answers["yarn x2"]  # the patch reached the model lm-eval ran
+    assert (tmp_path / "out" / "tasks.png").stat().st_size > 0
+    csv_lines = (tmp_path / "out" / "results.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("method,task,length,metric,value") and len(csv_lines) == 3
+
+    # Cached cells are read back, not run again: lm-eval is not called; a method not yet run is '-'.
+    import lm_eval
+
+    def not_called(*args, **kwargs):
+        raise AssertionError("a cached cell ran again")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", not_called)
+    args = tasks_args(ruler_checkpoint, tmp_path, "--method", "ntk", "--cached-only", "-o", str(tmp_path / "again"))
+    assert main(args) == 0
+    again = json.loads((tmp_path / "again" / "results.json").read_text())
+    assert [c["lm_eval"] for c in again["cells"][:2]] == [c["lm_eval"] for c in ours["cells"]]
+    assert [c["cached"] for c in again["cells"]] == [True, True, False]
+    assert again["missing_cells"] == ["ntk x2 | niah_single_1 | 4096"]
+    table = (tmp_path / "again" / "table.txt").read_text().splitlines()
+    assert table[-1].split() == ["ntk", "x2", "-"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tasks", "niah_singel_1"], "unknown lm-eval task 'niah_singel_1' (did you mean 'niah_single_1'?)"),
+    (["--tasks", "niah_single_1", "--lengths", "0"], "--lengths values must be at least 2 tokens"),
+    (["--tasks", "niah_single_1", "--lengths", "512"], "RULER tasks (niah_single_1) need --lengths of at least 1024"),
+    (["--tasks", "niah_single_1", "--limit", "0"], "--limit must be at least 1"),
+    (["--tasks", "niah_single_2"], "needs data that could not be fetched: Couldn't reach 'baber/paul_graham_essays'"),
+    (["--tasks", "ruler_qa_squad"], "needs data that could not be fetched: https://rajpurkar.github.io/"),
+    (["--tasks", "niah_single_1", "--method", "yarn", "--fator", "2"], "did you mean 'factor'"),
+    (["--tasks", "niah_single_1"], 'install it with: pip install "ctxext[tasks]"'),
+], ids=["unknown task", "length below 1", "RULER length too short", "limit 0", "essay haystack offline",
+        "SQuAD offline", "method flag typo", "lm-eval missing"])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(extra, message, ruler_checkpoint, tmp_path, monkeypatch,
+                                                         capsys, request):
+    if request.node.callspec.id == "lm-eval missing":
+        monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` now fails as if it were absent
+    monkeypatch.setenv("CTXEXT_CACHE_DIR", str(tmp_path / "cache"))
+    code = main(["tasks", str(ruler_checkpoint), *extra, "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("ctxext tasks: error: ") and "\n" not in err, err
+    assert message in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_each_length_reaches_the_task_while_the_task_index_is_shared(ruler_checkpoint):
+    from ctxext.tasks.harness import TaskManagers, TaskSpec, task_metadata
+
+    managers = TaskManagers()
+    spec = TaskSpec("niah_single_1", "ruler")
+    for length in (1024, 2048):
+        manager = managers.get(task_metadata(spec, length, str(ruler_checkpoint)))
+        docs = manager.load(["niah_single_1"])["tasks"]["niah_single_1"].eval_docs
+        assert {doc["max_length"] for doc in docs} == {length}  # lm-eval's record of the length it built
+        assert max(doc["length"] for doc in docs) <= length
+
+
+def test_scores_keep_the_cells_length_and_every_metric_of_other_tasks():
+    from ctxext.eval.runner import EvalMethod
+    from ctxext.tasks.harness import Cell, TaskSpec, cell_scores
+    from ctxext.tasks.report import score_tables
+
+    # The shape lm-eval 0.4.13 gives: a RULER task run at 8192 still reports its other lengths as -1.
+    ruler = Cell(EvalMethod("yarn x2"), TaskSpec("niah_single_1", "ruler"), 8192, result={"results": {
+        "niah_single_1": {"alias": "niah_single_1", "sample_len": 3, "4096,none": -1, "4096_stderr,none": "N/A",
+                          "8192,none": 2 / 3, "8192_stderr,none": "N/A"}}})
+    other = Cell(EvalMethod("none"), TaskSpec("hellaswag", None), None, result={"results": {
+        "hellaswag": {"alias": "hellaswag", "acc,none": 0.25, "acc_stderr,none": 0.1, "acc_norm,none": 0.5}}},
+        cached=True)
+    rows = cell_scores(ruler) + cell_scores(other)
+    assert [(r["method"], r["task"], r["length"], r["metric"], r["value"], r["samples"], r["cached"])
+            for r in rows] == [("yarn x2", "niah_single_1", 8192, "score", 2 / 3, 3, False),
+                               ("none", "hellaswag", None, "acc", 0.25, None, True),
+                               ("none", "hellaswag", None, "acc_norm", 0.5, None, True)]
+    tables = score_tables(rows, ["none", "yarn x2"]).split("\n\n")
+    assert len(tables) == 3  # one per (task, metric)
+    assert tables[0].splitlines()[2].split() == ["none", "-"] and tables[0].splitlines()[3].split() == \
+        ["yarn", "x2", "0.667"]
+    assert tables[1].splitlines()[2].split() == ["none", "0.250"]
