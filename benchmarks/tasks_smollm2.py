@@ -1,0 +1,63 @@
+"""RULER retrieval on SmolLM2 under ctxext's methods, through `ctxext tasks` (lm-evaluation-harness).
+
+Stages, each one `ctxext tasks` command (the commands are printed; BENCHMARKS.md, "Long-context tasks (lm-eval)",
+has the results):
+  1. niah_single_1 at 4k, 8k, 16k: none, yarn x2, ntk x2, rerope w1024 +logn; 20 samples per cell
+  2. niah_multikey_2, the same
+  3. niah_single_1 at 32k (4x): none, yarn x4, rerope w1024 +logn; 10 samples per cell
+  4. niah_single_1 at 4k-16k for the remapping methods (string, self_extend, dual_chunk, leaky_rerope)
+Every (method, task, length) cell is cached in $CTXEXT_CACHE_DIR/tasks as soon as it is done, so the stages can be
+interrupted and run again: finished cells are read back. `--cached-only` writes every stage's table from the
+cells cached so far, running nothing (use it while a run is going on).
+
+    nice -n 10 env OMP_NUM_THREADS=1 CTXEXT_CACHE_DIR=.cache .venv/bin/python benchmarks/tasks_smollm2.py [--stages 1,2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SWEEPS = REPO / "benchmarks" / "tasks_sweeps"
+STAGES = {
+    1: ("niah_single_1", "4k,8k,16k", 20, "smollm2-x2.yaml"),
+    2: ("niah_multikey_2", "4k,8k,16k", 20, "smollm2-x2.yaml"),
+    3: ("niah_single_1", "32k", 10, "smollm2-32k.yaml"),
+    4: ("niah_single_1", "4k,8k,16k", 20, "smollm2-remap.yaml"),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stages", default="1,2,3,4", help="which stages, in order (default 1,2,3,4)")
+    parser.add_argument("--cached-only", action="store_true", help="write the tables from the cached cells only")
+    parser.add_argument("--output", default=str(REPO / "outputs" / "tasks"), help="parent of each stage's output")
+    args = parser.parse_args()
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from ctxext import assets
+
+    model = assets.smollm2_checkpoint()
+    for stage in [int(s) for s in args.stages.split(",")]:
+        task, lengths, limit, sweep = STAGES[stage]
+        output = Path(args.output) / f"smollm2-{task}-{lengths.replace(',', '-')}-{Path(sweep).stem}"
+        command = [sys.executable, "-m", "ctxext", "tasks", str(model), "--tasks", task, "--lengths", lengths,
+                   "--limit", str(limit), "--config", str(SWEEPS / sweep), "--no-progress", "--overwrite",
+                   "-o", str(output)] + (["--cached-only"] if args.cached_only else [])
+        print(f"stage {stage}: {shlex.join(command)}", flush=True)
+        started = time.perf_counter()
+        code = subprocess.run(command, cwd=REPO).returncode
+        print(f"stage {stage}: exit {code} after {time.perf_counter() - started:.0f} s", flush=True)
+        if code != 0:
+            return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
