@@ -151,3 +151,19 @@ def test_the_oracle_tells_window_lengths_apart(checkpoint, texts):
     own, _ = oracle(docs, 160, yarn)
     at_cell_length, _ = oracle(docs, 160, lambda length: yarn(160))
     assert abs(own - at_cell_length) / own > 1e-5
+
+
+@pytest.mark.parametrize("method", ["dynamic_ntk", "dynamic_yarn"])
+def test_a_saved_dynamic_checkpoint_scores_what_the_method_scores(method, results, checkpoint, texts, tmp_path):
+    """transformers' dynamic update keeps the longest window's frequencies for shorter windows that follow;
+    `ctxext eval` on the saved checkpoint must still score every window at its own length, as --method does."""
+    patched = tmp_path / "patched"
+    assert main(["patch", str(checkpoint), "--method", method, "--factor", str(FACTOR), "-o", str(patched)]) == 0
+    out = tmp_path / "out"
+    assert main(["eval", str(patched), "--lengths", ",".join(map(str, LENGTHS)), "--stride", str(STRIDE),
+                 "--short-docs", "truncate", "--text-file", str(texts), "--dtype", "fp32", "--no-baseline",
+                 "--no-progress", "-o", str(out)]) == 0
+    loaded = json.loads((out / "results.json").read_text())["results"]
+    expected = {r["length"]: r for r in results["results"] if r["method"] == f"{method} x4"}
+    for row in loaded:
+        assert row["nll_sum"] == pytest.approx(expected[row["length"]]["nll_sum"], rel=1e-6)

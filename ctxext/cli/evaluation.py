@@ -15,6 +15,7 @@ def build_methods(args, model) -> list:
     """EvalMethods in order: the `none` baseline first (unless --no-baseline), then the ones asked for."""
     from ..config import MethodConfig
     from ..eval.runner import EvalMethod
+    from ..patching.rope_types import stateless_method_for
 
     rope = dict(getattr(model.config, "rope_parameters", None) or {})
     loaded_is_plain = rope.get("rope_type", "default") == "default"
@@ -29,7 +30,16 @@ def build_methods(args, model) -> list:
         else:
             factor = rope.get("factor")
             label = f"as loaded ({rope.get('rope_type')}{f' x{factor:g}' if factor else ''})"
-            methods.append(EvalMethod(label, None, {"as_loaded": True, "rope_parameters": rope}))
+            stateless = stateless_method_for(rope)
+            if stateless is None:
+                methods.append(EvalMethod(label, None, {"as_loaded": True, "rope_parameters": rope}))
+            else:
+                # Each window at its own length, whatever came before (see stateless_method_for).
+                name, params = stateless
+                config = MethodConfig.from_mapping({"method": name, **params, "original_max_position_embeddings":
+                                                    int(loaded_original or model.config.max_position_embeddings)})
+                methods.append(EvalMethod(label, config, {"as_loaded": True, "rope_parameters": rope,
+                                                          "computed_as": config.to_dict()}))
     else:
         for mapping in mappings:
             if loaded_original and "original_max_position_embeddings" not in mapping:

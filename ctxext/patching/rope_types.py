@@ -68,6 +68,24 @@ def params_from_rope_parameters(rope_parameters: dict) -> tuple[Method, MethodPa
     return method, method.make_params(**values, **implied)
 
 
+def stateless_method_for(rope_parameters: dict) -> tuple[str, dict] | None:
+    """The ctxext method (name, parameters) that computes a loaded dynamic rope type statelessly, or None.
+
+    transformers' dynamic rotary update keeps the frequencies of the longest sequence it has seen until the
+    length drops below L, so a loaded dynamic checkpoint scores a shorter window after a longer one at the
+    longer one's scale: results would depend on the order of the forwards. ctxext's rotary module recomputes
+    from each forward's own length. transformers' `dynamic` is ctxext's `dynamic_ntk`.
+    """
+    rope_type = rope_parameters.get("rope_type", "default")
+    if "dynamic" not in rope_type:
+        return None
+    if rope_type == "dynamic":
+        return "dynamic_ntk", {"factor": rope_parameters["factor"]}
+    method, params = params_from_rope_parameters(rope_parameters)
+    values = {k: v for k, v in params.to_dict().items() if v is not None and k not in method.forced}
+    return method.name, values
+
+
 def _ctxext_rope_init(config, device=None, seq_len=None, layer_type=None):
     rope_parameters = config.rope_parameters
     method, params = params_from_rope_parameters(rope_parameters)
