@@ -1,0 +1,46 @@
+"""The `evaluate` module ctxext ships computes exactly what `ctxext eval` computes, for a checkpoint path with a
+method and for a loaded model as it is."""
+
+import json
+import random
+
+import pytest
+
+evaluate = pytest.importorskip("evaluate")
+
+from ctxext.cli import main  # noqa: E402
+from ctxext.tasks.perplexity import evaluate_module_path  # noqa: E402
+from tests.conftest import save_tiny_checkpoint, tiny_model  # noqa: E402
+
+WINDOW, STRIDE = 48, 16
+
+
+def test_evaluate_module_gives_ctxext_evals_numbers(tmp_path):
+    checkpoint = save_tiny_checkpoint(tmp_path / "tiny", tiny_model("llama"))
+    rng = random.Random(0)
+    texts = [" ".join(f"w{rng.randrange(256)}" for _ in range(n)) for n in (130, 75, 30)]  # the last is too short
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for index, text in enumerate(texts):
+        (folder / f"{index}.txt").write_text(text)
+    assert main(["eval", str(checkpoint), "--method", "yarn", "--factor", "2", "--lengths", str(WINDOW),
+                 "--stride", str(STRIDE), "--text-file", str(folder), "--dtype", "fp32", "--no-progress",
+                 "-o", str(tmp_path / "out")]) == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())["results"]}
+
+    module = evaluate.load(evaluate_module_path())
+    patched = module.compute(predictions=texts, model=str(checkpoint), window=WINDOW, stride=STRIDE,
+                             method={"method": "yarn", "factor": 2}, dtype="fp32")
+    from transformers import AutoTokenizer
+
+    loaded = tiny_model("llama")
+    plain = module.compute(predictions=texts, model=loaded, tokenizer=AutoTokenizer.from_pretrained(checkpoint),
+                           window=WINDOW, stride=STRIDE)
+    for ours, label in ((patched, "yarn x2"), (plain, "none")):
+        row = rows[label]
+        for key in ("tokens_scored", "windows", "documents", "documents_skipped"):
+            assert ours[key] == row[key], (label, key)
+        assert ours["documents_skipped"] == 1
+        assert ours["nll_sum"] == pytest.approx(row["nll_sum"], rel=1e-6)
+        assert ours["perplexity"] == pytest.approx(row["perplexity"], rel=1e-6)
+    assert patched["nll_sum"] != pytest.approx(plain["nll_sum"], rel=1e-6)  # the method was applied
