@@ -330,6 +330,9 @@ def _print_summary(results: dict, out) -> None:
              f"{'best (trial ' + str(best['number']) + ')':{width}}{number(calibration['best']):>14}"
              f"{format_perplexity(ppl['best']) if ppl.get('best') else '-':>14}"
              f"{change(held['change'])}"]
+    if ppl.get("start"):
+        lines.insert(2, f"{'start (trial 1)':{width}}{number(results['start_value']):>14}"
+                        f"{format_perplexity(ppl['start']):>14}")
     if ppl.get("none"):
         lines.append(f"{'as loaded (no method)':{width}}{'':>14}{format_perplexity(ppl['none']):>14}")
     print()

@@ -172,19 +172,22 @@ def longrope_curves(settings: SearchSettings, rotary_dim: int, base: float):
 # ------------------------------------------------------------------------------------------ the results
 def held_out_scores(settings: SearchSettings, history: list[dict], model, documents, bos_token_id,
                     baseline: bool = True, progress=None) -> dict:
-    """Perplexity of the defaults (trial 0), the best trial and (optionally) the model as loaded on `documents`."""
+    """Perplexity of the defaults (trial 0), LongRoPE's starting curve (trial 1), the best trial and (optionally)
+    the model as loaded on `documents`."""
     from .objective import method_config, score_perplexity
 
     best = best_trial(history)
-    rows = {}
-    candidates = [("defaults", history[0])] + ([("best", best)] if best is not None else [])
+    rows, done = {}, {}
+    candidates = [("defaults", history[0])] + [("start", t) for t in history[1:2] if t["role"] == "start"] + \
+        ([("best", best)] if best is not None else [])
     for name, trial in candidates:
         if trial["state"] != "complete":
             rows[name] = None
             continue
-        if name == "best" and trial["number"] == history[0]["number"]:
-            rows[name] = rows["defaults"]
+        if trial["number"] in done:
+            rows[name] = rows[done[trial["number"]]]
             continue
+        done[trial["number"]] = name
         rows[name] = score_perplexity(model, method_config(settings.base, trial["params"]), documents,
                                       settings.length, settings.stride, bos_token_id)
         if progress is not None:
@@ -216,6 +219,7 @@ def summarize(settings: SearchSettings, history: list[dict], held_out: dict, sec
                    "repeats": sum("repeat_of" in t for t in history)},
         "best": best,
         "defaults": defaults,
+        "start_value": value(history[1]) if len(history) > 1 and history[1]["role"] == "start" else None,
         "calibration": {"objective": settings.objective, "defaults": value(defaults), "best": value(best),
                         "change": improvement(value(best), value(defaults))},
         "held_out": {"documents": settings.data.get("held_out", {}).get("documents", []),
