@@ -158,6 +158,7 @@ def check_task_data(spec: TaskSpec, manager, length: int | None) -> None:
     chatter = io.StringIO()
     try:
         with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter), _lm_eval_logging(logging.ERROR):
+            _seed_like_simple_evaluate()  # the data the first cell will build, not data from another seed
             manager.load([spec.name])
     except ImportError as error:
         raise CtxextError(f"task '{spec.name}' needs a package that is not installed ({first_line(error)}); "
@@ -169,6 +170,18 @@ def check_task_data(spec: TaskSpec, manager, length: int | None) -> None:
         at = f" at length {length}" if length else ""
         raise CtxextError(f"lm-eval could not build task '{spec.name}'{at}: {type(error).__name__}: "
                           f"{first_line(error)}") from None
+
+
+def _seed_like_simple_evaluate() -> None:
+    import random
+
+    import numpy
+    import torch
+    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
+
+    random.seed(DEFAULT_RANDOM_SEED)
+    numpy.random.seed(DEFAULT_OTHER_SEED)
+    torch.manual_seed(DEFAULT_OTHER_SEED)
 
 
 def fetch_failure(error: BaseException) -> str:
@@ -327,7 +340,9 @@ def evaluate_cell(lm, spec: TaskSpec, manager, limit: int | None, apply_chat_tem
                                               "model_dtype", "model_num_parameters")},
         "max_length": out.get("max_length"),
         "lm_eval_version": out.get("lm_eval_version"),
-        "samples": {task: [sample_record(s) for s in samples] for task, samples in out.get("samples", {}).items()},
+        # In doc order: under several processes lm-eval gathers them rank by rank.
+        "samples": {task: [sample_record(s) for s in sorted(samples, key=lambda s: int(s.get("doc_id", 0)))]
+                    for task, samples in out.get("samples", {}).items()},
         "seconds": time.perf_counter() - started,
     }
 

@@ -56,7 +56,7 @@ def plot_task_heatmap(rows: list[dict], methods: list[str], path: Path, title: s
 
     panels = _panels(rows)
     widths = [len({r["length"] for r in rows if (r["task"], r["metric"]) == p}) for p in panels]
-    fig = Figure(figsize=(2.2 + sum(1.1 * w + 0.6 for w in widths), 1.6 + 0.45 * len(methods)))
+    fig = Figure(figsize=(2.2 + sum(1.1 * w + 0.6 for w in widths), 1.8 + 0.45 * len(methods)), layout="constrained")
     axes = fig.subplots(1, len(panels), squeeze=False, sharey=True, gridspec_kw={"width_ratios": widths})
     image = None
     for ax, (task, metric) in zip(axes[0], panels):
