@@ -170,8 +170,10 @@ def test_scores_keep_the_cells_length_and_every_metric_of_other_tasks():
             for r in rows] == [("yarn x2", "niah_single_1", 8192, "score", 2 / 3, 3, False),
                                ("none", "hellaswag", None, "acc", 0.25, None, True),
                                ("none", "hellaswag", None, "acc_norm", 0.5, None, True)]
-    tables = score_tables(rows, ["none", "yarn x2"]).split("\n\n")
+    tables = score_tables(rows, ["none", "yarn x2"], [4096, 8192]).split("\n\n")
     assert len(tables) == 3  # one per (task, metric)
-    assert tables[0].splitlines()[2].split() == ["none", "-"] and tables[0].splitlines()[3].split() == \
-        ["yarn", "x2", "0.667"]
+    # Every asked-for length is a column of a task that takes lengths, run or not; '-' where nothing ran.
+    assert tables[0].splitlines()[0].split()[-2:] == ["4k", "8k"]
+    assert tables[0].splitlines()[2].split() == ["none", "-", "-"]
+    assert tables[0].splitlines()[3].split() == ["yarn", "x2", "-", "0.667"]
     assert tables[1].splitlines()[2].split() == ["none", "0.250"]

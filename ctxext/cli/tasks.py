@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     rows = [row for cell in cells for row in cell_scores(cell)]
     labels = [m.label for m in methods]
     missing = [c.name for c in cells if c.result is None]
-    table = score_tables(rows, labels) if rows else "(no cell has a result yet)"
+    table = score_tables(rows, labels, lengths) if rows else "(no cell has a result yet)"
     payload = {
         "command": command_line(),
         "arguments": arguments(args),

@@ -29,21 +29,25 @@ def format_score(value: float | None) -> str:
     return "-" if value is None or not math.isfinite(value) else f"{value:.3f}"
 
 
-def score_tables(rows: list[dict], methods: list[str]) -> str:
-    """Per (task, metric): methods x lengths; '-' where a cell has not run. lm-eval's own values (RULER: the
-    fraction of answers found, 0-1)."""
+def score_tables(rows: list[dict], methods: list[str], lengths: list[int] = ()) -> str:
+    """Per (task, metric): methods x lengths (those of the rows, and `lengths` for tasks that take one); '-'
+    where a cell has not run. lm-eval's own values (RULER: the fraction of answers found, 0-1)."""
     blocks = []
     for task, metric in _panels(rows):
         panel = [r for r in rows if r["task"] == task and r["metric"] == metric]
-        lengths = sorted({r["length"] for r in panel}, key=lambda n: -1 if n is None else n)
+        columns = {r["length"] for r in panel}
+        if None not in columns:
+            columns |= set(lengths)
+        lengths_here = sorted(columns, key=lambda n: -1 if n is None else n)
         by_key = {(r["method"], r["length"]): r for r in panel}
         samples = sorted({r["samples"] for r in panel if r["samples"] is not None})
         title = f"{task} ({metric}; {'/'.join(str(s) for s in samples) or '?'} samples per cell)"
         label_width = max(len(title), *(len(m) for m in methods)) + 2
-        lines = [title.ljust(label_width) + "".join(f"{_length_label(n):>9}" for n in lengths)]
+        lines = [title.ljust(label_width) + "".join(f"{_length_label(n):>9}" for n in lengths_here)]
         lines.append("-" * len(lines[0]))
         for method in methods:
-            cells = [format_score(by_key[(method, n)]["value"]) if (method, n) in by_key else "-" for n in lengths]
+            cells = [format_score(by_key[(method, n)]["value"]) if (method, n) in by_key else "-"
+                     for n in lengths_here]
             lines.append(method.ljust(label_width) + "".join(f"{c:>9}" for c in cells))
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
