@@ -77,3 +77,20 @@ def test_saved_checkpoint_reloads_with_identical_logits(tmp_path, mode, cases):
         assert reloaded[case] == rope_type
         assert rope_type.startswith("ctxext_") == (mode == "with-ctxext"), case
         assert torch.equal(torch.load(tmp_path / case / "reloaded_logits.pt"), logits), case
+
+
+@pytest.mark.parametrize("method", ["linear", "yarn", "ntk", "dynamic_ntk"])
+def test_patching_a_saved_scaled_checkpoint_again_scales_from_the_original_length(tmp_path, method):
+    """A checkpoint saved at x4 records L = 64 (rope_parameters), so patching it again at x2 means 64 -> 128,
+    with the frequencies of patching the original model at x2 (not 256 -> 512)."""
+    from transformers import AutoModelForCausalLM
+
+    original = tiny_model("llama")  # L = 64
+    ctxext.patch(original, method, factor=4.0).save_pretrained(tmp_path / "x4")
+    assert original.config.rope_parameters["original_max_position_embeddings"] == 64
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "x4")
+    ctxext.patch(reloaded, method, factor=2.0)
+    assert ctxext.applied_method(reloaded)["original_max_position_embeddings"] == 64
+    reference = ctxext.patch(tiny_model("llama"), method, factor=2.0)
+    assert reloaded.config.max_position_embeddings == reference.config.max_position_embeddings
+    assert torch.equal(reloaded.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
