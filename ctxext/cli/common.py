@@ -225,7 +225,9 @@ def add_data_arguments(parser) -> None:
                        help="drop documents shorter than N tokens before anything else (default 0)")
 
 
-def add_runtime_arguments(parser) -> None:
+def add_runtime_arguments(parser, bos: bool = True, progress_help: str = "no progress bar") -> None:
+    """--device/--dtype/--attn-implementation (ctxext.runtime picks them), --no-progress, and --bos unless
+    `bos` is False (commands that do not build windows themselves)."""
     group = parser.add_argument_group("runtime (picked automatically; override if needed)")
     group.add_argument("--device", default="auto", help="auto (cuda > mps > cpu; the accelerate process's device "
                        "under `accelerate launch`), cpu, cuda, cuda:N, mps")
@@ -234,6 +236,7 @@ def add_runtime_arguments(parser) -> None:
     group.add_argument("--attn-implementation", default="auto", metavar="IMPL",
                        help="auto (flash_attention_2 on GPU where installed, else sdpa), sdpa, eager, "
                             "flash_attention_2")
-    group.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
-                       help="start each window with BOS: auto = when the tokenizer adds BOS (default)")
-    group.add_argument("--no-progress", action="store_true", help="no progress bar")
+    if bos:
+        group.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
+                           help="start each window with BOS: auto = when the tokenizer adds BOS (default)")
+    group.add_argument("--no-progress", action="store_true", help=progress_help)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_method_arguments
+from .common import add_method_arguments, add_runtime_arguments
 
 HELP = "lm-evaluation-harness tasks (RULER, LongBench v2, babilong, ...) under several methods, side by side"
 DESCRIPTION = (
@@ -50,16 +50,8 @@ def add_arguments(parser) -> None:
     cache.add_argument("--no-cache", action="store_true", help="neither read nor write cached cells")
     cache.add_argument("--cached-only", action="store_true",
                        help="run nothing: write the outputs from the cells already cached ('-' for the others)")
-    runtime = parser.add_argument_group("runtime (picked automatically; override if needed)")
-    runtime.add_argument("--device", default="auto", help="auto (cuda > mps > cpu; the accelerate process's device "
-                         "under `accelerate launch`), cpu, cuda, cuda:N, mps")
-    runtime.add_argument("--dtype", default="auto", help="auto (bf16 on GPU and on CPUs with fast native bf16, "
-                         "else fp32), fp32, bf16, fp16")
-    runtime.add_argument("--attn-implementation", default="auto", metavar="IMPL",
-                         help="auto (flash_attention_2 on GPU where installed, else sdpa), sdpa, eager, "
-                              "flash_attention_2")
-    runtime.add_argument("--no-progress", action="store_true",
-                         help="no progress bars (lm-eval's included); one line per finished cell")
+    add_runtime_arguments(parser, bos=False,
+                          progress_help="no progress bars (lm-eval's included); one line per finished cell")
     add_method_arguments(parser, multiple=True)
     parser.set_defaults(text_file=None, dataset=None)
 
