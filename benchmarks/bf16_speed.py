@@ -11,24 +11,12 @@ alike, after a short warm-up; the result is the ratio of medians.
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ctxext import assets
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
-def cpu_bf16_flags() -> str:
-    flags = Path("/proc/cpuinfo").read_text()
-    return ", ".join(flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags) or "none"
+from ctxext.runtime import machine_description
 
 
 def main() -> None:
@@ -55,7 +43,7 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
 
     fp32, bf16 = statistics.median(times["fp32"]), statistics.median(times["bf16"])
-    print(f"CPU: {cpu_name()} (bf16 flags: {cpu_bf16_flags()}), {args.threads} torch thread(s)")
+    print(f"Machine: {machine_description()}; {args.threads} torch thread(s)")
     print(f"{tokens.shape[1]} tokens: fp32 {fp32:.2f} s, bf16 {bf16:.2f} s, bf16 is {fp32 / bf16:.2f}x faster")
     for name, values in times.items():
         print(f"  {name}: " + ", ".join(f"{t:.2f} s" for t in values))

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import time
 from pathlib import Path
 
@@ -36,12 +34,6 @@ METHODS = {
 NATIVE = "native (8k windows, stride 4k)"
 
 
-def machine() -> str:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    amx = "AMX" if "amx_bf16" in flags else "no AMX"
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {amx}"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", default="32768", help="comma-separated N (default 32768)")
@@ -56,6 +48,7 @@ def main() -> int:
     from ctxext import assets
     from ctxext.eval.perplexity import perplexity, sliding_window_nll
     from ctxext.loading import load_model, load_tokenizer
+    from ctxext.runtime import machine_description
 
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -91,7 +84,7 @@ def main() -> int:
             cells_path.write_text(json.dumps(cells, indent=1))
             print(f"{key:<46} {cells[key]['perplexity']:8.2f}  ({cells[key]['seconds']:.0f} s)", flush=True)
 
-    print(f"\nSmolLM2-135M-Instruct, {args.dtype}, SDPA; {machine()}; torch threads {torch.get_num_threads()}")
+    print(f"\nSmolLM2-135M-Instruct, {args.dtype}, SDPA; {machine_description()}; torch threads {torch.get_num_threads()}")
     for length in lengths:
         native = cells.get(f"{NATIVE} @ {length}")
         print(f"\nfirst {length} tokens of Hamlet + Richard III ({length / 8192:g}x L):")

@@ -20,13 +20,34 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 # ----------------------------------------------------------------------------------------------- device
+def read_cpuinfo() -> str:
+    """/proc/cpuinfo, or '' where there is none (macOS, Windows)."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def cpu_has_native_bf16() -> bool:
     """True where the CPU has bf16 matrix instructions (AMX or AVX512-BF16), so bf16 is faster than fp32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = read_cpuinfo()
     return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def machine_description(cpuinfo: str | None = None, gpus: list[str] | None = None) -> str:
+    """The machine a number came from, in one line: CPU model, cores, its bf16 instructions, and the GPUs, e.g.
+    'Intel(R) Xeon(R) Processor, 2 cores, bf16: amx_bf16, no GPU'. Every benchmark and report names it."""
+    import platform
+
+    cpuinfo = read_cpuinfo() if cpuinfo is None else cpuinfo
+    if gpus is None:
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    lines = cpuinfo.splitlines()
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    bf16 = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags]
+    return (f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            f"bf16: {', '.join(bf16) or 'none'}, " + (", ".join(gpus) if gpus else "no GPU"))
 
 
 def bf16_is_fast(device: torch.device) -> bool:

@@ -28,7 +28,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import sys
 import time
 from dataclasses import dataclass
@@ -110,13 +109,6 @@ def model_fingerprint(path: Path) -> str:
     for weights in sorted(path.glob("*.safetensors")):
         digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
     return digest.hexdigest()[:16]
-
-
-def machine() -> str:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")),
-                 platform.processor() or platform.machine())
-    return f"{model}, {os.cpu_count()} cores{', AMX' if 'amx_bf16' in flags else ''}, no GPU"
 
 
 # ------------------------------------------------------------------------------------------- the report
@@ -309,6 +301,7 @@ def main() -> int:
     from ctxext.eval.passkey import plan_trials, run_passkey
     from ctxext.eval.perplexity import sliding_window_nll, text_tokens_per_window
     from ctxext.loading import load_model, load_tokenizer
+    from ctxext.runtime import machine_description
     from ctxext.search.loop import best_trial
     from ctxext.search.objective import _CheckedMethod, score_perplexity
 
@@ -459,7 +452,7 @@ def main() -> int:
                 search_seconds += json.loads(line).get("seconds", 0.0)
                 search_trials += 1
         build_report({"lengths": lengths, "documents": docs, "rows": rows, "cells": cells, "passkey": passkey,
-                      "missing": missing, "dtype": args.dtype, "machine": machine(),
+                      "missing": missing, "dtype": args.dtype, "machine": machine_description(),
                       "passkey_length": args.passkey_length, "search_trials": args.search_trials,
                       "search_seconds": search_seconds, "search_trial_count": search_trials,
                       "run_seconds": time.perf_counter() - started}, Path(args.output))

@@ -19,7 +19,6 @@ import argparse
 import csv
 import json
 import os
-import platform
 import resource
 import shlex
 import sys
@@ -302,6 +301,7 @@ def main(argv=None) -> int:
 
     from ctxext import assets
     from ctxext.errors import CtxextError
+    from ctxext.runtime import machine_description
     from ctxext.train.loop import finetune
     from ctxext.train.pretrain_tiny import TINY_PRESETS, tiny_shakespeare_checkpoint
     from ctxext.train.recipe import load_recipe, parse_overrides
@@ -381,8 +381,7 @@ def main(argv=None) -> int:
     result = {
         "command": command.strip(),
         "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores ({torch.get_num_threads()} torch threads), "
-                   f"no GPU" if not torch.cuda.is_available() else torch.cuda.get_device_name(0),
+        "machine": f"{machine_description()} ({torch.get_num_threads()} torch threads)",
         "load_average": {"start": load_start, "end": load_average()},
         "timing": timing,
         "lengths": sorted({r["length"] for r in before}),

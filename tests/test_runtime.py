@@ -99,3 +99,13 @@ def test_automatic_choices(monkeypatch):
         resolve_dtype("fp8", cpu)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cpu_processes("auto") and cpu_processes("cpu") and not cpu_processes("mps")
+
+
+def test_machine_description_names_the_cpu_model_its_bf16_instructions_and_the_gpus():
+    from ctxext.runtime import machine_description
+
+    cpuinfo = ("processor\t: 0\nmodel name\t: Example CPU 9000\nflags\t\t: fpu avx512f amx_tile amx_bf16\n\n"
+               "processor\t: 1\nmodel name\t: Example CPU 9000\nflags\t\t: fpu avx512f amx_tile amx_bf16\n")
+    assert machine_description(cpuinfo, gpus=[]) == f"Example CPU 9000, {os.cpu_count()} cores, bf16: amx_bf16, no GPU"
+    older = cpuinfo.replace(" amx_tile amx_bf16", "")
+    assert machine_description(older, gpus=["NVIDIA H100"]).endswith("bf16: none, NVIDIA H100")

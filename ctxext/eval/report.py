@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from ..runtime import machine_description
+
 
 def format_perplexity(value: float) -> str:
     if not math.isfinite(value):
@@ -67,7 +69,7 @@ def environment() -> dict:
     info = {
         "ctxext": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
         "accelerate": accelerate.__version__, "datasets": datasets.__version__, "python": sys.version.split()[0],
-        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "platform": platform.platform(), "machine": machine_description(),
         "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
