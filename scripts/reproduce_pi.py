@@ -135,6 +135,15 @@ def shape_checks(base: float, curve: dict[int, float], before: dict, original: i
     return checks
 
 
+def stride_note(stride: int | None, lengths: list[int]) -> str:
+    """Which windows slid by less than the stated stride (ctxext.eval.perplexity.stride_at: a window not longer
+    than the stride slides by half its length), so the set-up line says what each column used."""
+    from ctxext.eval.perplexity import stride_at
+
+    halved = [f"{n} by {stride_at(n, stride)}" for n in lengths if stride_at(n, stride) != stride]
+    return f" Windows not longer than the stride slide by half their length: {', '.join(halved)}." if halved else ""
+
+
 def write_report(docs: Path, result: dict) -> None:
     docs.mkdir(parents=True, exist_ok=True)
     (docs / "pi_reproduction.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -236,7 +245,7 @@ def markdown(result: dict) -> str:
         f"cutting each play to its first {result['held_out']['max_tokens_per_doc']} tokens); never trained on, "
         "neither by the tokenizer, nor in pretraining, nor in fine-tuning.",
         f"- Perplexity: the docs/METHODS.md sliding-window protocol, stride {result['stride']}, via ctxext.eval; "
-        f"precision {result['precision']}.",
+        f"precision {result['precision']}.{stride_note(result['stride'], result['lengths'])}",
         f"- Fine-tuning: {result['recipe_summary']}.",
         f"- Data: {result['data']}.",
         "",
