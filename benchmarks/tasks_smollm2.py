@@ -4,7 +4,7 @@ Stages, each one `ctxext tasks` command (the commands are printed; BENCHMARKS.md
 has the results):
   1. niah_single_1 at 4k, 8k, 16k: none, yarn x2, ntk x2, rerope w1024 +logn; 20 samples per cell
   2. niah_multikey_2, the same
-  3. niah_single_1 at 32k (4x): none, yarn x4, rerope w1024 +logn; 10 samples per cell
+  3. niah_single_1 at 32k (4x): none, yarn x4, dual_chunk (defaults); 10 samples per cell
   4. niah_single_1 at 4k-16k for the remapping methods (string, self_extend, dual_chunk, leaky_rerope)
 Every (method, task, length) cell is cached in $CTXEXT_CACHE_DIR/tasks as soon as it is done, so the stages can be
 interrupted and run again: finished cells are read back. `--cached-only` writes every stage's table from the
