@@ -9,6 +9,7 @@ where it is installed, else SDPA.
 from __future__ import annotations
 
 import os
+import platform
 from pathlib import Path
 
 import torch
@@ -37,8 +38,6 @@ def cpu_has_native_bf16() -> bool:
 def machine_description(cpuinfo: str | None = None, gpus: list[str] | None = None) -> str:
     """The machine a number came from, in one line: CPU model, cores, its bf16 instructions, and the GPUs, e.g.
     'Intel(R) Xeon(R) Processor, 2 cores, bf16: amx_bf16, no GPU'. Every benchmark and report names it."""
-    import platform
-
     cpuinfo = read_cpuinfo() if cpuinfo is None else cpuinfo
     if gpus is None:
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

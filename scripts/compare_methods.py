@@ -445,6 +445,8 @@ def main() -> int:
                         passkey_cell(variant.label, variant.config, compute)
         return list(rows.values())
 
+    machine = machine_description()
+
     def report(rows: list[dict]) -> None:
         search_seconds, search_trials = 0.0, 0
         for folder in (root / "searches").glob("*") if (root / "searches").exists() else []:
@@ -452,7 +454,7 @@ def main() -> int:
                 search_seconds += json.loads(line).get("seconds", 0.0)
                 search_trials += 1
         build_report({"lengths": lengths, "documents": docs, "rows": rows, "cells": cells, "passkey": passkey,
-                      "missing": missing, "dtype": args.dtype, "machine": machine_description(),
+                      "missing": missing, "dtype": args.dtype, "machine": machine,
                       "passkey_length": args.passkey_length, "search_trials": args.search_trials,
                       "search_seconds": search_seconds, "search_trial_count": search_trials,
                       "run_seconds": time.perf_counter() - started}, Path(args.output))
