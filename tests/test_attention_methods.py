@@ -410,7 +410,9 @@ def test_cli_patched_checkpoints_reload_after_import_ctxext(checkpoint, tmp_path
     assert reloaded[str(tmp_path / "rerope")] == {"logn": True, "method": "leaky_rerope", "window": 6, "k": 4.0,
                                                    "original_max_position_embeddings": L_SHORT}
     for name in runs:
-        assert torch.equal(torch.load(tmp_path / name / "reloaded.pt"), expected[name]), name
+        # Float32 rounding only: across processes a matmul's last bits can follow memory alignment.
+        torch.testing.assert_close(torch.load(tmp_path / name / "reloaded.pt"), expected[name], rtol=1e-5, atol=1e-6,
+                                   msg=name)
 
 
 def test_repatching_a_reloaded_rerope_checkpoint_and_unpatching_brings_it_back(tmp_path):
