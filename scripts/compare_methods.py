@@ -11,13 +11,14 @@ docs/comparison.json. SmolLM2-135M (L = 8192) at 16k (s = 2) and 32k (s = 4):
 - **Searched parameters**: `ctxext search` at the same length on calibration text the report never scores
   (Hamlet followed by Richard III), resumable, `--search-trials` trials per method; the best trial so far is used.
 
-Every (method, document, length) cell is cached on disk as soon as it is computed, in
-$CTXEXT_CACHE_DIR/compare_methods (else outputs/compare_methods), keyed by the model, dtype, method settings,
-tokens and protocol, so the report builds up over several runs and never recomputes a cell; each search resumes
-from its trials.jsonl. The report is rewritten after every cell; a partial one lists the cells still missing.
-At 32k on a 2-core CPU this is hours: run it again (or with --max-minutes) until nothing is missing.
+Every (method, document, length) cell is written as soon as it is computed to docs/comparison_cells/ (--cells),
+one small JSON file keyed by the model, dtype, method settings, tokens and protocol, and each search's trials.jsonl
+sits beside them. That folder is committed: the report builds up over several runs, on several machines and in
+fresh checkouts, and never recomputes a cell. The report is rewritten after every cell; a partial one lists the
+cells still missing, and every cell names the machine that computed it. At 32k on a 2-core CPU this is hours:
+run it again (or with --max-minutes) until nothing is missing, and commit the new cells.
 
-    CTXEXT_CACHE_DIR=.cache nice -n 10 env OMP_NUM_THREADS=1 .venv/bin/python scripts/compare_methods.py \\
+    nice -n 10 env OMP_NUM_THREADS=1 .venv/bin/python scripts/compare_methods.py \\
         --lengths 16384 --search-trials 12 --max-minutes 120
 """
 
@@ -130,6 +131,14 @@ def describe_params(config: dict | None, factor: float) -> str:
     return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
 
 
+def machines(state: dict) -> str:
+    """Which machines computed the cells, with how many each (cells from before machines were recorded: unknown)."""
+    from collections import Counter
+
+    counts = Counter(c.get("machine", "not recorded") for c in [*state["cells"].values(), *state["passkey"].values()])
+    return "; ".join(f"{name} ({n} cells)" for name, n in counts.most_common()) or "none yet"
+
+
 def build_report(state: dict, out_dir: Path) -> None:
     """docs/comparison.md, .json and .png from the cells computed so far."""
     from ctxext.search.session import atomic_write_text, write_json
@@ -155,7 +164,7 @@ def build_report(state: dict, out_dir: Path) -> None:
         "# Choosing a method: every ctxext method on SmolLM2-135M, at its defaults and searched",
         "",
         "Written by `scripts/compare_methods.py` (cells cached; run it again to fill what is missing). "
-        f"Model: SmolLM2-135M-Instruct (L = 8192), {state['dtype']} on {state['machine']}.",
+        f"Model: SmolLM2-135M-Instruct (L = 8192), {state['dtype']}, SDPA. Cells computed on: {machines(state)}.",
         "",
         f"- **Perplexity**: one window over the first N tokens of each held-out play ({', '.join(docs)}), every token "
         "scored; the column is exp(token-weighted mean NLL) over the plays. Lower is better; rank 1 is the best "
@@ -228,8 +237,8 @@ def build_report(state: dict, out_dir: Path) -> None:
     lines += [
         f"**Run time**: {seconds / 3600:.1f} h of computation in the cells and searches so far "
         f"(cells {len(state['cells'])}, passkey cells {len(state['passkey'])}, search trials "
-        f"{state['search_trial_count']}); this run {state['run_seconds'] / 60:.0f} min, on {state['machine']}, "
-        "shared with other jobs.",
+        f"{state['search_trial_count']}); this run {state['run_seconds'] / 60:.0f} min on {state['machine']}. "
+        "Times are one torch thread per job, with other jobs on the machine.",
         "",
     ]
     if missing:
@@ -243,9 +252,8 @@ def build_report(state: dict, out_dir: Path) -> None:
         "rows": [{k: v for k, v in row.items() if k != "configs"} | {"configs": {str(k): v for k, v in
                  row["configs"].items()}} for row in rows],
         "passkey": state["passkey"], "missing": missing, "machine": state["machine"], "dtype": state["dtype"],
-        "cells": [{"label": k[0], "document": k[1], "length": k[2], **{f: v[f] for f in ("nll_sum", "tokens",
-                                                                                          "seconds")}}
-                  for k, v in state["cells"].items()]})
+        "cells": [{"label": k[0], "document": k[1], "length": k[2], "machine": v.get("machine"),
+                   **{f: v[f] for f in ("nll_sum", "tokens", "seconds")}} for k, v in state["cells"].items()]})
     plot(table, rows, lengths, out_dir / "comparison.png", by_label)
 
 
@@ -290,6 +298,8 @@ def main() -> int:
     parser.add_argument("--max-minutes", type=float, default=None, help="start no new cell after this many minutes")
     parser.add_argument("--report-only", action="store_true", help="write the report from the cached cells only")
     parser.add_argument("--output", default=str(REPO / "docs"), help="where comparison.md/.png/.json go")
+    parser.add_argument("--cells", default=str(REPO / "docs" / "comparison_cells"),
+                        help="where the computed cells and searches are kept (default %(default)s, committed)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -309,8 +319,7 @@ def main() -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     docs = [d.strip() for d in args.held_out.split(",")]
     methods = args.methods.split(",") if args.methods else methods_to_compare()
-    root = Path(os.environ["CTXEXT_CACHE_DIR"]) / "compare_methods" if os.environ.get("CTXEXT_CACHE_DIR") else \
-        REPO / "outputs" / "compare_methods"
+    root = Path(args.cells)
     checkpoint = assets.smollm2_checkpoint()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     tokenizer = load_tokenizer(str(checkpoint))
@@ -320,6 +329,7 @@ def main() -> int:
              for doc in docs}
     L = 8192
     model = None
+    machine = machine_description()
 
     def get_model():
         nonlocal model
@@ -389,7 +399,8 @@ def main() -> int:
                 scored = score_perplexity(get_model(), MethodConfig.from_mapping(config), [_Doc(doc, ids)], length,
                                           None, bos)
                 nll, tokens = scored["nll_sum"], scored["tokens"]
-            found = cache.put({"nll_sum": nll, "tokens": tokens, "seconds": time.perf_counter() - began}, **fields)
+            found = cache.put({"nll_sum": nll, "tokens": tokens, "seconds": time.perf_counter() - began,
+                               "machine": machine}, **fields)
             print(f"  {label} @ {length} on {doc}: {math.exp(nll / tokens):.3f} "
                   f"({found['seconds']:.0f} s)", flush=True)
         if found is None:
@@ -407,7 +418,8 @@ def main() -> int:
             method = _CheckedMethod(label, MethodConfig.from_mapping(config) if config else None)
             records = run_passkey(get_model(), tokenizer, trials, [method], bos)
             found = cache.put({"correct": sum(r["correct"] for r in records), "trials": len(records),
-                               "records": records, "seconds": time.perf_counter() - began}, **fields)
+                               "records": records, "seconds": time.perf_counter() - began, "machine": machine},
+                              **fields)
             print(f"  passkey {label}: {found['correct']}/{found['trials']} ({found['seconds']:.0f} s)", flush=True)
         if found is None:
             missing.append(f"passkey: {label} at {args.passkey_length}")
@@ -444,8 +456,6 @@ def main() -> int:
                     if length == args.passkey_length:
                         passkey_cell(variant.label, variant.config, compute)
         return list(rows.values())
-
-    machine = machine_description()
 
     def report(rows: list[dict]) -> None:
         search_seconds, search_trials = 0.0, 0
