@@ -112,6 +112,30 @@ def model_fingerprint(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def model_file(search_folder: Path) -> Path:
+    """Beside a search's folder (which `ctxext search` wants to itself): the fingerprint of the model it searched."""
+    return search_folder.with_name(f"{search_folder.name}.model.json")
+
+
+def adopt_search(folder: Path, checkpoint: Path, fingerprint: str) -> None:
+    """Let a committed search resume where the model sits at another path (another checkout, cache or machine).
+
+    `ctxext search --resume` insists on the same settings, the model path included; the path is rewritten only
+    when the model is the same one (its fingerprint, recorded in `model_file` when the search started).
+    """
+    from ctxext.search.session import write_json
+
+    settings = json.loads((folder / "search.json").read_text())
+    if settings["model"] == str(checkpoint):
+        return
+    recorded = json.loads(model_file(folder).read_text())["model_fingerprint"] if model_file(folder).exists() \
+        else None
+    if recorded != fingerprint:
+        raise SystemExit(f"{folder}: searched another model ({settings['model']}, fingerprint {recorded}); "
+                         f"move the folder away to search {checkpoint} again")
+    write_json(folder / "search.json", {**settings, "model": str(checkpoint)})
+
+
 # ------------------------------------------------------------------------------------------- the report
 def overall(cells: list[dict | None]) -> float | None:
     if not cells or any(c is None for c in cells):
@@ -314,6 +338,7 @@ def main() -> int:
     from ctxext.runtime import machine_description
     from ctxext.search.loop import best_trial
     from ctxext.search.objective import _CheckedMethod, score_perplexity
+    from ctxext.search.session import write_json
 
     started = time.perf_counter()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -371,7 +396,11 @@ def main() -> int:
                 "--dataset", f"shakespeare:{CALIBRATION}", "--held-out", "0", "--trials", str(args.search_trials),
                 "--no-checkpoint", "--no-progress", "--dtype", args.dtype, "-o", str(folder)]
         if (folder / "search.json").exists():
+            adopt_search(folder, checkpoint, cache.context["model"])
             argv.append("--resume")
+        elif not model_file(folder).exists():
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            write_json(model_file(folder), {"model_fingerprint": cache.context["model"]})
         if method == "theta":  # no default base: start where NTK-aware puts it, b * s^(d/(d-2)) (d = 64)
             argv += ["--new-base", str(1e5 * (length / L) ** (64 / 62))]
         print(f"search: {method} at {length}", flush=True)
