@@ -165,6 +165,27 @@ def test_cached_decoding_equals_full_forward(family, method, params, logn):
     assert torch.allclose(decoded, full, atol=1e-4), (decoded - full).abs().max()
 
 
+def test_the_layers_of_a_forward_share_one_rotary_computation():
+    """Every layer asks for the same (cos, sin), so the rotary embedding runs once per forward and set of positions
+    however deep the model is, in a prefill and in each decode step (per layer, it was a fifth of a decode step)."""
+    def rotary_calls(layers: int) -> list[int]:
+        model = ctxext.patch(tiny_model("llama", max_position_embeddings=L, num_hidden_layers=layers), "dual_chunk",
+                             chunk_size=18, local_window=4)
+        calls = []
+        model.model.rotary_emb.register_forward_hook(lambda *_: calls.append(1))
+        tokens = torch.randint(0, 256, (1, 41), generator=torch.Generator().manual_seed(8))
+        counts = []
+        with torch.no_grad():
+            cache = model(tokens[:, :40], use_cache=True).past_key_values
+            counts.append(len(calls))
+            model(tokens[:, 40:], past_key_values=cache, use_cache=True)
+            counts.append(len(calls) - counts[0])
+        return counts
+
+    assert rotary_calls(2) == rotary_calls(5)
+    assert rotary_calls(2)[1] > 1  # the step did remap (the model's own call is the first)
+
+
 # ------------------------------------------------------------------------------ where nothing changes
 @pytest.mark.parametrize("family,method,params", [
     ("llama", "self_extend", {"group_size": 4, "window": 30}),
