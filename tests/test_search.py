@@ -208,6 +208,30 @@ def test_resume_from_the_command_line(tiny, tmp_path, capsys):
     assert (parts / "trials.jsonl").read_bytes() == before
 
 
+@pytest.mark.parametrize("method", ["self_extend", "dual_chunk"])
+def test_a_remapping_method_is_searched_like_any_other(tiny, tmp_path, capsys, method):
+    """Every trial of an attention-level search scores what `ctxext.patch` with its parameters scores, and the
+    best is written as a checkpoint whose attention settings reload (after import ctxext) to the same model."""
+    from transformers import AutoModelForCausalLM
+
+    source, docs = tiny
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "search", source, "--method", method, "--length", 256, "--text-file", docs,
+                           "--trials", 4, "--held-out", 1, "--dtype", "fp32", "--no-progress", "-o", out)
+    assert code == 0, err
+    trials = [t for t in read_trials(out) if t["state"] == "complete"]
+    assert len(trials) >= 3 and len({t["value"] for t in trials}) > 1  # the parameters reach the attention
+    calibration = [torch.tensor([int(w[1:]) for w in (docs / "doc0.txt").read_text().split()])]
+    for trial in trials:
+        params = {k: v for k, v in trial["params"].items() if v is not None}
+        model = ctxext.patch(tiny_model("llama"), method, factor=4.0, **params)
+        assert trial["value"] == pytest.approx(naive_perplexity(model, calibration, 256), rel=1e-5), trial
+    best = best_trial(read_trials(out))
+    reloaded = AutoModelForCausalLM.from_pretrained(out / "checkpoint").eval()
+    assert reloaded.config.ctxext_attention["method"] == method
+    assert naive_perplexity(reloaded, calibration, 256) == pytest.approx(best["value"], rel=1e-5)
+
+
 def test_invalid_combinations_are_logged_and_avoided(tmp_path):
     space = build_space(get_method("dual_chunk"), {"factor": 4, "L": 64, "base": 1e4}, None)
 
