@@ -325,7 +325,7 @@ def _remapped_forward(module, state: AttentionState, query, key, value, attentio
     cos_k, sin_k = memo.lookup(host, query, positions_key, "keys", lambda: key_positions)
     query_positions = key_positions[:, total - q_len:]
     plain_query = undo_rotation(query, cos_k[:, total - q_len:], sin_k[:, total - q_len:])
-    plain_key = undo_rotation(key, cos_k, sin_k)
+    plain_key = None  # unrotated keys, made once a region rotates keys by a rule of its own (STRING's never does)
     first = key_positions[0, 0]
     queries, keys, lows, highs, rotated_keys = [], [], [], [], {}
     for index, region in enumerate(remap.regions()):
@@ -340,6 +340,7 @@ def _remapped_forward(module, state: AttentionState, query, key, value, attentio
         else:
             rule = region.key_position
             if rule not in rotated_keys:  # regions that share a key rule share the rotated keys
+                plain_key = undo_rotation(key, cos_k, sin_k) if plain_key is None else plain_key
                 cos, sin = memo.lookup(host, plain_key, positions_key, ("key", index),
                                        lambda: rule(key_positions))
                 rotated_keys[rule] = apply_rotation(plain_key, cos, sin).to(key.dtype)
