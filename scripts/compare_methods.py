@@ -188,7 +188,9 @@ def build_report(state: dict, out_dir: Path) -> None:
         "# Choosing a method: every ctxext method on SmolLM2-135M, at its defaults and searched",
         "",
         "Written by `scripts/compare_methods.py` (cells cached; run it again to fill what is missing). "
-        f"Model: SmolLM2-135M-Instruct (L = 8192), {state['dtype']}, SDPA. Cells computed on: {machines(state)}.",
+        f"Model: SmolLM2-135M-Instruct (L = 8192), {state['dtype']}, SDPA. Cells computed on: {machines(state)}"
+        + (" (bf16 kernels differ between CPUs: BENCHMARKS.md, 'Comparison report', says by how much)."
+           if ";" in machines(state) else "."),
         "",
         f"- **Perplexity**: one window over the first N tokens of each held-out play ({', '.join(docs)}), every token "
         "scored; the column is exp(token-weighted mean NLL) over the plays. Lower is better; rank 1 is the best "
@@ -262,7 +264,7 @@ def build_report(state: dict, out_dir: Path) -> None:
         f"**Run time**: {seconds / 3600:.1f} h of computation in the cells and searches so far "
         f"(cells {len(state['cells'])}, passkey cells {len(state['passkey'])}, search trials "
         f"{state['search_trial_count']}); this run {state['run_seconds'] / 60:.0f} min on {state['machine']}. "
-        "Times are one torch thread per job, with other jobs on the machine.",
+        "Cell times depend on the machine, its threads and its load (BENCHMARKS.md, 'Comparison report').",
         "",
     ]
     if missing:
