@@ -156,7 +156,7 @@ def describe_params(config: dict | None, factor: float) -> str:
 
 
 def machines(state: dict) -> str:
-    """Which machines computed the cells, with how many each (cells from before machines were recorded: unknown)."""
+    """Which machines computed the cells, with how many each ("not recorded" for cells older than the record)."""
     from collections import Counter
 
     counts = Counter(c.get("machine", "not recorded") for c in [*state["cells"].values(), *state["passkey"].values()])
