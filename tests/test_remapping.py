@@ -165,12 +165,16 @@ def test_cached_decoding_equals_full_forward(family, method, params, logn):
     assert torch.allclose(decoded, full, atol=1e-4), (decoded - full).abs().max()
 
 
-def test_the_layers_of_a_forward_share_one_rotary_computation():
+@pytest.mark.parametrize("tuned", [False, True])
+def test_the_layers_of_a_forward_share_one_rotary_computation(tuned):
     """Every layer asks for the same (cos, sin), so the rotary embedding runs once per forward and set of positions
-    however deep the model is, in a prefill and in each decode step (per layer, it was a fifth of a decode step)."""
+    however deep the model is, in a prefill and in each decode step (per layer, it was a fifth of a decode step);
+    also after `set_attention_tuning`, which rebuilds each layer's state."""
     def rotary_calls(layers: int) -> list[int]:
         model = ctxext.patch(tiny_model("llama", max_position_embeddings=L, num_hidden_layers=layers), "dual_chunk",
                              chunk_size=18, local_window=4)
+        if tuned:
+            set_attention_tuning(model, query_block=16)
         calls = []
         model.model.rotary_emb.register_forward_hook(lambda *_: calls.append(1))
         tokens = torch.randint(0, 256, (1, 41), generator=torch.Generator().manual_seed(8))

@@ -48,8 +48,8 @@ class AttentionState:
     attention layers. `query_block` and `kernel` are tuning knobs (tests shrink the block to exercise it).
     """
 
-    def __init__(self, settings: AttentionSettings, host: nn.Module, query_block: int = QUERY_BLOCK,
-                 kernel: str = "auto", rotary_memo: "RotaryMemo | None" = None):
+    def __init__(self, settings: AttentionSettings, host: nn.Module, rotary_memo: "RotaryMemo",
+                 query_block: int = QUERY_BLOCK, kernel: str = "auto"):
         if kernel not in KERNELS:
             raise CtxextError(f"unknown attention kernel '{kernel}'; choose one of {', '.join(KERNELS)}")
         if query_block < 1:
@@ -58,7 +58,7 @@ class AttentionState:
         self.host = host
         self.query_block = int(query_block)
         self.kernel = kernel
-        self.rotary_memo = rotary_memo if rotary_memo is not None else RotaryMemo()  # shared by the layers
+        self.rotary_memo = rotary_memo  # one per model, shared by its layers
 
 
 # ------------------------------------------------------------------------------------- install/remove
@@ -107,7 +107,7 @@ def install_attention(host: nn.Module, settings: AttentionSettings | None, query
     modules = attention_modules(host)
     memo = RotaryMemo()
     for module in modules:
-        module.__dict__[_STATE] = AttentionState(settings, host, query_block, kernel, memo)
+        module.__dict__[_STATE] = AttentionState(settings, host, memo, query_block, kernel)
     inner = wrapped_implementation(compat.attention_implementation(host.config))
     _switch_implementation(host, register_wrapper(inner))
 
@@ -135,7 +135,7 @@ def set_attention_tuning(model: nn.Module, query_block: int | None = None, kerne
         state = module.__dict__.get(_STATE)
         if state is None:
             raise CtxextError("no ctxext attention method is installed on this model")
-        module.__dict__[_STATE] = AttentionState(state.settings, state.host,
+        module.__dict__[_STATE] = AttentionState(state.settings, state.host, state.rotary_memo,
                                                  query_block or state.query_block, kernel or state.kernel)
 
 
