@@ -105,10 +105,25 @@ class CellCache:
         return record
 
 
+WRITER_KEYS = ("transformers_version",)  # config.json keys that record the writer, not the model
+
+
 def model_fingerprint(path: Path) -> str:
-    digest = hashlib.sha256((path / "config.json").read_bytes())
+    """The model a cell was computed on: its config (less the keys that name the transformers release that wrote
+    it) and every tensor's name, dtype, shape and bytes. A cell carries over to any checkout, machine or
+    transformers release that builds the same model, and to no other (the file bytes would not: the offline
+    SmolLM2 is converted on each machine by the transformers installed there, which stamps its version)."""
+    import torch
+    from safetensors import safe_open
+
+    config = {k: v for k, v in json.loads((path / "config.json").read_text()).items() if k not in WRITER_KEYS}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     for weights in sorted(path.glob("*.safetensors")):
-        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+        with safe_open(weights, framework="pt") as tensors:
+            for name in sorted(tensors.keys()):
+                tensor = tensors.get_tensor(name)
+                digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+                digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()[:16]
 
 
