@@ -299,28 +299,39 @@ def build_report(state: dict, out_dir: Path) -> None:
 
 
 def plot(table: dict, rows: list[dict], lengths: list[int], path: Path, by_label: dict) -> None:
+    """Held-out perplexity over native per method and length, on a log axis with each value written out: the
+    methods worth choosing are within a few percent of native, which a linear bar chart cannot tell apart."""
     from ctxext.eval.report import _figure
 
     labels = [r["label"] for r in rows if any(r["label"] in table[n]["perplexity"] for n in lengths)]
     if not labels:
         return
-    fig = _figure(figsize=(8, 0.28 * len(labels) * len(lengths) + 1.5))
+    fig = _figure(figsize=(9, 0.3 * len(labels) + 1.6))
     axes = fig.subplots(1, len(lengths), squeeze=False, sharey=True)
     for ax, length in zip(axes[0], lengths):
-        values = [table[length]["perplexity"].get(label, float("nan")) for label in labels]
-        colors = ["C1" if by_label[label]["kind"] == "searched" else "C0" for label in labels]
-        ax.barh(range(len(labels)), values, color=colors)
         native = table[length]["native"]
-        if native:
-            ax.axvline(native, color="k", lw=1, ls="--", label=f"native {native:.2f}")
-            ax.legend(fontsize=7, loc="lower right")
-        finite = [v for v in values if math.isfinite(v)]
-        if finite and native:
-            ax.set_xlim(min(finite + [native]) * 0.95, min(max(finite), 3 * native) * 1.05)
-        ax.set_title(f"{length // 1024}k (s = {length / 8192:g})", fontsize=9)
-        ax.set_xlabel("held-out perplexity (lower is better)")
+        ax.set_title(f"{length // 1024}k (s = {length / 8192:g})" + (f", native {native:.2f}" if native else ""),
+                     fontsize=9)
+        ax.set_xscale("log")
+        ax.axvline(1.0, color="k", lw=1, ls="--")
+        ax.set_xlabel("held-out perplexity / native (log; lower is better)", fontsize=8)
+        for y, label in enumerate(labels):
+            value = table[length]["perplexity"].get(label)
+            if value is None or not native:
+                continue
+            ratio = value / native
+            color = "C1" if by_label[label]["kind"] == "searched" else "C0"
+            ax.hlines(y, 1.0, ratio, color=color, lw=2)
+            ax.plot([ratio], [y], "o", color=color, ms=4)
+            ax.annotate(f" {ratio:.3f} ({value:.1f})", (ratio, y), fontsize=6.5, va="center")
+        ratios = [v / native for v in table[length]["perplexity"].values()] if native else []
+        right = max([2.0, *ratios]) * 1.6
+        ax.set_xlim(0.9, right)
+        ticks = [t for t in ((1, 1.1, 1.25, 1.5, 2, 3) if right < 4 else (1, 1.5, 2, 3, 5, 10, 20, 50)) if t < right]
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks], fontsize=7)
+        ax.minorticks_off()
     axes[0][0].set_yticks(range(len(labels)), labels, fontsize=7)
-    axes[0][0].invert_yaxis()
+    axes[0][0].set_ylim(len(labels) - 0.5, -0.5)
     fig.tight_layout()
     staging = path.with_name(f".{path.stem}.tmp.png")
     fig.savefig(staging, dpi=110)
