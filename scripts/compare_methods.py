@@ -315,17 +315,16 @@ def plot(table: dict, rows: list[dict], lengths: list[int], path: Path, by_label
         ax.set_xscale("log")
         ax.axvline(1.0, color="k", lw=1, ls="--")
         ax.set_xlabel("held-out perplexity / native (log; lower is better)", fontsize=8)
+        ratios = {label: value / native for label, value in table[length]["perplexity"].items()} if native else {}
         for y, label in enumerate(labels):
-            value = table[length]["perplexity"].get(label)
-            if value is None or not native:
+            if label not in ratios:
                 continue
-            ratio = value / native
+            ratio, value = ratios[label], table[length]["perplexity"][label]
             color = "C1" if by_label[label]["kind"] == "searched" else "C0"
             ax.hlines(y, 1.0, ratio, color=color, lw=2)
             ax.plot([ratio], [y], "o", color=color, ms=4)
             ax.annotate(f" {ratio:.3f} ({value:.1f})", (ratio, y), fontsize=6.5, va="center")
-        ratios = [v / native for v in table[length]["perplexity"].values()] if native else []
-        right = max([2.0, *ratios]) * 1.6
+        right = max([2.0, *ratios.values()]) * 1.6
         ax.set_xlim(0.9, right)
         ticks = [t for t in ((1, 1.1, 1.25, 1.5, 2, 3) if right < 4 else (1, 1.5, 2, 3, 5, 10, 20, 50)) if t < right]
         ax.set_xticks(ticks, [f"{t:g}" for t in ticks], fontsize=7)
