@@ -199,6 +199,8 @@ def build_report(state: dict, out_dir: Path) -> None:
         table[length] = {"native": native, "perplexity": scored, "rank": {k: i + 1 for i, k in enumerate(ranked)}}
 
     missing = state["missing"]
+    searched_methods = {row["method"] for row in rows if row["kind"] == "searched"}
+    unsearched = [m for m in dict.fromkeys(row["method"] for row in rows) if m not in searched_methods | {"none"}]
     lines = [
         "# Choosing a method: every ctxext method on SmolLM2-135M, at its defaults and searched",
         "",
@@ -216,7 +218,9 @@ def build_report(state: dict, out_dir: Path) -> None:
         f"{', '.join(f'{d:g}' for d in PASSKEY_DEPTHS)} (the Landmark/YaRN format).",
         f"- **Searched**: the best of `ctxext search` ({state['search_trials']} trials per method and length; "
         f"TPE, LongRoPE by CMA-ES from YaRN's factors) on calibration text the table never scores "
-        f"({CALIBRATION.replace('+', ' + ')}, first N tokens). 'search vs defaults' is the held-out change.",
+        f"({CALIBRATION.replace('+', ' + ')}, first N tokens). 'search vs defaults' is the held-out change."
+        + (f" {', '.join(unsearched)}: no parameter to search but the factor, so no searched row."
+           if unsearched and state["search_trials"] else ""),
         "",
     ]
     header = "| method | parameters |"
