@@ -404,14 +404,16 @@ def main() -> int:
         folder = search_dir(method, length)
         trials_file = folder / "trials.jsonl"
         if not trials_file.exists():
-            return Variant(method, "searched", None, "search not run yet"), None
+            return Variant(method, "searched", None, "not started"), None
         from ctxext.search.loop import TrialLog
 
         history = TrialLog(trials_file).read()
         best = best_trial(history)
         settings = json.loads((folder / "search.json").read_text())
+        if len(history) < args.search_trials:  # a partial search's best would be scored, then superseded
+            return Variant(method, "searched", None, f"{len(history)} of {args.search_trials} trials done"), None
         if best is None:
-            return Variant(method, "searched", None, "no valid trial yet"), None
+            return Variant(method, "searched", None, "no valid trial"), None
         base = {"method": settings["method"], "factor": settings["factor"],
                 "original_max_position_embeddings": settings["original_max_position_embeddings"],
                 **settings["fixed"], **{k: v for k, v in best["params"].items() if v is not None}}
@@ -508,7 +510,7 @@ def main() -> int:
                         row["search"][length] = info
                     if variant.config is None:
                         if kind == "searched":
-                            missing.append(f"search: {method} at {length}")
+                            missing.append(f"search: {method} at {length} ({variant.note})")
                         continue
                     compute = compute_defaults if kind == "defaults" else compute_searched
                     for doc in docs:
