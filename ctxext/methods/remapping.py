@@ -279,8 +279,10 @@ class DualChunkParams(RemapParams):
 class StringParams(RemapParams):
     """STRING: relative positions from S on are shifted back by S - W, onto well-trained ones."""
 
+    # searched as a share of the target length N = s L: the largest shifted distance, N - S + W, stays below L only
+    # for S >= N + W - L, so beyond 2x no S below L keeps every distance trained; the best cap is S = (N + W) / 2
     shifted_offset: int | None = param(None, "S: pairs at r >= S use r - S + W (default floor(0.33 L), as STRING)",
-                                       search=(1 / 8, 15 / 16, "int", "*L"))
+                                       search=(1 / 16, 3 / 4, "int", "*L", "*factor"))
     local_value: int = param(128, "W < S: the relative position the shifted pairs start from (STRING: 128)",
                              search=(16, 512, "log", "int"))
     attention_factor: float = param(0.1 * math.log(2) + 1, "multiplies cos and sin everywhere, as the reference "
