@@ -266,7 +266,7 @@ def test_every_declared_range_resolves_to_a_non_empty_range():
     (window,) = build_space(get_method("rerope"), scales, ["window"])
     assert (window.to_dict()["low"], window.to_dict()["high"]) == (128, 4096)  # 1/32 L to L, whole numbers
     # STRING's offset is a share of N = s L, so it reaches S = (N + W) / 2, the offset whose largest shifted
-    # distance N - S + W is smallest (it is above L at any S once s > 2)
+    # distance N - S + W is smallest (it is above L at any S once s >= 2)
     (offset,) = build_space(get_method("string"), scales, ["shifted_offset"])
     N, W = 4.0 * 4096, 128
     assert (offset.to_dict()["low"], offset.to_dict()["high"]) == (N // 16, 3 * N // 4)

@@ -280,7 +280,7 @@ class StringParams(RemapParams):
     """STRING: relative positions from S on are shifted back by S - W, onto well-trained ones."""
 
     # searched as a share of the target length N = s L: the largest shifted distance, N - S + W, stays below L only
-    # for S >= N + W - L, so beyond 2x no S below L keeps every distance trained; the best cap is S = (N + W) / 2
+    # for S >= N + W - L, so from 2x on no S up to L keeps every distance trained; the best cap is S = (N + W) / 2
     shifted_offset: int | None = param(None, "S: pairs at r >= S use r - S + W (default floor(0.33 L), as STRING)",
                                        search=(1 / 16, 3 / 4, "int", "*L", "*factor"))
     local_value: int = param(128, "W < S: the relative position the shifted pairs start from (STRING: 128)",

@@ -6,8 +6,9 @@ A parameters dataclass declares a range with `param(default, help, search=(low, 
     window: int = param(512, "...", search=(1 / 32, 1.0, "log", "int", "*L"))
 
 The words are `"log"` (sample on a log scale), `"int"` (whole numbers) and any of `"*factor"`, `"*L"`, `"*base"`
-(low and high are multiples of the scale s, the original length L, or the RoPE base b; `"*L", "*factor"` makes them
-shares of the target length s L), so that one declaration fits a 2k model at s=2 and a 128k target alike. A `--space` YAML overrides them for the parameters it names:
+(low and high are multiples of the scale s, the original length L, or the RoPE base b; the words multiply, so
+`"*L", "*factor"` makes them shares of the target length s L), so that one declaration fits a 2k model at s=2 and
+a 128k target alike. A `--space` YAML overrides them for the parameters it names:
 
     beta_fast: {low: 8, high: 64, log: true}
     beta_slow: [0.5, 2]                 # [low, high], linear
