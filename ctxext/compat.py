@@ -1,7 +1,7 @@
 """Every private API of torch, transformers and accelerate that ctxext uses, in one place.
 
 Each entry says what it is, why no public API does the job, and the versions it was checked against
-(torch 2.13, transformers 5.23, accelerate 1.15). tests/test_compat.py fails loudly when one changes.
+(torch 2.13, transformers 5.23, accelerate 1.15). tests/test_remapping.py::test_compat_module_names_the_private_apis_it_wraps fails loudly when one changes.
 Everything else in ctxext uses public APIs only.
 """
 
@@ -44,6 +44,32 @@ def family_eager_attention(module: torch.nn.Module):
     the default. ctxext's attention wrapper needs the same default to hand "eager" models back to it.
     """
     return sys.modules[type(module).__module__].eager_attention_forward
+
+
+class _ConfigWithImplementation:
+    def __init__(self, config, implementation: str):
+        self._config = config
+        self._attn_implementation = implementation
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
+class _ModuleWithImplementation:
+    def __init__(self, module: torch.nn.Module, implementation: str):
+        self._module = module
+        self.config = _ConfigWithImplementation(module.config, implementation)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+# transformers' flash_attention_forward (integrations/flash_attention.py, transformers 5.x) picks the kernel to
+# import from `module.config._attn_implementation`. Under ctxext's wrapper that names the wrapper, so the
+# wrapper hands FlashAttention a view of the module whose config names the wrapped implementation; every
+# other attribute is the module's own. No public argument selects the kernel.
+def module_with_attention_implementation(module: torch.nn.Module, implementation: str):
+    return _ModuleWithImplementation(module, implementation)
 
 
 # PretrainedConfig's `_validate_<rope_type>_rope_parameters` hooks (private, transformers 5.x): transformers

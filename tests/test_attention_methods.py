@@ -285,14 +285,17 @@ def test_unpatch_restores_logits_and_config_bit_for_bit(family, method, params, 
     assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)
 
 
-def test_sliding_window_shorter_than_the_sequence_is_refused():
-    model = ctxext.patch(tiny_model("mistral", sliding_window=8), "rerope", window=4)
+def test_sliding_window_shorter_than_the_model_is_refused_at_patch_time():
+    model = tiny_model("mistral", sliding_window=8)
+    with pytest.raises(CtxextError, match="sliding-window"):
+        ctxext.patch(model, "rerope", window=4)  # before any forward, not at the first long input
+    assert ctxext.applied_method(model) is None  # nothing was half-applied
+    ctxext.patch(model, "none", logn=True)  # log-n alone keeps the model's own (sliding) attention
     with torch.no_grad():
-        model(torch.randint(0, 256, (1, 8)))  # inside the window: fine
-        with pytest.raises(CtxextError, match="sliding-window"):
-            model(torch.randint(0, 256, (1, 20)))
-        ctxext.patch(model, "none", logn=True)  # log-n alone keeps the model's own (sliding) attention
         model(torch.randint(0, 256, (1, 20)))
+    no_window = ctxext.patch(tiny_model("mistral", sliding_window=None), "rerope", window=4)
+    with torch.no_grad():
+        no_window(torch.randint(0, 256, (1, 20)))
 
 
 # ------------------------------------------------------------------------------------------ bad input

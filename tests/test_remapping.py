@@ -248,13 +248,21 @@ def test_impossible_parameters_are_value_errors(method, params, message):
         ctxext.patch(tiny_model("llama", max_position_embeddings=L), method, **params)
 
 
-def test_left_padded_batches_are_refused_where_positions_are_not_shift_invariant():
-    model = ctxext.patch(tiny_model("llama", max_position_embeddings=L), "self_extend", group_size=2, window=4)
-    batch = torch.randint(1, 256, (2, 12))
-    mask = torch.ones(2, 12, dtype=torch.long)
-    mask[1, :3] = 0
-    with torch.no_grad(), pytest.raises(CtxextError, match="same positions"):
-        model.generate(batch, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+@pytest.mark.parametrize("method,params", [("self_extend", {"group_size": 2, "window": 4}),
+                                           ("dual_chunk", {"chunk_size": 9, "local_window": 2})])
+def test_left_padded_batch_decodes_like_each_row_alone(method, params):
+    """Rules that are not shift-invariant see each row at its own positions (one region plan per row)."""
+    model = ctxext.patch(tiny_model("llama", max_position_embeddings=L), method, **params)
+    long_row, short_row = torch.randint(1, 256, (1, 14)), torch.randint(1, 256, (1, 9))
+    batch = torch.cat([long_row, torch.cat([torch.zeros(1, 5, dtype=torch.long), short_row], dim=1)])
+    mask = (torch.arange(14)[None] >= torch.tensor([[0], [5]])).long()
+    settings = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                    pad_token_id=0)
+    with torch.no_grad():
+        together = torch.stack(model.generate(batch, attention_mask=mask, **settings).logits, dim=1)
+        alone = [torch.stack(model.generate(row, **settings).logits, dim=1) for row in (long_row, short_row)]
+    assert torch.allclose(together[0], alone[0][0], atol=1e-5)
+    assert torch.allclose(together[1], alone[1][0], atol=1e-5), (together[1] - alone[1][0]).abs().max()
 
 
 def test_compat_module_names_the_private_apis_it_wraps():

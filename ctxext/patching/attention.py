@@ -21,6 +21,9 @@ config, so plain `AutoModelForCausalLM.from_pretrained` works after `import ctxe
 from __future__ import annotations
 
 import functools
+import re
+import threading
+import weakref
 from typing import Callable
 
 import torch
@@ -28,37 +31,42 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+from transformers.utils.generic import is_flash_attention_requested
 
 from .. import compat
 from ..errors import CtxextError
 from ..methods.attention import AttentionSettings, logn_scale
 from .families import SUPPORTED_FAMILIES, rotary_host
-from .remap_kernel import KERNELS, QUERY_BLOCK, remapped_attention
+from .remap_kernel import BACKEND_CHOICES, QUERY_BLOCK, REMAP_BACKENDS, RegionPlan, key_padding, pick_backend
 
 CONFIG_KEY = "ctxext_attention"  # the config.json entry that records the settings
-PREFIX = "ctxext_"  # attention implementations registered by ctxext are named PREFIX + the wrapped one
+PREFIX = "ctxext_"  # attention implementations registered by ctxext start with this
+# Implementations a remapping method can run under (flash ones are recognised by transformers' own test).
+REMAPPING_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
 
 _STATE = "_ctxext_attention"  # attribute on each patched attention module
+_WRAPPED: dict[str, str] = {}  # registered wrapper name -> the implementation it wraps
 
 
 class AttentionState:
     """What a patched attention module needs: the settings and the base model whose rotary_emb it reads.
 
     A plain object, not an nn.Module, so that the base model is not registered as a submodule of its own
-    attention layers. `query_block` and `kernel` are tuning knobs (tests shrink the block to exercise it).
+    attention layers. `query_block` and `kernel` (a remapping backend, or "auto") are tuning knobs (tests
+    shrink the block to exercise it, and force each backend).
     """
 
-    def __init__(self, settings: AttentionSettings, host: nn.Module, rotary_memo: "RotaryMemo",
+    def __init__(self, settings: AttentionSettings, host: nn.Module, memo: "ForwardMemo",
                  query_block: int = QUERY_BLOCK, kernel: str = "auto"):
-        if kernel not in KERNELS:
-            raise CtxextError(f"unknown attention kernel '{kernel}'; choose one of {', '.join(KERNELS)}")
+        if kernel not in BACKEND_CHOICES:
+            raise CtxextError(f"unknown remapping backend '{kernel}'; choose one of {', '.join(BACKEND_CHOICES)}")
         if query_block < 1:
             raise CtxextError(f"query_block must be >= 1, got {query_block}")
         self.settings = settings
         self.host = host
         self.query_block = int(query_block)
         self.kernel = kernel
-        self.rotary_memo = rotary_memo  # one per model, shared by its layers
+        self.memo = memo  # one per model, shared by its layers
 
 
 # ------------------------------------------------------------------------------------- install/remove
@@ -73,20 +81,66 @@ def attention_modules(host: nn.Module) -> list[nn.Module]:
     return modules
 
 
+def wrapper_name(inner: str) -> str:
+    """The name ctxext registers its wrapper of `inner` under: 'ctxext_sdpa', 'ctxext_fa2' for
+    'flash_attention_2'. transformers takes every name containing "flash" (or shaped like a hub kernel,
+    org/name) for a FlashAttention kernel it must import, so the wrapper's name has neither."""
+    if not is_flash_attention_requested(requested_attention_implementation=inner) and re.fullmatch(r"\w+", inner):
+        return PREFIX + inner
+    token = re.sub(r"\W+", "_", inner.lower()).replace("flash_attention_", "fa").replace("flash", "fa")
+    return PREFIX + token.strip("_")
+
+
 def wrapped_implementation(name: str | None) -> str:
     """The implementation a ctxext name wraps ('ctxext_sdpa' -> 'sdpa'); other names are returned as they are."""
     name = name or "eager"
-    return name.removeprefix(PREFIX)
+    return _WRAPPED.get(name, name.removeprefix(PREFIX) if name.startswith(PREFIX) else name)
 
 
 def register_wrapper(inner: str) -> str:
-    """Register `ctxext_<inner>` with transformers' attention and mask interfaces (idempotent); its name."""
-    name = PREFIX + inner
+    """Register the wrapper of `inner` with transformers' attention and mask interfaces (idempotent); its name."""
+    name = wrapper_name(inner)
+    _WRAPPED[name] = inner
     if name not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(name, functools.partial(ctxext_attention, inner=inner))
     if name not in ALL_MASK_ATTENTION_FUNCTIONS and inner in ALL_MASK_ATTENTION_FUNCTIONS:
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
     return name
+
+
+def check_implementation(inner: str, settings: AttentionSettings) -> None:
+    """A CtxextError, before any forward, where `settings` cannot run under the implementation `inner`.
+
+    log-n only scales queries, so any implementation serves it; a remapping method must read the model's mask
+    and hand its first region back, which ctxext does for eager, SDPA, flex_attention and FlashAttention.
+    """
+    if settings.remap is None:
+        return
+    if inner in REMAPPING_IMPLEMENTATIONS or is_flash_attention_requested(requested_attention_implementation=inner):
+        return
+    raise CtxextError(f"{settings.method} cannot run under attn_implementation='{inner}'; load the model with "
+                      f"one of {', '.join(REMAPPING_IMPLEMENTATIONS)} or a FlashAttention implementation")
+
+
+def check_sliding_window(config, settings: AttentionSettings, length: int | None = None) -> None:
+    """A CtxextError at patch or load time where a sliding window shorter than the model's length (`length`,
+    default max_position_embeddings) would stop a remapping method mid-run (its regions need every key)."""
+    window = getattr(config, "sliding_window", None)
+    if settings.remap is None or window is None or getattr(config, "use_sliding_window", True) is False:
+        return
+    length = length or getattr(config, "max_position_embeddings", None)
+    if length is not None and window < length:
+        raise CtxextError(f"{settings.method} cannot run with sliding-window attention ({window} tokens, shorter "
+                          f"than the model's {length}); set sliding_window to null in config.json (or "
+                          "config.sliding_window = None) first")
+
+
+def check_can_install(host: nn.Module, settings: AttentionSettings, length: int | None = None) -> str:
+    """Refuse, before anything changes, what `settings` cannot run on `host`; the implementation to wrap."""
+    inner = wrapped_implementation(compat.attention_implementation(host.config))
+    check_implementation(inner, settings)
+    check_sliding_window(host.config, settings, length)
+    return inner
 
 
 def _switch_implementation(host: nn.Module, name: str) -> None:
@@ -104,11 +158,11 @@ def install_attention(host: nn.Module, settings: AttentionSettings | None, query
     remove_attention(host)
     if settings is None or not settings.active:
         return
+    inner = check_can_install(host, settings)
     modules = attention_modules(host)
-    memo = RotaryMemo()
+    memo = ForwardMemo()
     for module in modules:
         module.__dict__[_STATE] = AttentionState(settings, host, memo, query_block, kernel)
-    inner = wrapped_implementation(compat.attention_implementation(host.config))
     _switch_implementation(host, register_wrapper(inner))
 
 
@@ -130,12 +184,12 @@ def installed_settings(host: nn.Module) -> AttentionSettings | None:
 
 
 def set_attention_tuning(model: nn.Module, query_block: int | None = None, kernel: str | None = None) -> None:
-    """Change the block size or kernel of an installed remapping method (benchmarks and tests; same results)."""
+    """Change the block size or backend of an installed remapping method (benchmarks and tests; same results)."""
     for module in attention_modules(rotary_host(model)):
         state = module.__dict__.get(_STATE)
         if state is None:
             raise CtxextError("no ctxext attention method is installed on this model")
-        module.__dict__[_STATE] = AttentionState(state.settings, state.host, state.rotary_memo,
+        module.__dict__[_STATE] = AttentionState(state.settings, state.host, state.memo,
                                                  query_block or state.query_block, kernel or state.kernel)
 
 
@@ -213,92 +267,192 @@ def undo_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 def _rotary_at(host: nn.Module, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) of the model's own rotary embedding at arbitrary (possibly fractional) positions."""
+    """(cos, sin) of the model's own rotary embedding at arbitrary (possibly fractional) positions.
+
+    Positions are computed on the CPU (in float64 where a rule needs it) and reach the device as float32, so
+    devices without float64 (MPS) never see it.
+    """
     return host.rotary_emb(like, positions.to(device=like.device, dtype=torch.float32))
 
 
-class RotaryMemo:
-    """The (cos, sin) one forward needs, computed by its first remapped layer and reused by the others.
+# ----------------------------------------------------------------------------- one forward, all layers
+def _identity(obj) -> Callable[[], object]:
+    """A reference that tells whether a later call passes the very same object (weak where possible)."""
+    if obj is None:
+        return lambda: None
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
-    Every layer of a forward asks for the same positions (the keys', and each region's query and key rule), so
-    without this a decode step spent about a fifth of its time recomputing them once per layer. The memo holds
-    one forward's values: a call at other positions, or with another rotary module or frequencies, starts
-    afresh. transformers' dynamic rotary types change their frequencies with every call's positions, so for
-    them nothing is kept and every call goes to the module, as before.
+
+class ForwardPlan:
+    """What every layer of one forward shares: positions, region plans, log-n factors, (cos, sin).
+
+    Built by the forward's first patched layer from position_ids and the attention mask, both of which the
+    model passes unchanged to every layer; positions and region bounds live on the CPU, so a forward syncs
+    with the device once, not once per layer and block.
     """
 
-    def __init__(self):
-        self.signature: tuple | None = None
+    def __init__(self, position_ids, attention_mask, total: int, q_len: int):
+        self._refs = (_identity(position_ids), _identity(attention_mask))
+        self.shape = (total, q_len)
         self.values: dict = {}
 
-    def lookup(self, host: nn.Module, like: torch.Tensor, positions_key: tuple, name: object,
-               positions: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_rotary_at(host, like, positions())`, computed once per forward; `positions_key` identifies the
-        forward's positions (the same in every layer), `name` which positions of it these are."""
-        rotary = host.rotary_emb
-        if "dynamic" in str(getattr(rotary, "rope_type", "")):
-            return _rotary_at(host, like, positions())
-        signature = (positions_key, rotary, _frequencies_state(rotary))
-        if signature != self.signature:
-            self.signature, self.values = signature, {}
-        entry = (name, like.dtype, like.device)
-        if entry not in self.values:
-            self.values[entry] = _rotary_at(host, like, positions())
-        return self.values[entry]
+    def serves(self, position_ids, attention_mask, total: int, q_len: int) -> bool:
+        return (self.shape == (total, q_len) and self._refs[0]() is position_ids
+                and self._refs[1]() is attention_mask)
+
+    def remember(self, name, compute: Callable):
+        if name not in self.values:
+            self.values[name] = compute()
+        return self.values[name]
 
 
-def _frequencies_state(rotary: nn.Module) -> tuple | None:
-    """Where the rotary module's frequencies live and how often they were changed in place."""
+class ForwardMemo:
+    """The current forward's `ForwardPlan`, one per thread (two threads running one model do not mix plans)."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def plan_for(self, position_ids, attention_mask, total: int, q_len: int) -> ForwardPlan:
+        plan = getattr(self._local, "plan", None)
+        if plan is None or not plan.serves(position_ids, attention_mask, total, q_len):
+            plan = ForwardPlan(position_ids, attention_mask, total, q_len)
+            self._local.plan = plan
+        return plan
+
+
+def _rotary_entry(plan: ForwardPlan, host: nn.Module, like: torch.Tensor, name, positions: Callable):
+    """(cos, sin) at `positions()`, once per forward; dynamic rotary types, whose frequencies follow each call's
+    positions, are asked every time."""
+    rotary = host.rotary_emb
+    if getattr(rotary, "dynamic", False) or "dynamic" in str(getattr(rotary, "rope_type", "")):
+        return _rotary_at(host, like, positions())
     frequencies = getattr(rotary, "inv_freq", None)
-    if not isinstance(frequencies, torch.Tensor):
+    state = frequencies.data_ptr() if isinstance(frequencies, torch.Tensor) else None
+    return plan.remember(("rotary", name, id(rotary), state, like.dtype, like.device),
+                         lambda: _rotary_at(host, like, positions()))
+
+
+# ------------------------------------------------------------------------------------------ positions
+def key_positions(position_ids, total: int, q_len: int, key_allowed: torch.Tensor | None) -> torch.Tensor:
+    """Positions of all keys (batch or 1, total), int64 on the CPU.
+
+    Without a cache (q_len = total) position_ids give every key's position: gapped ones (PoSE) are used as
+    they are and must increase. With a cache only the new tokens' positions are passed: earlier keys are taken
+    to sit in token order before them. Left padding: padded tokens carry arbitrary position ids; their keys
+    are masked, and the positions of the others follow token order.
+    """
+    order = torch.arange(total)[None]
+    if position_ids is None:
+        return order
+    ids = position_ids.detach().to("cpu", torch.long)
+    anchored = ids[:, -1:] - (total - 1) + order  # token order, ending at the last position id
+    in_order = ids == anchored[:, total - q_len:]
+    if key_allowed is not None:
+        in_order |= ~key_allowed[:, total - q_len:].cpu()
+    if bool(in_order.all()):
+        return anchored
+    if q_len < total:
+        raise CtxextError("position remapping with a KV cache needs consecutive position ids for the new tokens "
+                          "(gapped positions, as in PoSE, work in a full forward without a cache)")
+    if key_allowed is not None:
+        raise CtxextError("position remapping cannot combine gapped position ids (PoSE) with padding; "
+                          "pass unpadded rows")
+    if bool((ids[:, 1:] <= ids[:, :-1]).any()):
+        raise CtxextError("position remapping needs position ids that increase along the sequence")
+    return ids
+
+
+def _region_plans(remap, positions: torch.Tensor, q_len: int, key_allowed, query_block: int):
+    """[(rows, RegionPlan)]: one plan for the whole batch when every row's bounds agree, else one per row."""
+    total = positions.shape[1]
+    regions = remap.regions()
+    bounds = []
+    for row in positions:
+        query_positions = row[total - q_len:]
+        lows, highs = [], []
+        for region in regions:
+            lo, hi = region.key_range(query_positions)
+            lows.append(torch.searchsorted(row, lo))
+            highs.append(torch.searchsorted(row, hi))
+        bounds.append((torch.stack(lows), torch.stack(highs)))
+    rows = key_allowed.shape[0] if key_allowed is not None else len(bounds)
+    if all(torch.equal(lo, bounds[0][0]) and torch.equal(hi, bounds[0][1]) for lo, hi in bounds):
+        return [(None, RegionPlan(*bounds[0], total, key_allowed, query_block))]
+    if len(bounds) == 1:
+        bounds = bounds * rows
+    return [(slice(b, b + 1), RegionPlan(lo, hi, total, None if key_allowed is None else key_allowed[b:b + 1],
+                                         query_block)) for b, (lo, hi) in enumerate(bounds)]
+
+
+def _key_padding_from_mask(attention_mask, q_len: int, total: int) -> torch.Tensor | None:
+    """(batch, total) bool, False for padding keys; None where no key is padding.
+
+    The remapping backends apply causality and the regions themselves, so only padding is read from the
+    model's mask: a bool (SDPA) or additive float (eager) 4-D mask, a 2-D padding mask (FlashAttention), or a
+    flex_attention BlockMask, whose mask_mod is asked about the last query (which sees every key but padding).
+    """
+    if attention_mask is None:
         return None
-    try:
-        return frequencies.data_ptr(), frequencies._version
-    except RuntimeError:  # an inference-mode tensor keeps no version counter
-        return frequencies.data_ptr(), None
+    if isinstance(attention_mask, torch.Tensor):
+        mask = attention_mask
+        if mask.dim() == 4 and mask.dtype != torch.bool:
+            mask = mask[:, :, -1:, :] > torch.finfo(mask.dtype).min / 2
+        return key_padding(mask, total)
+    mask_mod = getattr(attention_mask, "mask_mod", None)
+    if mask_mod is None:
+        raise CtxextError(f"position remapping cannot read an attention mask of type {type(attention_mask).__name__}")
+    device = attention_mask.kv_indices.device
+    batch = attention_mask.kv_indices.shape[0]
+    b = torch.arange(batch, device=device)[:, None]
+    kv = torch.arange(total, device=device)[None]
+    zero, last = torch.zeros((), dtype=torch.long, device=device), torch.full((), q_len - 1, device=device)
+    allowed = mask_mod(b, zero, last, kv)
+    return key_padding(allowed.expand(batch, total), total)
 
 
 # ------------------------------------------------------------------------------- the attention function
 def ctxext_attention(module, query, key, value, attention_mask, inner: str = "sdpa", **kwargs):
-    """The registered attention function `ctxext_<inner>`: log-n and remapping around the `inner` one."""
-    inner_function = ALL_ATTENTION_FUNCTIONS.get_interface(inner, compat.family_eager_attention(module))
+    """The registered attention function wrapping `inner`: log-n and remapping around the model's own one."""
     state: AttentionState | None = module.__dict__.get(_STATE)
     if state is None:  # a layer ctxext did not patch
-        return inner_function(module, query, key, value, attention_mask, **kwargs)
+        return _call_inner(module, inner, query, key, value, attention_mask, **kwargs)
     settings = state.settings
     q_len, total = query.shape[2], key.shape[2]
     position_ids = kwargs.get("position_ids")
-    key_positions = _key_positions(position_ids, total, query.device)
+    plan = state.memo.plan_for(position_ids, attention_mask, total, q_len)
+    key_allowed = plan.remember("padding", lambda: _key_padding_from_mask(attention_mask, q_len, total))
+    positions = plan.remember("positions", lambda: key_positions(position_ids, total, q_len, key_allowed))
     if settings.logn:
-        positions = position_ids if position_ids is not None else key_positions[:, total - q_len:]
-        scale = logn_scale(positions.to(query.device), settings.original_max_position_embeddings)
+        scale = plan.remember(("logn", query.device), lambda: logn_scale(
+            positions[:, total - q_len:], settings.original_max_position_embeddings).to(query.device))
         query = query * scale[:, None, :, None].to(query.dtype)
     remap = settings.remap
-    if remap is None or _within_first_region(remap, key_positions, total):
-        return inner_function(module, query, key, value, attention_mask, **kwargs)
-    return _remapped_forward(module, state, query, key, value, attention_mask, key_positions, kwargs)
+    if remap is None or plan.remember("plain", lambda: _within_first_region(remap, positions)):
+        return _call_inner(module, inner, query, key, value, attention_mask, **kwargs)
+    return _remapped_forward(module, state, plan, query, key, value, kwargs)
 
 
-def _key_positions(position_ids, total: int, device) -> torch.Tensor:
-    """Positions of all keys (batch or 1, total): token order, anchored by the last query's position id.
-
-    Token order gives the relative positions; position_ids only anchor them (left padding shifts a row).
-    """
-    if position_ids is None:
-        offset = torch.zeros(1, 1, dtype=torch.long, device=device)
-    else:
-        offset = position_ids[:, -1:].to(device) - (total - 1)
-    return offset + torch.arange(total, device=device)[None]
+def _call_inner(module, inner: str, query, key, value, attention_mask, **kwargs):
+    """The wrapped implementation, as transformers would call it for a model loaded with `inner`."""
+    function = ALL_ATTENTION_FUNCTIONS.get_interface(inner, compat.family_eager_attention(module))
+    if is_flash_attention_requested(requested_attention_implementation=inner):
+        module = compat.module_with_attention_implementation(module, inner)
+    return function(module, query, key, value, attention_mask, **kwargs)
 
 
-def _within_first_region(remap, key_positions: torch.Tensor, total: int) -> bool:
-    if total > remap.plain_up_to():
+def _within_first_region(remap, positions: torch.Tensor) -> bool:
+    """Whether every (query, key) pair lies in region 0, where r' = r: then the model's own attention runs."""
+    span = int((positions[:, -1] - positions[:, 0]).max()) + 1
+    if span > remap.plain_up_to():
         return False
     # A shift-invariant rule only sees i - j; the others are plain only from position 0.
-    return remap.shift_invariant or bool((key_positions[:, 0] == 0).all())
+    return remap.shift_invariant or bool((positions[:, 0] == 0).all())
 
 
-def _remapped_forward(module, state: AttentionState, query, key, value, attention_mask, key_positions, kwargs):
+def _remapped_forward(module, state: AttentionState, plan: ForwardPlan, query, key, value, kwargs):
     """Attention under a remapping method, for (batch, heads, q_len, d) rotated queries and all rotated keys."""
     remap = state.settings.remap
     q_len, total = query.shape[2], key.shape[2]
@@ -310,30 +464,27 @@ def _remapped_forward(module, state: AttentionState, query, key, value, attentio
         )
     if module.training and kwargs.get("dropout", 0.0) > 0:
         raise CtxextError(f"{state.settings.method} does not implement attention dropout; set attention_dropout=0")
-    if not remap.shift_invariant and bool((key_positions[:, :1] != key_positions[:1, :1]).any()):
-        raise CtxextError(f"{state.settings.method} needs every row of a batch at the same positions "
-                          "(no left padding); run the rows one at a time")
-
-    allowed = _allowed_from_model_mask(attention_mask, q_len, total)
-    if allowed is not None and not bool(allowed[..., -1, -1].all()):
+    key_allowed = plan.values["padding"]
+    if key_allowed is not None and not bool(plan.remember("last_seen", lambda: key_allowed[:, -1].all())):
         # The last query always sees itself, unless the cache hands over slots it has not filled yet.
         raise CtxextError(f"{state.settings.method} needs a cache that holds exactly the tokens seen so far "
                           "(DynamicCache, the default), not a StaticCache or a sliding-window cache")
 
-    host, memo = state.host, state.rotary_memo
-    positions_key = (tuple(key_positions[:, 0].tolist()), total, q_len)
-    cos_k, sin_k = memo.lookup(host, query, positions_key, "keys", lambda: key_positions)
-    query_positions = key_positions[:, total - q_len:]
+    host = state.host
+    positions = plan.values["positions"]
+    query_positions = positions[:, total - q_len:]
+    region_plans = plan.remember(("regions", state.query_block),
+                                 lambda: _region_plans(remap, positions, q_len, key_allowed, state.query_block))
+    cos_k, sin_k = _rotary_entry(plan, host, query, "keys", lambda: positions)
     plain_query = undo_rotation(query, cos_k[:, total - q_len:], sin_k[:, total - q_len:])
     plain_key = None  # unrotated keys, made once a region rotates keys by a rule of its own (STRING's never does)
-    first = key_positions[0, 0]
-    queries, keys, lows, highs, rotated_keys = [], [], [], [], {}
+    queries, keys, rotated_keys = [], [], {}
     for index, region in enumerate(remap.regions()):
         if region.query_position is None:
             queries.append(query)
         else:
-            cos, sin = memo.lookup(host, plain_query, positions_key, ("query", index),
-                                   lambda: region.query_position(query_positions))
+            cos, sin = _rotary_entry(plan, host, plain_query, ("query", index),
+                                     lambda: region.query_position(query_positions))
             queries.append(apply_rotation(plain_query, cos, sin).to(query.dtype))
         if region.key_position is None:
             keys.append(key)
@@ -341,35 +492,20 @@ def _remapped_forward(module, state: AttentionState, query, key, value, attentio
             rule = region.key_position
             if rule not in rotated_keys:  # regions that share a key rule share the rotated keys
                 plain_key = undo_rotation(key, cos_k, sin_k) if plain_key is None else plain_key
-                cos, sin = memo.lookup(host, plain_key, positions_key, ("key", index),
-                                       lambda: rule(key_positions))
+                cos, sin = _rotary_entry(plan, host, plain_key, ("key", index), lambda: rule(positions))
                 rotated_keys[rule] = apply_rotation(plain_key, cos, sin).to(key.dtype)
             keys.append(rotated_keys[rule])
-        lo, hi = region.key_range(query_positions[0])
-        lows.append((lo - first).clamp(0, total))
-        highs.append((hi - first).clamp(0, total))
-    attn = remapped_attention(queries, keys, value, torch.stack(lows), torch.stack(highs), module.scaling,
-                              allowed=allowed, query_block=state.query_block, kernel=state.kernel)
+    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    backend = REMAP_BACKENDS[pick_backend(state.kernel, query.device, needs_grad, q_len)]
+    outputs = []
+    for rows, region_plan in region_plans:
+        if rows is None:
+            outputs.append(backend(queries, keys, value, region_plan, module.scaling))
+        else:
+            outputs.append(backend([q[rows] for q in queries], [k[rows] for k in keys], value[rows], region_plan,
+                                   module.scaling))
+    attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
     return attn.transpose(1, 2), None
-
-
-def _allowed_from_model_mask(attention_mask, q_len: int, k_len: int) -> torch.Tensor | None:
-    """The model's mask as booleans (batch, 1, q_len, k_len), True = may attend; None when there is none.
-
-    The remapping kernel applies causality itself, so only padding matters here; the model gives a bool mask
-    (SDPA), an additive float mask (eager) or a 2-D padding mask (FlashAttention).
-    """
-    if attention_mask is None:
-        return None
-    if not isinstance(attention_mask, torch.Tensor):
-        raise CtxextError(f"position remapping cannot use an attention mask of type {type(attention_mask).__name__}; "
-                          "load the model with attn_implementation='sdpa' or 'eager'")
-    mask = attention_mask
-    if mask.dim() == 2:
-        mask = mask[:, None, None, :].bool()
-    elif mask.dtype != torch.bool:
-        mask = mask > torch.finfo(mask.dtype).min / 2
-    return mask[..., -q_len:, :k_len]
 
 
 __all__ = ["CONFIG_KEY", "AttentionState", "apply_rotation", "install_attention", "installed_settings",

@@ -9,7 +9,7 @@ from torch import nn
 from ..validate import boolean, whole_number
 from ..methods import get_method
 from ..methods.attention import AttentionSettings, check_original_length_for_logn
-from .attention import CONFIG_KEY, install_attention, record_attention_in_config, sync_attention_with_config
+from .attention import CONFIG_KEY, check_can_install, install_attention, record_attention_in_config, sync_attention_with_config
 from .families import rotary_dim, rotary_host
 from .rope_types import rope_parameters_for
 from .rotary import ScaledRotaryEmbedding
@@ -38,6 +38,8 @@ def patch(model: nn.Module, method: str, factor: float = 1.0, original_max_posit
         check_original_length_for_logn(original_max_position_embeddings)
     L = whole_number("original_max_position_embeddings", original_max_position_embeddings)
     attention = AttentionSettings.for_method(spec.name, method_params, logn, L)
+    if attention.active:
+        check_can_install(host, attention, int(round(L * method_params.factor)))
     unpatch(model)
 
     config = host.config
