@@ -286,9 +286,16 @@ def test_compat_module_names_the_private_apis_it_wraps():
     assert callable(AcceleratorState._reset_state) and callable(GradientState._reset_state)
 
 
-def test_a_static_cache_is_refused():
+def test_a_static_cache_is_refused_before_any_forward():
     model = ctxext.patch(tiny_model("llama", max_position_embeddings=L), "string", shifted_offset=6, local_value=2)
+    embedded = []
+    model.model.embed_tokens.register_forward_hook(lambda *_: embedded.append(1))
     with torch.no_grad(), pytest.raises(CtxextError, match="StaticCache"):
+        model.generate(torch.randint(1, 256, (1, 10)), max_new_tokens=3, do_sample=False, pad_token_id=0,
+                       cache_implementation="static")
+    assert embedded == []  # refused by the base model's pre-hook, before the first layer ran
+    ctxext.unpatch(model)  # and the hook goes with the method
+    with torch.no_grad():
         model.generate(torch.randint(1, 256, (1, 10)), max_new_tokens=3, do_sample=False, pad_token_id=0,
                        cache_implementation="static")
 

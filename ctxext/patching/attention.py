@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.cache_utils import StaticLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 from transformers.utils.generic import is_flash_attention_requested
@@ -45,6 +46,7 @@ PREFIX = "ctxext_"  # attention implementations registered by ctxext start with 
 REMAPPING_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
 
 _STATE = "_ctxext_attention"  # attribute on each patched attention module
+_CACHE_CHECK = "_ctxext_cache_check"  # attribute on the base model: the handle of its cache-refusing hook
 _WRAPPED: dict[str, str] = {}  # registered wrapper name -> the implementation it wraps
 
 
@@ -163,11 +165,27 @@ def install_attention(host: nn.Module, settings: AttentionSettings | None, query
     memo = ForwardMemo()
     for module in modules:
         module.__dict__[_STATE] = AttentionState(settings, host, memo, query_block, kernel)
+    if settings.remap is not None:
+        host.__dict__[_CACHE_CHECK] = host.register_forward_pre_hook(
+            functools.partial(_refuse_preallocated_cache, method=settings.method), with_kwargs=True)
     _switch_implementation(host, register_wrapper(inner))
+
+
+def _refuse_preallocated_cache(host, args, kwargs, method: str):
+    """Before a forward: a remapping method needs a cache holding exactly the tokens seen (its regions are
+    built from every earlier key), so a StaticCache or a sliding-window cache is refused here, not mid-run."""
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    layers = getattr(cache, "layers", None) or []
+    if any(isinstance(layer, StaticLayer) or getattr(layer, "is_sliding", False) for layer in layers):
+        raise CtxextError(f"{method} needs a cache that holds exactly the tokens seen so far (DynamicCache, the "
+                          f"default), not a {type(cache).__name__} with static or sliding-window layers")
 
 
 def remove_attention(host: nn.Module) -> None:
     """Give the model its own attention implementation back (no-op where nothing was installed)."""
+    hook = host.__dict__.pop(_CACHE_CHECK, None)
+    if hook is not None:
+        hook.remove()
     for module in getattr(host, "layers", []):
         attention = getattr(module, "self_attn", None)
         if attention is not None:
