@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import CtxextError
+from ..outputs import atomic_write_text  # noqa: F401  (re-exported: scripts import it from here)
 from .loop import TRIALS_FILE, TrialLog, best_trial
 from .space import Range
 
@@ -69,17 +70,6 @@ class SearchSettings:
 
 
 # --------------------------------------------------------------------------------------------- files
-def atomic_write_text(path: Path, text: str) -> None:
-    path = Path(path)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False,
-                                     encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.chmod(handle.name, 0o644)
-    os.replace(handle.name, path)
-
-
 def write_json(path: Path, payload: dict) -> None:
     atomic_write_text(path, json.dumps(payload, indent=2, allow_nan=False, default=str) + "\n")
 

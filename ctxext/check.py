@@ -1,0 +1,454 @@
+"""`ctxext check`: do the attention-level methods run, and run exactly, on this machine?
+
+Two parts, on a random model of the user's architecture (its config only; no weights are needed):
+
+1. **Agreement.** For each attention implementation available on the device (eager, SDPA, flex_attention,
+   FlashAttention where installed) and each attention-level method (the five position-remapping methods and
+   log-n), the patched model's logits and weight gradients against a per-cell reference: every (query, key)
+   score computed directly from its remapped relative position r'(i, j), in float64, one softmax. The input
+   (AGREEMENT_TOKENS tokens, methods set up for L = AGREEMENT_L) crosses every region boundary. The reference
+   takes r' from the methods' region rules; the test suite checks those rules against the formulas in
+   docs/METHODS.md.
+2. **Cost.** Time and peak memory of one prefill (optionally forward + backward) at each length, every method
+   against the model's native attention (FlashAttention where installed, else SDPA), each method extending
+   L = length / 4 by 4x.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import CtxextError
+
+AGREEMENT_L = 64
+AGREEMENT_TOKENS = 160
+AGREEMENT_MLP = 256  # the agreement model's MLP width
+# Parameters at L = 64 that put every region boundary inside 160 tokens (Dual Chunk: four 40-token chunks).
+AGREEMENT_CASES: dict[str, tuple[str, dict]] = {
+    "rerope": ("rerope", {"window": 16}),
+    "leaky_rerope": ("leaky_rerope", {"window": 16, "k": 4.0}),
+    "self_extend": ("self_extend", {"group_size": 4, "window": 16}),
+    "dual_chunk": ("dual_chunk", {"chunk_size": 48, "local_window": 8}),
+    "string": ("string", {"shifted_offset": 40, "local_value": 8}),
+    "logn": ("none", {"logn": True}),
+}
+# At the cost lengths: each method's defaults for L = length / 4, log-n with the two that use it.
+COST_CASES: dict[str, tuple[str, dict]] = {
+    "rerope": ("rerope", {"logn": True}),
+    "leaky_rerope": ("leaky_rerope", {"logn": True}),
+    "self_extend": ("self_extend", {"group_size": 8}),
+    "dual_chunk": ("dual_chunk", {}),
+    "string": ("string", {}),
+    "logn": ("none", {"logn": True}),
+}
+REFERENCE_IMPLEMENTATION = "ctxext_per_cell_reference"
+_REFERENCE = "_ctxext_reference"
+
+
+@dataclass
+class CheckOptions:
+    device: str = "auto"
+    model: str | None = None  # a config (directory, config.json or hub id); None: DEFAULT_SHAPE
+    methods: list[str] = field(default_factory=lambda: list(AGREEMENT_CASES))
+    implementations: list[str] | None = None  # None: every one available on the device
+    lengths: list[int] = field(default_factory=lambda: [8192, 32768])
+    layers: int = 1  # decoder layers of the cost model
+    dtype: str = "auto"  # of the cost model; agreement runs in float32
+    backward: bool = False  # cost: forward + backward instead of a prefill
+    tolerance: float = 1e-4
+    seed: int = 0
+
+
+# A 1B-class LLaMA attention shape (head_dim 128, 32 heads, 8 KV heads).
+DEFAULT_SHAPE = dict(model_type="llama", hidden_size=4096, intermediate_size=8192, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, max_position_embeddings=8192, rope_theta=500000.0)
+
+
+# ----------------------------------------------------------------------------------------------- models
+def load_shape(model: str | None):
+    """The architecture to check: a transformers config (weights are never loaded)."""
+    from transformers import AutoConfig
+
+    from .loading import load_config
+    from .patching.families import check_supported
+
+    if model is None:
+        values = dict(DEFAULT_SHAPE)
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+    elif Path(model).is_file():
+        import json
+
+        try:
+            values = json.loads(Path(model).read_text())
+            config = AutoConfig.for_model(values.pop("model_type"), **values)
+        except (ValueError, KeyError) as error:
+            raise CtxextError(f"'{model}' is not a transformers config.json ({error})") from None
+    else:
+        config = load_config(model)
+    check_supported(config, f"model '{model}'" if model else None)
+    return config
+
+
+def random_model(shape, layers: int, implementation: str, device, dtype, seed: int, vocab: int = 1024,
+                 max_length: int | None = None, mlp: int | None = None):
+    """A randomly initialised model of `shape`'s architecture with `layers` layers and a small vocabulary
+    (and an MLP of width `mlp` where given: the attention is what is checked)."""
+    from transformers import AutoModelForCausalLM
+
+    config = type(shape).from_dict(shape.to_dict())
+    config.num_hidden_layers = layers
+    config.vocab_size = vocab
+    config.tie_word_embeddings = False
+    config.attention_dropout = 0.0
+    if mlp is not None:
+        config.intermediate_size = min(config.intermediate_size, mlp)
+    if hasattr(config, "layer_types"):
+        config.layer_types = None
+    if getattr(config, "sliding_window", None) is not None:
+        config.sliding_window = None  # remapping methods need every key; ctxext patch refuses short windows
+    if max_length is not None:
+        config.max_position_embeddings = max_length
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=implementation)
+    return model.eval()
+
+
+def available_implementations(device: torch.device) -> list[str]:
+    implementations = ["eager", "sdpa", "flex_attention"]
+    if device.type == "cuda":
+        from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+        implementations += [name for name, available in (("flash_attention_2", is_flash_attn_2_available()),
+                                                         ("flash_attention_3", is_flash_attn_3_available()))
+                            if available]
+    return implementations
+
+
+# -------------------------------------------------------------------------------------- the reference
+def per_cell_attention(module, query, key, value, attention_mask, **kwargs):
+    """Attention with each score taken from its own region, in float64: undo the model's rotation, turn queries
+    and keys per region by the region's position rules (so that q(i) - k(j) = r'(i, j)), score every cell in
+    every region, keep each cell's own region's score, one causal softmax. Full T x T matrices: small inputs
+    only (unpadded, from position 0: what `check_one` feeds it)."""
+    from .patching.attention import undo_rotation
+
+    settings, host = module.__dict__[_REFERENCE]
+    q_len, total = query.shape[2], key.shape[2]
+    positions = torch.arange(total)
+    cos, sin = host.rotary_emb(query, positions[None].float().to(query.device))
+    q = undo_rotation(query, cos[:, -q_len:], sin[:, -q_len:]).double()
+    k = undo_rotation(key, cos, sin).double()
+    if settings.logn:
+        from .methods.attention import logn_scale
+
+        n_scale = logn_scale(positions[-q_len:], settings.original_max_position_embeddings).double()
+        q = q * n_scale.to(q.device)[None, None, :, None]
+    inv_freq = host.rotary_emb.inv_freq.double().cpu()
+    factor = float(getattr(host.rotary_emb, "attention_scaling", 1.0))
+
+    def turn(x, at):  # rotate-half RoPE at float64 positions `at`, times the attention factor
+        angles = at.double()[:, None] * inv_freq
+        cos64, sin64 = (torch.cat((f, f), -1).to(x.device) * factor for f in (angles.cos(), angles.sin()))
+        rotary = cos64.shape[-1]
+        turned, kept = x[..., :rotary], x[..., rotary:]
+        half = turned[..., rotary // 2:], turned[..., :rotary // 2]
+        return torch.cat((turned * cos64 + torch.cat((-half[0], half[1]), -1) * sin64, kept), -1)
+
+    i, j = positions[-q_len:], positions
+    groups = q.shape[1] // k.shape[1]
+    regions = settings.remap.regions() if settings.remap is not None else []
+    scores = turn(q, i) @ turn(k, j).repeat_interleave(groups, 1).transpose(-1, -2)  # plain RoPE: r' = i - j
+    for region in regions:
+        lo, hi = region.key_range(i)
+        inside = ((j[None] >= lo[:, None]) & (j[None] < hi[:, None])).to(q.device)
+        q_at = i if region.query_position is None else region.query_position(i)
+        k_at = j if region.key_position is None else region.key_position(j)
+        region_scores = turn(q, q_at) @ turn(k, k_at).repeat_interleave(groups, 1).transpose(-1, -2)
+        scores = torch.where(inside, region_scores, scores)
+    causal = (j[None] <= i[:, None]).to(q.device)
+    probs = torch.softmax((scores * module.scaling).masked_fill(~causal, float("-inf")), dim=-1)
+    out = probs @ value.double().repeat_interleave(groups, 1)
+    return out.to(value.dtype).transpose(1, 2).contiguous(), None
+
+
+def reference_model(patched, host_settings, shape, device, seed):
+    """An unpatched copy of `patched`'s weights whose attention is `per_cell_attention` under its settings."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from .patching.families import rotary_host
+
+    if REFERENCE_IMPLEMENTATION not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(REFERENCE_IMPLEMENTATION, per_cell_attention)
+    reference = random_model(shape, 1, "eager", device, torch.float32, seed, max_length=AGREEMENT_L,
+                             mlp=AGREEMENT_MLP)  # the same seed: the same weights
+    if not torch.equal(reference.lm_head.weight, patched.lm_head.weight):
+        raise CtxextError("internal: the reference model did not get the checked model's weights")
+    reference.set_attn_implementation(REFERENCE_IMPLEMENTATION)
+    patched_host = rotary_host(patched)
+    reference_host = rotary_host(reference)
+    reference_host.rotary_emb = patched_host.rotary_emb  # the method's frequencies and attention factor
+    for layer in reference_host.layers:
+        layer.self_attn.__dict__[_REFERENCE] = (host_settings, reference_host)
+    return reference
+
+
+# ------------------------------------------------------------------------------------------ agreement
+@dataclass
+class AgreementRow:
+    implementation: str
+    method: str
+    backend: str
+    forward_error: float
+    backward_backend: str
+    backward_error: float | None
+    ok: bool
+    note: str = ""
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).abs().max() / want.double().abs().max().clamp(min=1e-30))
+
+
+def check_one(shape, implementation: str, name: str, device, options: CheckOptions) -> AgreementRow:
+    """One implementation and method: forward logits and weight gradients against the per-cell reference."""
+    import ctxext
+    from .patching.attention import installed_settings
+    from .patching.families import rotary_host
+    from .patching.remap_kernel import pick_backend
+
+    method, params = AGREEMENT_CASES[name]
+    model = random_model(shape, 1, implementation, device, torch.float32, options.seed, max_length=AGREEMENT_L,
+                         mlp=AGREEMENT_MLP)
+    ctxext.patch(model, method, factor=AGREEMENT_TOKENS / AGREEMENT_L, **params)
+    settings = installed_settings(rotary_host(model))
+    reference = reference_model(model, settings, shape, device, options.seed)
+    tokens = torch.randint(0, 1024, (1, AGREEMENT_TOKENS), generator=torch.Generator().manual_seed(options.seed))
+    tokens = tokens.to(device)
+    remaps = settings.remap is not None
+    forward_backend = pick_backend("auto", device, False, AGREEMENT_TOKENS) if remaps else implementation
+    backward_backend = pick_backend("auto", device, True, AGREEMENT_TOKENS) if remaps else implementation
+    with torch.no_grad():
+        forward_error = _relative_error(model(tokens).logits, reference(tokens).logits)
+    backward_error, note = None, ""
+    try:
+        grads = []
+        for candidate in (model, reference):
+            candidate.train()
+            weights = torch.linspace(-1, 1, 1024, device=device)
+            (candidate(tokens).logits * weights).mean().backward()
+            attention = rotary_host(candidate).layers[0].self_attn
+            grads.append([p.grad for p in (attention.q_proj.weight, attention.k_proj.weight,
+                                           attention.v_proj.weight)])
+        backward_error = max(_relative_error(g, w) for g, w in zip(*grads))
+    except (NotImplementedError, RuntimeError) as error:  # e.g. an implementation with no backward here
+        note = f"backward not run: {str(error).splitlines()[0][:120]}"
+    errors = [forward_error] + ([backward_error] if backward_error is not None else [])
+    ok = all(math.isfinite(e) and e <= options.tolerance for e in errors)
+    return AgreementRow(implementation, name, forward_backend, forward_error, backward_backend, backward_error, ok,
+                        note)
+
+
+# ----------------------------------------------------------------------------------------------- cost
+@dataclass
+class CostRow:
+    length: int
+    method: str
+    implementation: str
+    backend: str
+    seconds: float
+    peak_mb: float
+    x_native_time: float | None = None
+    x_native_memory: float | None = None
+
+
+class PeakMemory:
+    """Peak memory over a block, in MB above what was in use at its start: CUDA's allocator statistics on a
+    GPU; on the CPU the process's resident set, sampled every millisecond (Linux VmRSS, else ru_maxrss)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self):
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.before = torch.cuda.memory_allocated(self.device)
+        else:
+            self.before = self.peak = _resident_bytes()
+            self._stop = threading.Event()
+            self._poller = threading.Thread(target=self._poll, daemon=True)
+            self._poller.start()
+        return self
+
+    def _poll(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _resident_bytes())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._stop.set()
+            self._poller.join()
+            self.peak = max(self.peak, _resident_bytes())
+        self.megabytes = (self.peak - self.before) / 2**20
+        return False
+
+
+def _resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as statm:
+            import os
+
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure_cost(model, tokens, device, backward: bool) -> tuple[float, float]:
+    """(seconds, peak MB) of one prefill (logits of the last token), or of one forward + backward."""
+    context = contextlib.nullcontext() if backward else torch.no_grad()
+    with context, PeakMemory(device) as memory:
+        start = time.perf_counter()
+        if backward:
+            model(tokens, labels=tokens, use_cache=False).loss.backward()
+        else:
+            model(tokens, logits_to_keep=1, use_cache=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    return seconds, memory.megabytes
+
+
+def cost_rows(shape, length: int, native: str, device, dtype, options: CheckOptions) -> list[CostRow]:
+    """Every method against the native attention at one length, one after another (load drifts hit all)."""
+    import ctxext
+    from .patching.remap_kernel import pick_backend
+
+    tokens = torch.randint(0, 1024, (1, length), generator=torch.Generator().manual_seed(options.seed)).to(device)
+    rows = []
+    for name in ["native"] + [m for m in options.methods if m in COST_CASES]:
+        model = random_model(shape, options.layers, native, device, dtype, options.seed, max_length=length // 4)
+        backend = native
+        if name != "native":
+            method, params = COST_CASES[name]
+            if method == "string":  # STRING's W = 128 needs S = 0.33 L above it
+                params = {"local_value": min(128, length // 32), **params}
+            ctxext.patch(model, method, factor=4, **params)
+            if method != "none":
+                backend = pick_backend("auto", device, options.backward, length)
+        if options.backward:
+            model.train()
+        measure_cost(model, tokens[:, :256], device, options.backward)  # warm-up (and compilation)
+        seconds, megabytes = measure_cost(model, tokens, device, options.backward)
+        rows.append(CostRow(length, name, native, backend, seconds, megabytes))
+        del model
+        gc.collect()
+    base = rows[0]
+    for row in rows:
+        row.x_native_time = row.seconds / base.seconds
+        row.x_native_memory = row.peak_mb / base.peak_mb if base.peak_mb > 0 else None
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------- the run
+@dataclass
+class CheckResult:
+    device: str
+    machine: str
+    shape: dict
+    agreement: list[AgreementRow]
+    cost: list[CostRow]
+    native: str
+    dtype: str
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return all(row.ok for row in self.agreement)
+
+    def to_dict(self) -> dict:
+        values = asdict(self)
+        values["ok"] = self.ok
+        return values
+
+
+def run_check(options: CheckOptions, progress=None) -> CheckResult:
+    from .runtime import attention_implementation, machine_description, resolve_device, resolve_dtype
+
+    unknown = [m for m in options.methods if m not in AGREEMENT_CASES]
+    if unknown:
+        raise CtxextError(f"unknown method(s) {', '.join(unknown)} for ctxext check; choose from "
+                          f"{', '.join(AGREEMENT_CASES)}")
+    if any(length < 256 for length in options.lengths):
+        raise CtxextError("--lengths must be at least 256 tokens each (the cost warm-up runs 256)")
+    device = resolve_device(options.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CtxextError("--device cuda was asked for but torch sees no CUDA device; use --device cpu or auto")
+    shape = load_shape(options.model)
+    available = available_implementations(device)
+    implementations = options.implementations or available
+    missing = [i for i in implementations if i not in available]
+    if missing:
+        raise CtxextError(f"attention implementation(s) {', '.join(missing)} are not available on {device}; "
+                          f"available: {', '.join(available)}")
+    dtype = resolve_dtype(options.dtype, device)
+    native = attention_implementation("auto", device, dtype in (torch.float16, torch.bfloat16))
+    steps = len(implementations) * len(options.methods) + len(options.lengths) * (len(options.methods) + 1)
+    tick = progress(steps) if progress else None
+    agreement = []
+    for implementation in implementations:
+        for name in options.methods:
+            agreement.append(check_one(shape, implementation, name, device, options))
+            if tick:
+                tick.update(1)
+    cost = []
+    for length in options.lengths:
+        cost += cost_rows(shape, length, native, device, dtype, options)
+        if tick:
+            tick.update(len(options.methods) + 1)
+    if tick:
+        tick.close()
+    described = {k: getattr(shape, k, None) for k in DEFAULT_SHAPE if k != "rope_theta"}
+    described["rope_theta"] = (getattr(shape, "rope_parameters", None) or {}).get("rope_theta")
+    return CheckResult(str(device), machine_description(), described,
+                       agreement, cost, native, str(dtype).removeprefix("torch."), options.tolerance)
+
+
+# ----------------------------------------------------------------------------------------------- report
+def agreement_table(result: CheckResult) -> str:
+    lines = [f"{'implementation':<19}{'method':<14}{'backend':<19}{'forward err':>11}  {'train backend':<19}"
+             f"{'backward err':>12}  result"]
+    for row in result.agreement:
+        backward = "-" if row.backward_error is None else f"{row.backward_error:.1e}"
+        lines.append(f"{row.implementation:<19}{row.method:<14}{row.backend:<19}{row.forward_error:>11.1e}  "
+                     f"{row.backward_backend:<19}{backward:>12}  {'ok' if row.ok else 'DISAGREES'}"
+                     + (f" ({row.note})" if row.note else ""))
+    return "\n".join(lines)
+
+
+def cost_table(result: CheckResult, backward: bool) -> str:
+    what = "forward + backward" if backward else "prefill"
+    lines = [f"{'tokens':>7}  {'method':<14}{'backend':<18}{what + ' s':>20}{'x native':>10}{'peak MB':>10}"
+             f"{'x native':>10}"]
+    for row in result.cost:
+        memory = "-" if row.x_native_memory is None else f"{row.x_native_memory:.2f}"
+        lines.append(f"{row.length:>7}  {row.method:<14}{row.backend:<18}{row.seconds:>20.2f}"
+                     f"{row.x_native_time:>10.2f}{row.peak_mb:>10.1f}{memory:>10}")
+    return "\n".join(lines)
