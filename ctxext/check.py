@@ -110,8 +110,8 @@ def random_model(shape, layers: int, implementation: str, device, dtype, seed: i
     config.attention_dropout = 0.0
     if mlp is not None:
         config.intermediate_size = min(config.intermediate_size, mlp)
-    if hasattr(config, "layer_types"):
-        config.layer_types = None
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = ["full_attention"] * layers
     if getattr(config, "sliding_window", None) is not None:
         config.sliding_window = None  # remapping methods need every key; ctxext patch refuses short windows
     if max_length is not None:

@@ -32,6 +32,7 @@ installed (or tested) on the CPU machines this project is built on.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -283,8 +284,14 @@ def _flex_attention(device_type: str):
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device_type == "cpu":
-        return flex_attention  # eager: the math reference, for tests at small sizes
+    if device_type == "cpu":  # eager: torch's math form, for tests and `ctxext check` at small sizes
+
+        def eager_flex_attention(*args, **kwargs):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+                return flex_attention(*args, **kwargs)
+
+        return eager_flex_attention
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex

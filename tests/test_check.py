@@ -1,0 +1,82 @@
+"""`ctxext check` on the CPU: every method agrees with the per-cell reference under every implementation here,
+a broken backend is caught (exit 1), and bad input is one line with exit 2."""
+
+import json
+
+import pytest
+
+from ctxext.cli import main
+from ctxext.patching import remap_kernel
+from tests.conftest import tiny_config
+
+
+@pytest.fixture(scope="module")
+def tiny_shape(tmp_path_factory):
+    path = tmp_path_factory.mktemp("shape") / "config.json"
+    tiny_config("qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=16).to_json_file(path)
+    return path
+
+
+def run_check(capsys, *flags):
+    code = main(["check", "--device", "cpu", *flags])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_every_method_agrees_under_every_cpu_implementation(tiny_shape, tmp_path, capsys):
+    code, out, _ = run_check(capsys, "--model", str(tiny_shape), "--lengths", "256", "--json",
+                             str(tmp_path / "check.json"))
+    assert code == 0, out
+    result = json.loads((tmp_path / "check.json").read_text())
+    cases = {(row["implementation"], row["method"]) for row in result["agreement"]}
+    assert cases == {(i, m) for i in ("eager", "sdpa", "flex_attention")
+                     for m in ("rerope", "leaky_rerope", "self_extend", "dual_chunk", "string", "logn")}
+    for row in result["agreement"]:
+        assert row["ok"] and row["forward_error"] < 1e-4
+        if row["method"] != "logn":  # the remapping ones run ctxext's backends: lse to infer, blockwise to train
+            assert (row["backend"], row["backward_backend"]) == ("lse", "blockwise")
+            assert row["backward_error"] < 1e-4
+    assert [row["method"] for row in result["cost"]][0] == "native"
+    assert all(row["seconds"] > 0 and row["x_native_time"] > 0 for row in result["cost"])
+    assert "all methods agree" in out and "DISAGREES" not in out
+
+
+def test_a_wrong_backend_is_caught(tiny_shape, capsys, monkeypatch):
+    def drops_the_last_region(queries, keys, value, plan, scale):
+        plan.key_hi[-1] = plan.key_lo[-1]  # as if the farthest keys were forgotten
+        return remap_kernel.naive_backend(queries, keys, value, plan, scale)
+
+    monkeypatch.setitem(remap_kernel.REMAP_BACKENDS, "lse", drops_the_last_region)
+    code, out, _ = run_check(capsys, "--model", str(tiny_shape), "--lengths", "", "--methods", "dual_chunk,logn",
+                             "--implementations", "sdpa")
+    assert code == 1
+    assert "DISAGREEMENT: dual_chunk under sdpa" in out
+    assert "logn" not in out.split("DISAGREEMENT")[1]  # log-n does not use the backend
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--methods", "yarn"], "unknown method(s) yarn for ctxext check"),
+    (["--implementations", "flash_attention_2"], "not available on cpu"),
+    (["--lengths", "100"], "at least 256 tokens"),
+    (["--layers", "0"], "--layers must be >= 1"),
+    (["--model", "/nonexistent/model"], "/nonexistent/model"),
+])
+def test_bad_input_is_one_line_and_exit_2(tiny_shape, capsys, flags, message):
+    code, out, err = run_check(capsys, "--model", str(tiny_shape), *flags)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_model_without_rope_is_refused(tmp_path, capsys):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1).to_json_file(tmp_path / "config.json")
+    code, _, err = run_check(capsys, "--model", str(tmp_path / "config.json"))
+    assert code == 2 and "ctxext supports llama, mistral, qwen2, qwen3" in err
+
+
+def test_smollm2_shape_passes(smollm2_path, capsys):
+    code, out, _ = run_check(capsys, "--model", str(smollm2_path), "--lengths", "", "--methods",
+                             "dual_chunk,leaky_rerope", "--implementations", "sdpa")
+    assert code == 0, out
+    assert "'head_dim': 64" in out and "'num_attention_heads': 9" in out
