@@ -342,6 +342,17 @@ def region_block_mask(plan: RegionPlan, region: int, device):
                                     seq_lengths=(q_len, k_len))
 
 
+def _flex_with_lse(attend, query, key, value, block_mask, scale, gqa: bool):
+    """(output, log-sum-exp) from flex_attention: `return_aux` where torch has it (2.9+), else `return_lse`."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return attend(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True)
+    out, aux = attend(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                      return_aux=AuxRequest(lse=True))
+    return out, aux.lse
+
+
 def flex_backend(queries, keys, value, plan: RegionPlan, scale) -> torch.Tensor:
     """One flex_attention call per region over the whole sequence, merged by log-sum-exp."""
     device = value.device
@@ -350,9 +361,7 @@ def flex_backend(queries, keys, value, plan: RegionPlan, scale) -> torch.Tensor:
     parts = []
     for r, (query, key) in enumerate(zip(queries, keys)):
         block_mask = plan.remember(("flex", r, str(device)), lambda: region_block_mask(plan, r, device))
-        out, lse = attend(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=groups > 1,
-                          return_lse=True)
-        parts.append((out, lse))
+        parts.append(_flex_with_lse(attend, query, key, value, block_mask, scale, groups > 1))
     return merge_softmax_parts(parts)[0].to(value.dtype)
 
 
