@@ -208,7 +208,10 @@ def _attend_part(query, key, value, mask, scale) -> tuple[torch.Tensor, torch.Te
 def _blockwise_forward(queries, keys, value, plan: RegionPlan, scale) -> tuple[torch.Tensor, torch.Tensor]:
     """(output float32, merged log-sum-exp) of the blocked kernel, without autograd."""
     batch, heads, q_len, _ = queries[0].shape
-    out = torch.zeros(batch, heads, q_len, value.shape[-1], dtype=torch.float32, device=value.device)
+    # Laid out (batch, q_len, heads, d) in memory: the model's transpose and reshape before o_proj are then
+    # views, not a copy that o_proj would keep for backward.
+    out = torch.zeros(batch, q_len, heads, value.shape[-1], dtype=torch.float32, device=value.device)
+    out = out.transpose(1, 2)
     lse = torch.full((batch, heads, q_len), NO_KEY, dtype=torch.float32, device=value.device)
     for b0, b1, parts in plan.blocks(value.device):
         if not parts:
