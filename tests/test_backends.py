@@ -329,6 +329,8 @@ def test_pose_positions_that_do_not_increase_are_refused(positions):
     ("llama", "leaky_rerope", {"window": 5, "k": 3.0}),
 ])
 def test_flex_attention_left_padded_batch_equals_each_row_alone(family, method, params):
+    """Key padding read from flex_attention's BlockMask: each row of a left-padded batch equals the row alone,
+    in a full forward and in cached decoding."""
     model = patched_model(family, method, params, attn_implementation="flex_attention")
     long_row, short_row = tokens(20, seed=23), tokens(14, seed=29)
     pad = long_row.shape[1] - short_row.shape[1]
@@ -342,3 +344,43 @@ def test_flex_attention_left_padded_batch_equals_each_row_alone(family, method, 
     assert torch.allclose(alone[1], expected, atol=1e-4), max_error(alone[1], expected)
     assert torch.allclose(together[0], alone[0], atol=1e-4), max_error(together[0], alone[0])
     assert torch.allclose(together[1, pad:], alone[1], atol=1e-4), max_error(together[1, pad:], alone[1])
+    # The same batch decoded with a cache: each step's BlockMask (with its offsets) carries row 1's padding.
+    settings = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                    pad_token_id=0)
+    with torch.no_grad():
+        together = torch.stack(model.generate(batch, attention_mask=mask, **settings).logits, dim=1)
+        alone = [torch.stack(model.generate(row, **settings).logits, dim=1)[0] for row in (long_row, short_row)]
+    for row in (0, 1):
+        assert torch.allclose(together[row], alone[row], atol=1e-4), (row, max_error(together[row], alone[row]))
+
+
+# ------------------------------------------------------------------------- one plan per forward, not stale
+def test_a_reused_position_ids_tensor_does_not_bring_back_an_earlier_forwards_padding():
+    """The plan is shared by the layers of one forward; a later forward with the same position_ids object but
+    another mask (here none) must not reuse it."""
+    x = tokens(length=12, batch=2)
+    position_ids = torch.arange(12).repeat(2, 1)
+    padded = torch.ones(2, 12, dtype=torch.long)
+    padded[1, :3] = 0
+    model = patched_model("llama", "rerope", {"window": 4})
+    with torch.no_grad():
+        model(x, attention_mask=padded, position_ids=position_ids, use_cache=False)
+        got = model(x, position_ids=position_ids, use_cache=False).logits
+        want = patched_model("llama", "rerope", {"window": 4})(x, position_ids=position_ids, use_cache=False).logits
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_packed_sequences_are_refused_and_a_mask_of_ones_means_gapped_positions(implementation):
+    """transformers reads position ids that jump, given no attention_mask, as packed sequences; the remapping
+    kernel reads only padding from a mask, so that is refused rather than silently mixed up. With a mask of
+    ones the gap is a PoSE gap: the first 20 tokens see only themselves, as when run alone."""
+    x = tokens(length=40)
+    gapped = torch.cat((torch.arange(20), torch.arange(40, 60)))[None]
+    model = patched_model("llama", "self_extend", {"group_size": 4, "window": 8}, attn_implementation=implementation)
+    with torch.no_grad():
+        with pytest.raises(CtxextError, match="packed sequences"):
+            model(x, position_ids=gapped, use_cache=False)
+        pose = model(x, position_ids=gapped, attention_mask=torch.ones_like(x), use_cache=False).logits
+        alone = model(x[:, :20], use_cache=False).logits
+    assert max_error(pose[:, :20], alone) < 1e-5

@@ -294,14 +294,16 @@ def _rotary_at(host: nn.Module, like: torch.Tensor, positions: torch.Tensor) -> 
 
 
 # ----------------------------------------------------------------------------- one forward, all layers
-def _identity(obj) -> Callable[[], object]:
-    """A reference that tells whether a later call passes the very same object (weak where possible)."""
+def _identity(obj) -> Callable[[object], bool]:
+    """A test of whether a later call passes the very same object (held weakly where possible: an object that
+    has died matches nothing, not even None)."""
     if obj is None:
-        return lambda: None
+        return lambda other: other is None
     try:
-        return weakref.ref(obj)
+        ref = weakref.ref(obj)
     except TypeError:
-        return lambda: obj
+        return lambda other: other is obj
+    return lambda other: other is not None and ref() is other
 
 
 class ForwardPlan:
@@ -318,8 +320,7 @@ class ForwardPlan:
         self.values: dict = {}
 
     def serves(self, position_ids, attention_mask, total: int, q_len: int) -> bool:
-        return (self.shape == (total, q_len) and self._refs[0]() is position_ids
-                and self._refs[1]() is attention_mask)
+        return self.shape == (total, q_len) and self._refs[0](position_ids) and self._refs[1](attention_mask)
 
     def remember(self, name, compute: Callable):
         if name not in self.values:
@@ -415,20 +416,48 @@ def _key_padding_from_mask(attention_mask, q_len: int, total: int) -> torch.Tens
     if attention_mask is None:
         return None
     if isinstance(attention_mask, torch.Tensor):
-        mask = attention_mask
-        if mask.dim() == 4 and mask.dtype != torch.bool:
-            mask = mask[:, :, -1:, :] > torch.finfo(mask.dtype).min / 2
-        return key_padding(mask, total)
+        if attention_mask.dim() == 2:  # FlashAttention's padding mask
+            return key_padding(attention_mask, total)
+        mask = attention_mask[..., -q_len:, :total]
+        if mask.dtype != torch.bool:
+            mask = mask > torch.finfo(mask.dtype).min / 2
+        allowed = key_padding(mask, total)
+        _check_causal_with_padding(mask[:, 0].sum(-1), allowed, torch.arange(q_len), q_len, total)
+        return allowed
     mask_mod = getattr(attention_mask, "mask_mod", None)
     if mask_mod is None:
         raise CtxextError(f"position remapping cannot read an attention mask of type {type(attention_mask).__name__}")
     device = attention_mask.kv_indices.device
     batch = attention_mask.kv_indices.shape[0]
-    b = torch.arange(batch, device=device)[:, None]
-    kv = torch.arange(total, device=device)[None]
-    zero, last = torch.zeros((), dtype=torch.long, device=device), torch.full((), q_len - 1, device=device)
-    allowed = mask_mod(b, zero, last, kv)
-    return key_padding(allowed.expand(batch, total), total)
+    b = torch.arange(batch, device=device)[:, None, None]
+    kv = torch.arange(total, device=device)[None, None]
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    rows = torch.unique(torch.linspace(0, q_len - 1, min(q_len, 64)).long())  # a sample of query rows
+    visible = mask_mod(b, zero, rows.to(device)[None, :, None], kv).expand(batch, len(rows), total)
+    allowed = key_padding(visible[:, -1], total)
+    _check_causal_with_padding(visible.sum(-1), allowed, rows, q_len, total)
+    return allowed
+
+
+def _check_causal_with_padding(visible: torch.Tensor, allowed: torch.Tensor | None, rows: torch.Tensor,
+                               q_len: int, total: int) -> None:
+    """Refuse a mask that hides more than later keys and padding: the kernel would not see it.
+
+    `visible` (batch, len(rows)) counts the keys the model's mask lets each of those query rows see; with only
+    causality and key padding that is the number of unpadded keys up to the query. A padding query may also
+    see nothing, or every key (SDPA unmasks such rows); a packed sequence's first segment, which looks like
+    left padding from the last query, sees its own earlier keys and is caught here.
+    """
+    keys = (total - q_len + rows).cpu()
+    allowed = torch.ones(1, total, dtype=torch.bool) if allowed is None else allowed.cpu()
+    expected = allowed.long().cumsum(-1)[:, keys]
+    visible = visible.cpu()
+    padding_query = ~allowed[:, keys] & ((visible == 0) | (visible == total))
+    if bool(((visible != expected) & ~padding_query).any()):
+        raise CtxextError("position remapping reads only causality and padding from the attention mask, and this "
+                          "one hides other keys too (packed sequences: transformers builds them from position ids "
+                          "that jump when no attention_mask is given). For gapped positions (PoSE) pass "
+                          "attention_mask=torch.ones_like(input_ids); run packed sequences one at a time")
 
 
 # ------------------------------------------------------------------------------- the attention function
@@ -441,14 +470,17 @@ def ctxext_attention(module, query, key, value, attention_mask, inner: str = "sd
     q_len, total = query.shape[2], key.shape[2]
     position_ids = kwargs.get("position_ids")
     plan = state.memo.plan_for(position_ids, attention_mask, total, q_len)
-    key_allowed = plan.remember("padding", lambda: _key_padding_from_mask(attention_mask, q_len, total))
-    positions = plan.remember("positions", lambda: key_positions(position_ids, total, q_len, key_allowed))
-    if settings.logn:
+    if settings.logn:  # the queries' own position ids (padding tokens carry small ones: factor 1)
         scale = plan.remember(("logn", query.device), lambda: logn_scale(
-            positions[:, total - q_len:], settings.original_max_position_embeddings).to(query.device))
+            torch.arange(total - q_len, total)[None] if position_ids is None else position_ids.cpu(),
+            settings.original_max_position_embeddings).to(query.device))
         query = query * scale[:, None, :, None].to(query.dtype)
     remap = settings.remap
-    if remap is None or plan.remember("plain", lambda: _within_first_region(remap, positions)):
+    if remap is None:
+        return _call_inner(module, inner, query, key, value, attention_mask, **kwargs)
+    key_allowed = plan.remember("padding", lambda: _key_padding_from_mask(attention_mask, q_len, total))
+    positions = plan.remember("positions", lambda: key_positions(position_ids, total, q_len, key_allowed))
+    if plan.remember("plain", lambda: _within_first_region(remap, positions)):
         return _call_inner(module, inner, query, key, value, attention_mask, **kwargs)
     return _remapped_forward(module, state, plan, query, key, value, kwargs)
 
