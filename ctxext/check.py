@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import platform
+import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -49,6 +51,7 @@ COST_CASES: dict[str, tuple[str, dict]] = {
     "string": ("string", {}),
     "logn": ("none", {"logn": True}),
 }
+MIN_MEMORY_MB = 16  # below this native peak, memory ratios are not reported
 REFERENCE_IMPLEMENTATION = "ctxext_per_cell_reference"
 _REFERENCE = "_ctxext_reference"
 
@@ -63,6 +66,7 @@ class CheckOptions:
     layers: int = 1  # decoder layers of the cost model
     dtype: str = "auto"  # of the cost model; agreement runs in float32
     backward: bool = False  # cost: forward + backward instead of a prefill
+    repeats: int = 3  # cost: timed runs per method (the median is reported)
     tolerance: float = 1e-4
     seed: int = 0
 
@@ -273,19 +277,25 @@ class CostRow:
 
 class PeakMemory:
     """Peak memory over a block, in MB above what was in use at its start: CUDA's allocator statistics on a
-    GPU; on the CPU the process's resident set, sampled every millisecond (Linux VmRSS, else ru_maxrss)."""
+    GPU; on the CPU the process's resident set (Linux: its high-water mark, reset at the start; elsewhere
+    sampled every millisecond). Small blocks are invisible on the CPU, where freed memory is reused."""
 
     def __init__(self, device: torch.device):
         self.device = device
 
     def __enter__(self):
         gc.collect()
+        self._poller = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self.before = torch.cuda.memory_allocated(self.device)
-        else:
-            self.before = self.peak = _resident_bytes()
+            return self
+        self.before = self.peak = _resident_bytes("VmRSS")
+        try:
+            with open("/proc/self/clear_refs", "w") as clear:
+                clear.write("5")  # resets VmHWM to the current resident set
+        except OSError:
             self._stop = threading.Event()
             self._poller = threading.Thread(target=self._poll, daemon=True)
             self._poller.start()
@@ -293,35 +303,45 @@ class PeakMemory:
 
     def _poll(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, _resident_bytes())
+            self.peak = max(self.peak, _resident_bytes("VmRSS"))
             time.sleep(0.001)
 
     def __exit__(self, *exc):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peak = torch.cuda.max_memory_allocated(self.device)
+        elif self._poller is None:
+            self.peak = _resident_bytes("VmHWM")
         else:
             self._stop.set()
             self._poller.join()
-            self.peak = max(self.peak, _resident_bytes())
-        self.megabytes = (self.peak - self.before) / 2**20
+        self.megabytes = max(0.0, (self.peak - self.before) / 2**20)
         return False
 
 
-def _resident_bytes() -> int:
+def _resident_bytes(field: str) -> int:
+    """VmRSS or VmHWM from /proc/self/status (Linux); elsewhere the peak resident set from getrusage."""
     try:
-        with open("/proc/self/statm") as statm:
-            import os
-
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
     except OSError:
-        import resource
+        pass
+    import resource
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    scale = 1 if platform.system() == "Darwin" else 1024  # macOS reports bytes, Linux KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
-def measure_cost(model, tokens, device, backward: bool) -> tuple[float, float]:
-    """(seconds, peak MB) of one prefill (logits of the last token), or of one forward + backward."""
+def measure_cost(model, tokens, device, backward: bool, repeats: int = 1) -> tuple[float, float]:
+    """(seconds, peak MB) of one prefill (logits of the last token), or of one forward + backward: the median
+    time and the largest peak over `repeats` runs."""
+    runs = [_measure_once(model, tokens, device, backward) for _ in range(repeats)]
+    return statistics.median(t for t, _ in runs), max(m for _, m in runs)
+
+
+def _measure_once(model, tokens, device, backward: bool) -> tuple[float, float]:
     context = contextlib.nullcontext() if backward else torch.no_grad()
     with context, PeakMemory(device) as memory:
         start = time.perf_counter()
@@ -356,14 +376,15 @@ def cost_rows(shape, length: int, native: str, device, dtype, options: CheckOpti
         if options.backward:
             model.train()
         measure_cost(model, tokens[:, :256], device, options.backward)  # warm-up (and compilation)
-        seconds, megabytes = measure_cost(model, tokens, device, options.backward)
+        seconds, megabytes = measure_cost(model, tokens, device, options.backward, options.repeats)
         rows.append(CostRow(length, name, native, backend, seconds, megabytes))
         del model
         gc.collect()
     base = rows[0]
     for row in rows:
         row.x_native_time = row.seconds / base.seconds
-        row.x_native_memory = row.peak_mb / base.peak_mb if base.peak_mb > 0 else None
+        # On the CPU a peak of a few MB is allocator noise, not the attention's memory: no ratio then.
+        row.x_native_memory = row.peak_mb / base.peak_mb if base.peak_mb >= MIN_MEMORY_MB else None
     return rows
 
 

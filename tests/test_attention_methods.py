@@ -341,6 +341,18 @@ def test_cli_rejects_bad_input_with_one_line_and_exit_2(checkpoint, tmp_path, ca
     assert not out.exists()
 
 
+def test_cli_refuses_a_remapping_method_over_a_short_sliding_window(tmp_path, capsys):
+    source = save_tiny_checkpoint(tmp_path / "mistral", tiny_model("mistral", sliding_window=8))
+    before = sorted(p.name for p in source.iterdir())
+    out = tmp_path / "out"
+    capsys.readouterr()
+    code = main(["patch", str(source), "-o", str(out), "--method", "dual_chunk", "--factor", "2"])
+    # transformers' weight-loading progress bar may precede it on stderr; the error itself is one line
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert code == 2 and len(errors) == 1 and "sliding-window attention (8 tokens" in errors[0], errors
+    assert not out.exists() and sorted(p.name for p in source.iterdir()) == before
+
+
 def test_logn_in_a_config_without_its_length_is_refused_at_load(checkpoint, tmp_path, capsys):
     broken = tmp_path / "broken"
     model = AutoModelForCausalLM.from_pretrained(checkpoint)

@@ -58,7 +58,7 @@ def test_a_wrong_backend_is_caught(tiny_shape, capsys, monkeypatch):
     (["--methods", "yarn"], "unknown method(s) yarn for ctxext check"),
     (["--implementations", "flash_attention_2"], "not available on cpu"),
     (["--lengths", "100"], "at least 256 tokens"),
-    (["--layers", "0"], "--layers must be >= 1"),
+    (["--layers", "0"], "--layers and --repeats must be >= 1"),
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tiny_shape, capsys, flags, message):

@@ -45,6 +45,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--layers", type=int, default=1, help="decoder layers of the cost model (default 1)")
     parser.add_argument("--dtype", default="auto", help="dtype of the cost model: auto, bf16, fp16, fp32 "
                                                          "(agreement always runs in fp32)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per method and length (median; 3)")
     parser.add_argument("--backward", action="store_true",
                         help="cost of forward + backward (training) instead of a prefill")
     parser.add_argument("--tolerance", type=float, default=1e-4,
@@ -61,11 +62,12 @@ def run(args) -> int:
     from ..errors import CtxextError
     from ..outputs import atomic_write_text
 
-    if args.layers < 1:
-        raise CtxextError(f"--layers must be >= 1, got {args.layers}")
+    if args.layers < 1 or args.repeats < 1:
+        raise CtxextError(f"--layers and --repeats must be >= 1, got {args.layers} and {args.repeats}")
     options = CheckOptions(device=args.device, model=args.model, methods=args.methods or list(AGREEMENT_CASES),
                            implementations=args.implementations, lengths=args.lengths, layers=args.layers,
-                           dtype=args.dtype, backward=args.backward, tolerance=args.tolerance)
+                           dtype=args.dtype, backward=args.backward, repeats=args.repeats,
+                           tolerance=args.tolerance)
     result = run_check(options, progress=lambda total: tqdm(total=total, desc="ctxext check", unit="case"))
     print(f"machine: {result.machine}; device {result.device}; shape {result.shape}")
     print(f"\nagreement with the per-cell reference (relative error, tolerance {result.tolerance:g}, fp32, "

@@ -1,17 +1,20 @@
 """Attention-level methods inside a model, through transformers' AttentionInterface: log-n query scaling and
 the position-remapping methods (ReRoPE, Leaky ReRoPE, SelfExtend, Dual Chunk Attention, STRING).
 
-`install_attention(host, settings)` registers a wrapper around the model's attention implementation under the
-name `ctxext_<implementation>` (e.g. `ctxext_sdpa`, with the same mask function) and switches the model to it
-with `set_attn_implementation`; the settings sit on each attention module. The model's own attention forward
-still projects, rotates, caches and calls the attention function; the wrapper then:
+`install_attention(host, settings)` registers a wrapper around the model's attention implementation (eager,
+sdpa, flex_attention or FlashAttention) as `wrapper_name(inner)` (e.g. `ctxext_sdpa`, `ctxext_fa2`, with the
+inner one's mask function) and switches the model to it with `set_attn_implementation`; the settings sit on
+each attention module. What a method cannot run under is refused before anything changes
+(`check_can_install`). The model's own attention forward still projects, rotates, caches and calls the
+attention function; the wrapper then:
 
-- **log-n**: multiplies each query by max(1, ln n / ln L) and hands over to the model's own implementation
-  (SDPA, eager, FlashAttention);
+- **log-n**: multiplies each query by max(1, ln n / ln L) and hands over to the model's own implementation;
 - **remapping**: while every pair lies in the method's first region (r' = r) it hands over too, bit for bit;
   past that it turns the rotated queries and cached keys back to unrotated ones with the model's own
-  (cos, sin) at their positions, rotates them per region, and runs `remapped_attention`. The KV cache stays
-  the usual one (rotated keys), so decoding with a cache equals a full forward.
+  (cos, sin) at their positions, rotates them per region, and runs a remapping backend
+  (ctxext.patching.remap_kernel) on a region plan that the forward's first layer builds for all layers
+  (`ForwardPlan`). The KV cache stays the usual one (rotated keys), so decoding with a cache equals a full
+  forward.
 
 `remove_attention` switches the implementation back. A checkpoint keeps the settings as `ctxext_attention` in
 config.json; `register_load_hook` (run at `import ctxext`) re-installs them on any model built from such a
@@ -310,8 +313,8 @@ class ForwardPlan:
     """What every layer of one forward shares: positions, region plans, log-n factors, (cos, sin).
 
     Built by the forward's first patched layer from position_ids and the attention mask, both of which the
-    model passes unchanged to every layer; positions and region bounds live on the CPU, so a forward syncs
-    with the device once, not once per layer and block.
+    model passes unchanged to every layer; positions and region bounds live on the CPU, so a forward waits for
+    the device a few times (reading positions and the mask), not once per layer and query block.
     """
 
     def __init__(self, position_ids, attention_mask, total: int, q_len: int):
@@ -397,11 +400,8 @@ def _region_plans(remap, positions: torch.Tensor, q_len: int, key_allowed, query
             lows.append(torch.searchsorted(row, lo))
             highs.append(torch.searchsorted(row, hi))
         bounds.append((torch.stack(lows), torch.stack(highs)))
-    rows = key_allowed.shape[0] if key_allowed is not None else len(bounds)
     if all(torch.equal(lo, bounds[0][0]) and torch.equal(hi, bounds[0][1]) for lo, hi in bounds):
         return [(None, RegionPlan(*bounds[0], total, key_allowed, query_block))]
-    if len(bounds) == 1:
-        bounds = bounds * rows
     return [(slice(b, b + 1), RegionPlan(lo, hi, total, None if key_allowed is None else key_allowed[b:b + 1],
                                          query_block)) for b, (lo, hi) in enumerate(bounds)]
 
