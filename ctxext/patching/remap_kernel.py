@@ -205,12 +205,13 @@ def _attend_part(query, key, value, mask, scale) -> tuple[torch.Tensor, torch.Te
     return out, _unfold_heads(lse, heads)
 
 
-def _blockwise_forward(queries, keys, value, plan: RegionPlan, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output float32, merged log-sum-exp) of the blocked kernel, without autograd."""
+def _blockwise_forward(queries, keys, value, plan: RegionPlan, scale,
+                       dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output in `dtype`, merged log-sum-exp in float32) of the blocked kernel, without autograd."""
     batch, heads, q_len, _ = queries[0].shape
     # Laid out (batch, q_len, heads, d) in memory: the model's transpose and reshape before o_proj are then
     # views, not a copy that o_proj would keep for backward.
-    out = torch.zeros(batch, q_len, heads, value.shape[-1], dtype=torch.float32, device=value.device)
+    out = torch.zeros(batch, q_len, heads, value.shape[-1], dtype=dtype, device=value.device)
     out = out.transpose(1, 2)
     lse = torch.full((batch, heads, q_len), NO_KEY, dtype=torch.float32, device=value.device)
     for b0, b1, parts in plan.blocks(value.device):
@@ -227,7 +228,7 @@ def lse_backend(queries, keys, value, plan: RegionPlan, scale) -> torch.Tensor:
     """CPU inference: the blocked kernel on PyTorch's fused CPU attention. No autograd."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (*queries, *keys, value)):
         raise CtxextError("the 'lse' remapping backend has no backward; use 'blockwise' (or 'auto') for training")
-    return _blockwise_forward(queries, keys, value, plan, scale)[0].to(value.dtype)
+    return _blockwise_forward(queries, keys, value, plan, scale, dtype=value.dtype)[0]
 
 
 class _BlockwiseAttention(torch.autograd.Function):
