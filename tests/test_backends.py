@@ -8,7 +8,6 @@ gradients are compared with autograd through the "naive" backend (full score mat
 """
 
 import functools
-import math
 import types
 
 import pytest
@@ -22,7 +21,7 @@ from ctxext.patching import remap_kernel
 from ctxext.patching.attention import set_attention_tuning
 from ctxext.patching.remap_kernel import band_and_far_ranges, pick_backend, remapped_attention
 from tests.conftest import FAMILIES, tiny_model
-from tests.test_remapping import L, RELATIVE, reference_model
+from tests.test_remapping import L, RELATIVE, naive_forward, reference_model
 
 SEQ = 56
 FAMILY_NAMES = list(FAMILIES)
@@ -254,37 +253,6 @@ def test_auto_backend_choice():
 
 
 # ------------------------------------------------------------------------------------------ 6. PoSE
-def positioned_forward(relative_fn, inv_freq, logn_length, positions):
-    """The per-cell oracle at explicit positions: r' from the real positions i, j; causality by token order."""
-
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kw):
-        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        q, k = self.q_proj(hidden_states).view(shape), self.k_proj(hidden_states).view(shape)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2).double(), k.transpose(1, 2).double()
-        v = self.v_proj(hidden_states).view(shape).transpose(1, 2).double()
-        if logn_length:
-            factor = [max(1.0, math.log(p + 1) / math.log(logn_length)) for p in positions.tolist()]
-            q = q * torch.tensor(factor, dtype=torch.float64)[None, None, :, None]
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        relative = relative_fn(positions[:, None], positions[None]).double()
-        angles = relative[..., None] * inv_freq.double()
-        cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
-        half = q.shape[-1] // 2
-        q_half = torch.cat((-q[..., half:], q[..., :half]), -1)
-        q_turned = q[:, :, :, None] * cos + q_half[:, :, :, None] * sin
-        scores = (q_turned * k[:, :, None]).sum(-1) * self.scaling
-        n = q.shape[2]
-        later = torch.arange(n)[None] > torch.arange(n)[:, None]
-        probs = torch.softmax(scores.masked_fill(later, float("-inf")), dim=-1)
-        out = (probs @ v).to(hidden_states.dtype).transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)
-        return self.o_proj(out), None
-
-    return forward
-
-
 POSE = [
     ("llama", "self_extend", {"group_size": 4, "window": 8}, False),
     ("qwen2", "dual_chunk", {"chunk_size": 24, "local_window": 4}, True),  # chunks of 20: the gap skips one
@@ -300,8 +268,8 @@ def test_pose_gapped_positions_match_the_oracle_at_the_real_positions(family, me
     mask = torch.ones_like(inputs)  # as the training loop does: no mask would read the gap as packed sequences
     model = patched_model(family, method, params, logn)
     oracle = sharpen(tiny_model(family, max_position_embeddings=L))
-    forward = positioned_forward(lambda i, j: RELATIVE[method](i, j, **params), oracle.model.rotary_emb.inv_freq,
-                                 L if logn else None, POSE_POSITIONS)
+    forward = naive_forward(lambda i, j: RELATIVE[method](i, j, **params), oracle.model.rotary_emb.inv_freq, 1.0,
+                            L if logn else None, positions=POSE_POSITIONS)
     for layer in oracle.model.layers:
         layer.self_attn.forward = types.MethodType(forward, layer.self_attn)
     with torch.no_grad():

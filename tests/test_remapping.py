@@ -52,8 +52,11 @@ RELATIVE = {"self_extend": self_extend_relative, "dual_chunk": dual_chunk_relati
             "rerope": rerope_relative, "leaky_rerope": rerope_relative}
 
 
-def naive_forward(relative_fn, inv_freq, attention_factor, logn_length):
-    """An attention forward built from r'(i, j): rotate each query by r' per cell, dot with the raw key."""
+def naive_forward(relative_fn, inv_freq, attention_factor, logn_length, positions=None):
+    """An attention forward built from r'(i, j): rotate each query by r' per cell, dot with the raw key.
+
+    `positions`: the tokens' real positions (gapped ones, as PoSE gives); default 0..n-1. Causality is by
+    token order either way."""
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kw):
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
@@ -63,13 +66,14 @@ def naive_forward(relative_fn, inv_freq, attention_factor, logn_length):
         q, k = q.transpose(1, 2).double(), k.transpose(1, 2).double()
         v = self.v_proj(hidden_states).view(shape).transpose(1, 2).double()
         n = q.shape[2]
+        at = torch.arange(n) if positions is None else positions
         if logn_length:
-            q = q * torch.tensor([max(1.0, math.log(p + 1) / math.log(logn_length)) for p in range(n)],
+            q = q * torch.tensor([max(1.0, math.log(p + 1) / math.log(logn_length)) for p in at.tolist()],
                                  dtype=torch.float64)[None, None, :, None]
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         i, j = torch.arange(n)[:, None], torch.arange(n)[None]
-        relative = relative_fn(i, j).double()  # (n, n)
+        relative = relative_fn(at[:, None], at[None]).double()  # (n, n)
         angles = relative[..., None] * inv_freq.double()  # (n, n, d/2)
         cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
         half = q.shape[-1] // 2
