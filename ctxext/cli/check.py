@@ -5,15 +5,18 @@ from __future__ import annotations
 import argparse
 
 HELP = "check that the attention-level methods run exactly here, under every attention implementation"
-DESCRIPTION = (
-    "Run on a new machine before trusting ctxext's attention-level methods there. On a random model of your "
-    "architecture (--model: a config directory, config.json or hub id; only the config is read), for each "
-    "attention implementation available on the device (eager, sdpa, flex_attention, FlashAttention where "
-    "installed) and each method (rerope, leaky_rerope, self_extend, dual_chunk, string, logn): the logits and "
-    "weight gradients against a per-cell reference (every score from its remapped relative position, float64), "
-    "on 160 tokens that cross every region boundary. Then the time and peak memory of one prefill at each "
-    "--lengths (every method extending L = length/4 by 4x) against the model's native attention. Prints two "
-    "tables; --json writes everything. Exit code 1 if any method disagrees with the reference.")
+DESCRIPTION = """\
+Run on a new machine before trusting ctxext's attention-level methods there. On a random model of your
+architecture (--model: a config directory, config.json or hub id; only the config is read), for each
+attention implementation available on the device (eager, sdpa, flex_attention, FlashAttention where
+installed) and each method (rerope, leaky_rerope, self_extend, dual_chunk, string, logn):
+
+  1. agreement: the logits and weight gradients against a per-cell reference (every score from its
+     remapped relative position, float64) on 160 tokens that cross every region boundary;
+  2. cost: the time and peak memory of one prefill (--backward: forward + backward) at each --lengths,
+     every method extending L = length/4 by 4x, against the model's native attention.
+
+Prints two tables; --json writes everything. Exit code 1 if any method disagrees with the reference."""
 EPILOG = ("examples:\n"
           "  ctxext check --device cpu --lengths 2048                     # default 1B-class LLaMA shape\n"
           "  ctxext check --model Qwen/Qwen2.5-7B --lengths 8192,32768,131072 --backward --json check.json")
