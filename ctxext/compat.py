@@ -1,8 +1,9 @@
 """Every private API of torch, transformers and accelerate that ctxext uses, in one place.
 
 Each entry says what it is, why no public API does the job, and the versions it was checked against
-(torch 2.13, transformers 5.23, accelerate 1.15). tests/test_remapping.py::test_compat_module_names_the_private_apis_it_wraps fails loudly when one changes.
-Everything else in ctxext uses public APIs only.
+(torch 2.13, transformers 5.23, accelerate 1.15). When one changes, a test fails loudly:
+tests/test_remapping.py::test_compat_module_names_the_private_apis_it_wraps, and tests/test_flash_inner.py for
+the FlashAttention view. Everything else in ctxext uses public APIs only.
 """
 
 from __future__ import annotations

@@ -9,7 +9,13 @@ from torch import nn
 from ..validate import boolean, whole_number
 from ..methods import get_method
 from ..methods.attention import AttentionSettings, check_original_length_for_logn
-from .attention import CONFIG_KEY, check_can_install, install_attention, record_attention_in_config, sync_attention_with_config
+from .attention import (
+    CONFIG_KEY,
+    check_can_install,
+    install_attention,
+    record_attention_in_config,
+    sync_attention_with_config,
+)
 from .families import rotary_dim, rotary_host
 from .rope_types import rope_parameters_for
 from .rotary import ScaledRotaryEmbedding
