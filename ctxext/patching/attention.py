@@ -41,7 +41,7 @@ from .. import compat
 from ..errors import CtxextError
 from ..methods.attention import AttentionSettings, logn_scale
 from .families import SUPPORTED_FAMILIES, rotary_host
-from .remap_kernel import BACKEND_CHOICES, QUERY_BLOCK, REMAP_BACKENDS, RegionPlan, key_padding, pick_backend
+from .remap_kernel import BACKEND_CHOICES, QUERY_BLOCK, RegionPlan, attend_regions, key_padding
 
 CONFIG_KEY = "ctxext_attention"  # the config.json entry that records the settings
 PREFIX = "ctxext_"  # attention implementations registered by ctxext start with this
@@ -478,6 +478,12 @@ def ctxext_attention(module, query, key, value, attention_mask, inner: str = "sd
     remap = settings.remap
     if remap is None:
         return _call_inner(module, inner, query, key, value, attention_mask, **kwargs)
+    window = kwargs.get("sliding_window")
+    if window is not None and total > window:  # refused at patch time; here if the config changed since
+        raise CtxextError(
+            f"{settings.method} does not support sliding-window attention: this layer's window is {window} "
+            f"tokens and the sequence has {total}; set config.sliding_window = None (or use_sliding_window = False)"
+        )
     key_allowed = plan.remember("padding", lambda: _key_padding_from_mask(attention_mask, q_len, total))
     positions = plan.remember("positions", lambda: key_positions(position_ids, total, q_len, key_allowed))
     if plan.remember("plain", lambda: _within_first_region(remap, positions)):
@@ -506,12 +512,6 @@ def _remapped_forward(module, state: AttentionState, plan: ForwardPlan, query, k
     """Attention under a remapping method, for (batch, heads, q_len, d) rotated queries and all rotated keys."""
     remap = state.settings.remap
     q_len, total = query.shape[2], key.shape[2]
-    window = kwargs.get("sliding_window")
-    if window is not None and total > window:
-        raise CtxextError(
-            f"{state.settings.method} does not support sliding-window attention: this layer's window is {window} "
-            f"tokens and the sequence has {total}; set config.sliding_window = None (or use_sliding_window = False)"
-        )
     if module.training and kwargs.get("dropout", 0.0) > 0:
         raise CtxextError(f"{state.settings.method} does not implement attention dropout; set attention_dropout=0")
     key_allowed = plan.values["padding"]
@@ -545,15 +545,13 @@ def _remapped_forward(module, state: AttentionState, plan: ForwardPlan, query, k
                 cos, sin = _rotary_entry(plan, host, plain_key, ("key", index), lambda: rule(positions))
                 rotated_keys[rule] = apply_rotation(plain_key, cos, sin).to(key.dtype)
             keys.append(rotated_keys[rule])
-    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    backend = REMAP_BACKENDS[pick_backend(state.kernel, query.device, needs_grad, q_len)]
     outputs = []
     for rows, region_plan in region_plans:
         if rows is None:
-            outputs.append(backend(queries, keys, value, region_plan, module.scaling))
+            outputs.append(attend_regions(queries, keys, value, region_plan, module.scaling, state.kernel))
         else:
-            outputs.append(backend([q[rows] for q in queries], [k[rows] for k in keys], value[rows], region_plan,
-                                   module.scaling))
+            outputs.append(attend_regions([q[rows] for q in queries], [k[rows] for k in keys], value[rows],
+                                          region_plan, module.scaling, state.kernel))
     attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
     return attn.transpose(1, 2), None
 

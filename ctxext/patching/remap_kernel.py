@@ -462,21 +462,24 @@ def pick_backend(requested: str, device: torch.device, needs_grad: bool, q_len: 
     return "blockwise"
 
 
-def remapped_attention(queries: list[torch.Tensor], keys: list[torch.Tensor], value: torch.Tensor,
-                       key_lo: torch.Tensor, key_hi: torch.Tensor, scale: float,
-                       allowed: torch.Tensor | None = None, query_block: int = QUERY_BLOCK,
-                       kernel: str = "auto", plan: RegionPlan | None = None) -> torch.Tensor:
-    """Attention where query i sees, in region r, the keys [key_lo[r, i], key_hi[r, i]) with queries[r]/keys[r].
-
-    `allowed` (batch or 1, 1, q_len, k_len) or (batch, k_len) adds key padding. Returns (batch, heads, q_len, d).
-    `plan`, when given, replaces key_lo/key_hi/allowed/query_block (the layers of a forward share one).
-    """
-    if plan is None:
-        k_len = value.shape[2]
-        plan = RegionPlan(key_lo, key_hi, k_len, key_padding(allowed, k_len), query_block)
+def attend_regions(queries, keys, value, plan: RegionPlan, scale: float, kernel: str = "auto") -> torch.Tensor:
+    """Run the backend `kernel` names (or `pick_backend`'s choice for "auto") on a region plan."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*queries, *keys, value))
     backend = pick_backend(kernel, value.device, needs_grad, plan.q_len)
     return REMAP_BACKENDS[backend](list(queries), list(keys), value, plan, scale)
+
+
+def remapped_attention(queries: list[torch.Tensor], keys: list[torch.Tensor], value: torch.Tensor,
+                       key_lo: torch.Tensor, key_hi: torch.Tensor, scale: float,
+                       allowed: torch.Tensor | None = None, query_block: int = QUERY_BLOCK,
+                       kernel: str = "auto") -> torch.Tensor:
+    """Attention where query i sees, in region r, the keys [key_lo[r, i], key_hi[r, i]) with queries[r]/keys[r].
+
+    `allowed` (batch or 1, 1, q_len, k_len) or (batch, k_len) adds key padding. Returns (batch, heads, q_len, d).
+    """
+    k_len = value.shape[2]
+    plan = RegionPlan(key_lo, key_hi, k_len, key_padding(allowed, k_len), query_block)
+    return attend_regions(queries, keys, value, plan, scale, kernel)
 
 
 # ----------------------------------------------------------------------- ReRoPE in the kernel's terms
