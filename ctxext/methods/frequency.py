@@ -74,9 +74,13 @@ class NtkParams(DynamicParams):
         _check_number("alpha", self.alpha, minimum=1.0, allow_none=True)
 
 
-def ntk_inv_freq(rotary_dim, base, original_max_position_embeddings, params, seq_len=None):
+def ntk_base(rotary_dim: int, base: float, params: NtkParams) -> float:
     alpha = params.factor if params.alpha is None else params.alpha
-    return rope_inv_freq(rotary_dim, base * alpha ** (rotary_dim / (rotary_dim - 2))), 1.0
+    return base * alpha ** (rotary_dim / (rotary_dim - 2))
+
+
+def ntk_inv_freq(rotary_dim, base, original_max_position_embeddings, params, seq_len=None):
+    return rope_inv_freq(rotary_dim, ntk_base(rotary_dim, base, params)), 1.0
 
 
 register(Method(
@@ -85,6 +89,7 @@ register(Method(
     source="bloc97 2023, NTK-Aware Scaled RoPE (r/LocalLLaMA)",
     params_cls=NtkParams,
     inv_freq_fn=ntk_inv_freq,
+    new_base=ntk_base,
 ))
 
 
@@ -273,6 +278,7 @@ register(Method(
     source="Roziere et al. 2023, Code Llama; Xiong et al. 2023 (ABF)",
     params_cls=ThetaParams,
     inv_freq_fn=theta_inv_freq,
+    new_base=lambda rotary_dim, base, params: float(params.new_base),
 ))
 
 

@@ -71,6 +71,8 @@ class Method:
     length_dependent: bool = False  # reads seq_len even when not `dynamic` (dynamic_ntk, longrope)
     hf_rope_type: str | None = None  # the transformers rope_type with identical behaviour, if any
     forced: dict = field(default_factory=dict)  # parameter values the method fixes (dynamic_yarn: dynamic=True)
+    # For a method that is plain RoPE at another base: fn(rotary_dim, base, params) -> the new base b'.
+    new_base: Callable[[int, float, MethodParams], float] | None = None
 
     def is_dynamic(self, params: MethodParams) -> bool:
         return self.length_dependent or bool(getattr(params, "dynamic", False))

@@ -407,6 +407,7 @@ def method_record(setup: Setup) -> dict:
 def save_results(setup: Setup, model) -> None:
     """adapter/ (standard PEFT) and merged/ (LoRA folded in; the config carries the rope parameters)."""
     from ..outputs import atomic_output_dir
+    from ..serving.forms import write_config_for_serving
 
     runtime = setup.runtime
     accelerator = runtime.accelerator
@@ -431,9 +432,11 @@ def save_results(setup: Setup, model) -> None:
     with atomic_output_dir(setup.output / "merged", overwrite=True) as staging:
         merged.config.use_cache = True
         merged.save_pretrained(staging)
+        form = write_config_for_serving(merged, staging)  # the method's exact native form where one exists
         setup.tokenizer.save_pretrained(staging)
         record = {**method_record(setup), "rope_parameters": dict(merged.config.rope_parameters),
-                  "max_position_embeddings": merged.config.max_position_embeddings}
+                  "max_position_embeddings": merged.config.max_position_embeddings,
+                  "written_as": {"format": "native", "rope_type": form.rope_parameters["rope_type"], "how": form.how}}
         (staging / "ctxext.yaml").write_text("# Written by `ctxext finetune`: base + LoRA, merged.\n"
                                              + yaml.safe_dump(record, sort_keys=False))
 

@@ -1,0 +1,146 @@
+"""The rope parameters a patched checkpoint is written with: the exact native form of a method where one exists.
+
+A serving engine (vLLM, SGLang, plain transformers) knows transformers' rope types and nothing of ctxext's.
+Most static frequency methods still have an exact native form:
+
+- a base change (`ntk`, `theta`) is rope type `default` with the new `rope_theta`;
+- any other static per-pair rule (`ntk_fixed`, `ntk_mixed`, `ntk_by_parts`, yarn's 'ratio' ramp, searched or
+  not) is `longrope` with short_factor = long_factor = theta_i / theta'_i per pair and an explicit attention
+  factor: with equal factors, longrope's switch between its short and long sets cannot matter.
+
+Dynamic methods other than dynamic NTK, and the attention-level methods, have no exact native form; they keep
+ctxext's own types. config.json then carries both spellings: `rope_parameters` (transformers 5) and
+`rope_scaling` plus `rope_theta` (what transformers 4.x and the engines pinned to it read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import CtxextError
+from ..methods import Method, MethodParams, compute_inv_freq, rope_inv_freq
+from ..methods.frequency import yarn_mscale
+from ..methods.remapping import RemapParams
+from ..patching.rope_types import rope_parameters_for
+
+FORMATS = ("native", "ctxext")
+
+
+@dataclass(frozen=True)
+class RopeForm:
+    """The rope parameters to write, whether transformers computes them without ctxext, and how (one line)."""
+
+    rope_parameters: dict
+    native: bool
+    how: str
+
+
+def no_native_form(method: Method, params: MethodParams) -> str | None:
+    """Why `method` with `params` has no exact form among transformers' rope types, or None if it has one."""
+    if issubclass(method.params_cls, RemapParams):
+        return f"'{method.name}' remaps positions inside attention; no rope type expresses it"
+    if method.is_dynamic(params) and method.rope_type(params).startswith("ctxext_"):
+        return (f"'{method.name}' recomputes its frequencies from the current length; transformers' only such type "
+                f"is dynamic NTK ('dynamic')")
+    return None
+
+
+def rope_form(method: Method, params: MethodParams, rotary_dim: int, base: float,
+              original_max_position_embeddings: int, partial_rotary_factor: float | None = None,
+              format: str = "native") -> RopeForm:
+    """The rope parameters that reproduce `method` with `params` when the checkpoint is loaded again.
+
+    format 'native': transformers' own types wherever an exact form exists (ctxext's types otherwise);
+    'ctxext': ctxext's types for everything transformers has no type of the same name for.
+    """
+    if format not in FORMATS:
+        raise CtxextError(f"unknown format '{format}'; choose one of: {', '.join(FORMATS)}")
+    L = original_max_position_embeddings
+    ctxext_parameters = rope_parameters_for(method, params, rotary_dim, base, L, partial_rotary_factor)
+    rope_type = ctxext_parameters["rope_type"]
+    if not rope_type.startswith("ctxext_"):
+        return RopeForm(_for_engines(ctxext_parameters), True, f"transformers' own '{rope_type}' type")
+    if format == "ctxext":
+        return RopeForm(ctxext_parameters, False, f"ctxext's '{rope_type}' type (--format ctxext)")
+    reason = no_native_form(method, params)
+    if reason is not None:
+        return RopeForm(ctxext_parameters, False, f"ctxext's '{rope_type}' type: {reason}")
+
+    extra = {} if partial_rotary_factor is None else {"partial_rotary_factor": partial_rotary_factor}
+    if method.new_base is not None:
+        new_base = float(method.new_base(rotary_dim, base, params))
+        # L is kept so that patching the checkpoint again scales from it (transformers only warns about the key).
+        return RopeForm({"rope_type": "default", "rope_theta": new_base, "original_max_position_embeddings": L,
+                         **extra}, True, f"a base change: 'default' with rope_theta {base:g} -> {new_base:g}")
+    factors = per_pair_factors(method, params, rotary_dim, base, L)
+    _, attention_factor = compute_inv_freq(method, params, rotary_dim, base, L)
+    return RopeForm(_for_engines({
+        "rope_type": "longrope", "rope_theta": base, "factor": float(params.factor),
+        "original_max_position_embeddings": L, "short_factor": factors, "long_factor": factors,
+        "attention_factor": float(attention_factor), **extra,
+    }), True, "'longrope' with short_factor = long_factor = theta_i/theta'_i per pair")
+
+
+def _for_engines(rope_parameters: dict) -> dict:
+    """Add the keys vLLM and SGLang read where they do not read transformers' `attention_factor`.
+
+    - longrope: both take the cos/sin scale from `short_mscale`/`long_mscale` and otherwise compute
+      sqrt(1 + ln(max_position_embeddings/L)/ln L) themselves (vLLM 0.33, SGLang 0.5.23).
+    - yarn with an explicit attention factor a: SGLang and vLLM before 0.33 ignore it and multiply their own
+      0.1 ln s + 1 by `attn_factor`, so attn_factor = a / (0.1 ln s + 1).
+    transformers computes from its own keys and only warns that it does not know these.
+    """
+    out = dict(rope_parameters)
+    if out["rope_type"] == "longrope" and "attention_factor" in out:
+        out["short_mscale"] = out["long_mscale"] = out["attention_factor"]
+    if out["rope_type"] == "yarn" and out.get("attention_factor") is not None:
+        out["attn_factor"] = out["attention_factor"] / yarn_mscale(out["factor"])
+    return out
+
+
+def per_pair_factors(method: Method, params: MethodParams, rotary_dim: int, base: float,
+                     original_max_position_embeddings: int) -> list[float]:
+    """theta_i / theta'_i for each rotary pair (pair 0, the highest frequency, first): what each pair's frequency
+    is divided by. longrope's factors and llama.cpp's `rope_freqs` tensor have this meaning."""
+    scaled, _ = compute_inv_freq(method, params, rotary_dim, base, original_max_position_embeddings)
+    return (rope_inv_freq(rotary_dim, base).double() / scaled.double()).tolist()
+
+
+def with_both_spellings(config: dict, rope_parameters: dict) -> dict:
+    """A config.json dict with `rope_parameters` (transformers 5) and `rope_scaling` + `rope_theta` (4.x)."""
+    out = dict(config)
+    out["rope_parameters"] = dict(rope_parameters)
+    out["rope_theta"] = rope_parameters["rope_theta"]
+    scaling = {k: v for k, v in rope_parameters.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    # 4.x writes no rope_scaling for plain RoPE; its readers take a missing one as 'default'.
+    out["rope_scaling"] = None if scaling["rope_type"] == "default" else scaling
+    if "partial_rotary_factor" in rope_parameters:
+        out["partial_rotary_factor"] = rope_parameters["partial_rotary_factor"]
+    return out
+
+
+def model_rope_form(model, format: str = "native") -> RopeForm:
+    """The rope form of whatever `ctxext.patch` applied to `model` (its config's own parameters if unpatched)."""
+    from ..patching import ScaledRotaryEmbedding, rotary_host
+
+    host = rotary_host(model)
+    scaled = host.rotary_emb
+    if not isinstance(scaled, ScaledRotaryEmbedding):
+        rope_parameters = dict(host.config.rope_parameters)
+        return RopeForm(rope_parameters, not rope_parameters["rope_type"].startswith("ctxext_"), "as loaded")
+    return rope_form(scaled.method, scaled.params, scaled.rotary_dim, scaled.base,
+                     scaled.original_max_position_embeddings,
+                     host.config.rope_parameters.get("partial_rotary_factor"), format)
+
+
+def write_config_for_serving(model, folder, format: str = "native") -> RopeForm:
+    """Rewrite `folder`/config.json, just written by `model.save_pretrained`, with the model's rope form in both
+    spellings. The caller writes `folder` atomically; this only replaces one file inside it."""
+    import json
+    from pathlib import Path
+
+    form = model_rope_form(model, format)
+    path = Path(folder) / "config.json"
+    config = with_both_spellings(json.loads(path.read_text()), form.rope_parameters)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return form

@@ -1,0 +1,148 @@
+"""The checkpoint `ctxext patch` writes loads in plain transformers (a process that never imports ctxext) with the
+logits of the model patched in memory: every static frequency method, at its defaults and at other parameters,
+on all four families, and a `ctxext search` result. The oracle is `ctxext.patch` in memory (ctxext's own
+formulas); the loaded model computes its frequencies with transformers' code from the written config.json."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ctxext
+from ctxext.checkpoint import write_patched_checkpoint
+from ctxext.config import load_method_config
+from ctxext.methods import get_method
+from ctxext.serving.forms import per_pair_factors, rope_form, with_both_spellings
+from tests.conftest import FAMILIES, save_tiny_checkpoint, tiny_model
+
+# (method, parameters, the native rope type the checkpoint must use). L = 64 for the tiny models.
+CASES = {
+    "ntk": ("ntk", {"factor": 4.0}, "default"),
+    "ntk_alpha": ("ntk", {"factor": 4.0, "alpha": 5.0}, "default"),
+    "theta": ("theta", {"factor": 4.0, "new_base": 1e6}, "default"),
+    "ntk_fixed": ("ntk_fixed", {"factor": 4.0}, "longrope"),
+    "ntk_fixed_x8": ("ntk_fixed", {"factor": 8.0}, "longrope"),
+    "ntk_mixed": ("ntk_mixed", {"factor": 4.0}, "longrope"),
+    "ntk_mixed_beta": ("ntk_mixed", {"factor": 4.0, "beta": 0.3}, "longrope"),
+    "ntk_by_parts": ("ntk_by_parts", {"factor": 4.0}, "longrope"),
+    "ntk_by_parts_betas": ("ntk_by_parts", {"factor": 4.0, "beta_fast": 16.0, "beta_slow": 2.0}, "longrope"),
+    "yarn_ratio_ramp": ("yarn", {"factor": 4.0, "ramp": "ratio", "attention_factor": 1.2}, "longrope"),
+    "linear": ("linear", {"factor": 4.0}, "linear"),
+    "yarn": ("yarn", {"factor": 4.0, "beta_fast": 24.0}, "yarn"),
+    "llama3": ("llama3", {"factor": 8.0}, "llama3"),
+    "dynamic_ntk": ("dynamic_ntk", {"factor": 2.0}, "dynamic"),
+}
+LOAD_PLAIN = textwrap.dedent("""
+    import json, sys, torch
+    from transformers import AutoModelForCausalLM
+    tokens = torch.load(sys.argv[1])
+    for path in json.loads(sys.argv[2]):
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        with torch.no_grad():  # short (inside L) and long; longrope switches its factor set past L
+            logits = {n: model(tokens[:, :n]).logits for n in (40, tokens.shape[1])}
+        torch.save(logits, path + "/plain.pt")
+    print(json.dumps({"ctxext_imported": "ctxext" in sys.modules}))
+""")
+
+
+def load_in_plain_transformers(tmp_path, checkpoints):
+    tokens = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(5))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    result = subprocess.run([sys.executable, "-c", LOAD_PLAIN, str(tmp_path / "tokens.pt"),
+                             json.dumps([str(c) for c in checkpoints])], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"ctxext_imported": False}
+    return tokens
+
+
+def assert_both_spellings(config: dict, rope_type: str):
+    assert config["rope_parameters"]["rope_type"] == rope_type
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]
+    if rope_type == "default":
+        assert config["rope_scaling"] is None
+    else:
+        assert config["rope_scaling"] == {k: v for k, v in config["rope_parameters"].items() if k != "rope_theta"}
+
+
+def assert_same_logits(path, model, tokens, case):
+    plain = torch.load(path / "plain.pt")
+    with torch.no_grad():
+        for n, logits in plain.items():
+            torch.testing.assert_close(logits, model(tokens[:, :n]).logits, rtol=1e-5, atol=1e-5,
+                                       msg=f"{case} at {n} tokens")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_static_frequency_method_loads_in_plain_transformers_with_the_patched_logits(tmp_path, family):
+    source = save_tiny_checkpoint(tmp_path / "source", tiny_model(family, seed=2))
+    for case, (method, params, _) in CASES.items():
+        mapping = {"method": method, **params}
+        write_patched_checkpoint(str(source), load_method_config(None, mapping), tmp_path / case)
+    tokens = load_in_plain_transformers(tmp_path, [tmp_path / case for case in CASES])
+    unpatched = tiny_model(family, seed=2)
+    for case, (method, params, rope_type) in CASES.items():
+        config = json.loads((tmp_path / case / "config.json").read_text())
+        assert_both_spellings(config, rope_type)
+        model = ctxext.patch(tiny_model(family, seed=2), method, **params)
+        with torch.no_grad():  # the tolerance is far tighter than what the method changes
+            assert not torch.allclose(unpatched(tokens).logits, model(tokens).logits, rtol=1e-5, atol=1e-5), case
+        assert_same_logits(tmp_path / case, model, tokens, case)
+
+
+def test_a_search_result_is_written_in_its_native_form(tmp_path, capsys):
+    from tests.test_search import run_cli, write_documents
+
+    source = save_tiny_checkpoint(tmp_path / "source", tiny_model("llama", seed=1))
+    g = torch.Generator().manual_seed(0)
+    docs = write_documents(tmp_path / "docs", [torch.randint(0, 256, (300,), generator=g) for _ in range(3)])
+    out = tmp_path / "search"
+    code, _, err = run_cli(capsys, "search", source, "--method", "ntk_by_parts", "--factor", 4, "--length", 256,
+                           "--text-file", docs, "--trials", 3, "--dtype", "fp32", "--no-progress", "-o", out)
+    assert code == 0, err
+    best = json.loads((out / "results.json").read_text())["best"]["params"]
+    checkpoint = out / "checkpoint"
+    tokens = load_in_plain_transformers(tmp_path, [checkpoint])
+    assert_both_spellings(json.loads((checkpoint / "config.json").read_text()), "longrope")
+    model = ctxext.patch(tiny_model("llama", seed=1), "ntk_by_parts", factor=4.0, **best)
+    assert_same_logits(checkpoint, model, tokens, "search result")
+
+
+def test_per_pair_factors_are_the_ratio_of_the_frequencies():
+    """Oracle: METHODS' ntk_fixed divisor s^(2(i+1)/d), computed here in float64."""
+    d, s = 64, 4.0
+    spec = get_method("ntk_fixed")
+    factors = per_pair_factors(spec, spec.make_params(factor=s), d, 1e4, 64)
+    expected = [s ** (2 * (i + 1) / d) for i in range(d // 2)]
+    assert factors == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("method,params,reason", [
+    ("dynamic_yarn", {"factor": 4.0}, "current length"),
+    ("ntk_by_parts", {"factor": 4.0, "dynamic": True}, "current length"),
+    ("self_extend", {}, "inside attention"),
+    ("string", {}, "inside attention"),
+])
+def test_methods_without_a_native_form_keep_ctxext_types_and_say_why(method, params, reason):
+    spec = get_method(method)
+    form = rope_form(spec, spec.make_params(**params), 64, 1e4, 64)
+    assert not form.native and form.rope_parameters["rope_type"].startswith("ctxext_")
+    assert reason in form.how
+
+
+def test_format_ctxext_keeps_ctxext_types():
+    spec = get_method("ntk_mixed")
+    params = spec.make_params(factor=4.0)
+    assert rope_form(spec, params, 64, 1e4, 64, format="ctxext").rope_parameters["rope_type"] == "ctxext_ntk_mixed"
+    assert rope_form(spec, params, 64, 1e4, 64).rope_parameters["rope_type"] == "longrope"
+
+
+def test_both_spellings_leave_the_rest_of_the_config_alone():
+    config = {"model_type": "llama", "hidden_size": 8, "rope_parameters": {"rope_type": "default", "rope_theta": 1.0}}
+    rope = {"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0, "original_max_position_embeddings": 64}
+    out = with_both_spellings(config, rope)
+    assert out["rope_parameters"] == rope and out["rope_theta"] == 5e5
+    assert out["rope_scaling"] == {"rope_type": "linear", "factor": 2.0, "original_max_position_embeddings": 64}
+    assert {k: out[k] for k in ("model_type", "hidden_size")} == {"model_type": "llama", "hidden_size": 8}
