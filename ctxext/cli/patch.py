@@ -1,4 +1,4 @@
-"""`ctxext patch`: apply a method to a checkpoint and save the patched checkpoint."""
+"""`ctxext patch`: apply a method to a checkpoint (or a GGUF file) and save the patched copy."""
 
 from __future__ import annotations
 
@@ -7,26 +7,51 @@ from .common import add_method_arguments
 HELP = "apply a method to a checkpoint and save the patched checkpoint"
 DESCRIPTION = ("Load MODEL, apply a scaling method, and write a complete checkpoint (weights, config, tokenizer, "
                "ctxext.yaml) to --output, atomically. The source is never modified. Method parameters are flags "
-               "named like the YAML keys, e.g. --beta-fast 32, --beta 0.625.")
+               "named like the YAML keys, e.g. --beta-fast 32, --beta 0.625. config.json gets the method's exact "
+               "native rope type wherever one exists, so vLLM, SGLang and plain transformers load it. "
+               "A .gguf MODEL (llama.cpp, Ollama, LM Studio) is written as a .gguf file with the rope keys "
+               "llama.cpp reads.")
+EPILOG = ("examples:\n"
+          "  ctxext patch ./llama-4k --method yarn --factor 4 -o ./llama-16k\n"
+          "  ctxext patch model.gguf --method yarn --factor 4 -o model-32k.gguf\n"
+          "  ctxext patch model.gguf --method ntk_by_parts --factor 2 --outtype f16 -o model-16k.gguf")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("model", help="a local checkpoint directory or a hub id")
-    parser.add_argument("-o", "--output", required=True, help="directory to write the patched checkpoint to")
+    import argparse
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("model", help="a local checkpoint directory, a hub id, or a .gguf file")
+    parser.add_argument("-o", "--output", required=True,
+                        help="directory to write the patched checkpoint to (a .gguf file for a GGUF input)")
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it already exists")
     parser.add_argument("--format", choices=("native", "ctxext"), default="native",
                         help="native (default): write the method as transformers' own rope type wherever an exact "
                              "form exists (ntk/theta as a base change, per-pair methods as 'longrope'), so that "
                              "vLLM, SGLang and plain transformers load it; ctxext: ctxext's own types "
                              "(loading needs `import ctxext`)")
+    parser.add_argument("--outtype", choices=("same", "f16", "f32"), default="same",
+                        help="GGUF input only: keep every tensor's type (same, default), or write f16 / f32 "
+                             "(dequantised; 1-D tensors stay f32)")
     add_method_arguments(parser)
 
 
 def run(args) -> int:
-    from ..checkpoint import write_patched_checkpoint
+    from ..errors import CtxextError
+    from ..serving.gguf import is_gguf
     from .common import method_config_from_args
 
     method_config = method_config_from_args(args)
+    if is_gguf(args.model):
+        if args.format != "native":
+            raise CtxextError("--format applies to checkpoint directories; a GGUF file gets llama.cpp's rope keys")
+        return _patch_gguf(args, method_config)
+    if args.outtype != "same":
+        raise CtxextError(f"--outtype applies to GGUF files; '{args.model}' is not one (write a checkpoint "
+                          f"directory in another dtype by loading and saving it with transformers)")
+
+    from ..checkpoint import write_patched_checkpoint
+
     written = write_patched_checkpoint(args.model, method_config, args.output, args.overwrite, format=args.format)
     print(f"patched {args.model} with {written.label}")
     print(f"  written as: {written.form.how}")
@@ -35,6 +60,22 @@ def run(args) -> int:
     if written.applied["attention"]:  # log-n / ReRoPE live in patched attention layers, re-installed by `import ctxext`
         print(f"  attention: {written.applied['attention']}")
     print(f"  loads in plain transformers: {written.loads_in_plain_transformers}")
+    print(f"  saved to {written.output}")
+    return 0
+
+
+def _patch_gguf(args, method_config) -> int:
+    from ..serving.gguf import patch_gguf
+
+    written = patch_gguf(args.model, method_config, args.output, args.overwrite, args.outtype)
+    print(f"patched {args.model} with {written.label}")
+    print(f"  written as: {written.rope.how}")
+    for key, value in written.rope.keys.items():
+        print(f"  {key}: {value}")
+    if written.rope.rope_freqs is not None:
+        print(f"  rope_freqs.weight: {_short({'': written.rope.rope_freqs})['']}")
+    print(f"  context_length: {written.context_length_before} -> {written.context_length}")
+    print(f"  tensors: {written.outtype}")
     print(f"  saved to {written.output}")
     return 0
 

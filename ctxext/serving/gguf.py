@@ -1,0 +1,324 @@
+"""GGUF in, GGUF out: a method written into a llama.cpp model file as the rope keys and tensor llama.cpp reads.
+
+What llama.cpp does with them (its source, vendored in llama-cpp-python 0.3.36; docs/METHODS.md has the detail):
+
+- `{arch}.rope.freq_base`: the base b. A base change (`ntk`, `theta`) is exactly a new base.
+- `{arch}.rope.scaling.type` 'linear' / 'yarn' with `.factor` s and `.original_context_length` L: linear
+  divides every frequency by s; yarn is transformers' yarn at beta_fast 32, beta_slow 1 with floor/ceil ends
+  (llama, qwen2 and qwen3 read no beta keys), cos/sin scaled by (0.1 ln s + 1) * `.attn_factor`.
+- `rope_freqs.weight`, F32, one value per pair: pair i's frequency is divided by it (how Llama 3.1's factors are
+  stored). Only the llama architecture (LLaMA, Mistral) loads it; qwen2 and qwen3 ignore it.
+- `{arch}.rope.scaling.attn_factor` multiplies cos and sin for every architecture and scaling type.
+
+Every tensor and key not named above is copied byte for byte (`--outtype same`), or dequantised to f16/f32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import CtxextError
+from ..methods import Method, MethodParams, get_method
+from ..methods.frequency import yarn_mscale
+from .forms import no_native_form, per_pair_factors
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF names: LLaMA and Mistral files say "llama"
+PER_PAIR_ARCHITECTURES = ("llama",)  # the ones whose llama.cpp graph reads rope_freqs
+OUTTYPES = ("same", "f16", "f32")
+ROPE_FREQS = "rope_freqs.weight"
+RECORD_KEY = "ctxext.patch"  # JSON: what ctxext applied (method, parameters, L), for `ctxext export --check`
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class GgufRope:
+    """The rope keys (name -> value, `{arch}` filled in) and per-pair factors a method needs in a GGUF file."""
+
+    keys: dict = field(default_factory=dict)
+    rope_freqs: list[float] | None = None
+    how: str = ""
+
+
+def self_extend_flags(params) -> str:
+    """The llama.cpp command line that runs (its approximation of) SelfExtend at group size G and window W."""
+    G, W = int(params.group_size), int(params.window)
+    W = max(G, W - W % G)  # llama.cpp asserts that the width is a multiple of G
+    return f"llama-completion -m MODEL.gguf --grp-attn-n {G} --grp-attn-w {W}"
+
+
+def gguf_rope(method: Method, params: MethodParams, arch: str, rotary_dim: int, base: float,
+              original_length: int, logn: bool = False) -> GgufRope:
+    """The GGUF keys and tensor that make llama.cpp compute `method` exactly, or a one-line CtxextError naming
+    the nearest thing llama.cpp can express."""
+    name = method.name
+    if logn:
+        raise CtxextError("llama.cpp has no log-n query scaling; write the method without --logn "
+                          "(the nearest it can express), or serve with ctxext (ctxext.patch + model.generate)")
+    if name == "self_extend":
+        raise CtxextError(f"self_extend is not stored in a GGUF file: llama.cpp runs an approximation of it at run "
+                          f"time ({self_extend_flags(params)}; llama-cli in older builds, not llama-server); its "
+                          f"width is a chunk size, not SelfExtend's neighbour window")
+    reason = no_native_form(method, params)
+    if reason is not None:
+        nearest = {"dynamic_yarn": "yarn", "rerope": "yarn", "leaky_rerope": "yarn", "dual_chunk": "yarn",
+                   "string": "yarn"}.get(name, name.removeprefix("dynamic_"))
+        raise CtxextError(f"llama.cpp cannot run {name} ({reason}); the nearest it can express is static "
+                          f"'{nearest}' (ctxext patch MODEL.gguf --method {nearest} ...)")
+    if name == "dynamic_ntk":
+        raise CtxextError("llama.cpp has no dynamic scaling; the nearest it can express is static 'ntk' "
+                          "at the same factor (--method ntk)")
+    L = int(original_length)
+    s = float(params.factor)
+    scaled = {"rope.scaling.original_context_length": L}
+    if name == "none" or s == 1 and method.new_base is None:
+        return GgufRope({}, None, "plain RoPE")
+    if method.new_base is not None:
+        new_base = float(method.new_base(rotary_dim, base, params))
+        return GgufRope({"rope.freq_base": new_base}, None, f"a base change: freq_base {base:g} -> {new_base:g}")
+    if name == "linear":
+        return GgufRope({**scaled, "rope.scaling.type": "linear", "rope.scaling.factor": s}, None,
+                        "llama.cpp's linear scaling")
+    _, attention_factor = method.inv_freq_fn(rotary_dim, base, L, params)
+    llama_cpp_yarn = (name == "yarn" and params.ramp == "index" and params.truncate
+                      and params.beta_fast == 32 and params.beta_slow == 1)
+    if llama_cpp_yarn:
+        keys = {**scaled, "rope.scaling.type": "yarn", "rope.scaling.factor": s}
+        if not math.isclose(attention_factor, yarn_mscale(s), rel_tol=1e-9):
+            keys["rope.scaling.attn_factor"] = attention_factor / yarn_mscale(s)
+        return GgufRope(keys, None, "llama.cpp's yarn")
+    pairs = rotary_dim // 2
+    if name == "longrope" and list(params.short_factor or [1.0] * pairs) != list(params.long_factor or [s] * pairs):
+        raise CtxextError("llama.cpp switches longrope's factor sets by context size only for Phi-3 files; the "
+                          "nearest it can express is one set: --short-factor equal to --long-factor")
+    if arch not in PER_PAIR_ARCHITECTURES:
+        near = "'yarn' at beta_fast 32, beta_slow 1" if name in ("yarn", "ntk_by_parts") else "'yarn' or 'ntk'"
+        raise CtxextError(f"llama.cpp reads per-pair frequency factors (rope_freqs) only for the llama architecture, "
+                          f"not {arch}, so {name} cannot be written exactly; the nearest it can express is {near}")
+    keys = dict(scaled)
+    if not math.isclose(attention_factor, 1.0, rel_tol=1e-12):
+        keys["rope.scaling.attn_factor"] = float(attention_factor)
+    factors = per_pair_factors(method, params, rotary_dim, base, L)
+    return GgufRope(keys, factors, "per-pair factors in rope_freqs (llama.cpp divides pair i's frequency by them)")
+
+
+# ------------------------------------------------------------------------------------------- reading
+def is_gguf(path) -> bool:
+    path = Path(path)
+    return path.suffix.lower() == ".gguf" or (path.is_file() and _magic(path) == GGUF_MAGIC)
+
+
+def _magic(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(4)
+
+
+def read_gguf(path):
+    """A gguf.GGUFReader over `path`, or a one-line CtxextError for a missing, truncated or non-GGUF file."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise CtxextError(f"GGUF file '{path}' does not exist")
+    if _magic(path) != GGUF_MAGIC:
+        raise CtxextError(f"'{path}' is not a GGUF file (it does not start with the GGUF magic)")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except (ValueError, IndexError, OSError, KeyError) as error:
+        raise CtxextError(f"'{path}' is not a readable GGUF file (truncated or damaged?): {error}") from None
+
+
+def field_value(reader, key: str, default=None):
+    found = reader.get_field(key)
+    return found.contents() if found is not None else default
+
+
+@dataclass
+class GgufModel:
+    """What ctxext needs to know of a GGUF model: architecture, rope sizes and what a patch recorded."""
+
+    arch: str
+    rotary_dim: int
+    base: float
+    context_length: int
+    scaling_type: str | None
+    has_rope_freqs: bool
+    record: dict | None
+
+    @property
+    def native_length(self) -> int:
+        """L: the length before ctxext's patch (or the file's context length if unpatched)."""
+        return int(self.record["original_max_position_embeddings"]) if self.record else self.context_length
+
+
+def describe(reader, path) -> GgufModel:
+    arch = field_value(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise CtxextError(f"GGUF '{path}' is a '{arch}' model; ctxext supports the GGUF architectures "
+                          f"{', '.join(ARCHITECTURES)} (LLaMA and Mistral files are 'llama')")
+    heads = field_value(reader, f"{arch}.attention.head_count")
+    head_dim = field_value(reader, f"{arch}.attention.key_length") or \
+        field_value(reader, f"{arch}.embedding_length") // heads
+    record = field_value(reader, RECORD_KEY)
+    return GgufModel(
+        arch=arch,
+        rotary_dim=int(field_value(reader, f"{arch}.rope.dimension_count", head_dim)),
+        base=float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        context_length=int(field_value(reader, f"{arch}.context_length")),
+        scaling_type=field_value(reader, f"{arch}.rope.scaling.type"),
+        has_rope_freqs=any(t.name == ROPE_FREQS for t in reader.tensors),
+        record=json.loads(record) if record else None,
+    )
+
+
+# ------------------------------------------------------------------------------------------- writing
+@dataclass
+class PatchedGguf:
+    output: Path
+    label: str
+    rope: GgufRope
+    context_length_before: int
+    context_length: int
+    outtype: str
+
+
+def patch_gguf(source, method_config, output, overwrite: bool = False, outtype: str = "same") -> PatchedGguf:
+    """Write a copy of the GGUF file `source` with `method_config` in its rope keys (and rope_freqs), atomically.
+    The source is never written to."""
+    import gguf
+
+    if outtype not in OUTTYPES:
+        raise CtxextError(f"unknown --outtype '{outtype}'; choose one of: {', '.join(OUTTYPES)}")
+    source, output = Path(source), Path(output)
+    _check_gguf_output(source, output, overwrite)
+    reader = read_gguf(source)
+    model = describe(reader, source)
+    if model.record or model.has_rope_freqs or model.scaling_type not in (None, "none"):
+        raise CtxextError(f"'{source}' is already scaled ({_scaling_summary(model)}); ctxext patches unscaled GGUF "
+                          f"files (start from the original model's GGUF)")
+    spec = get_method(method_config.method)
+    L = int(method_config.original_max_position_embeddings or model.context_length)
+    params = spec.make_params(factor=method_config.factor, **method_config.params)
+    rope = gguf_rope(spec, params, model.arch, model.rotary_dim, model.base, L, logn=method_config.logn)
+    new_length = int(round(L * float(params.factor)))
+
+    arch = model.arch
+    changed = {f"{arch}.{key}": value for key, value in rope.keys.items()}
+    changed[f"{arch}.context_length"] = new_length
+    record = {"method": spec.name, "params": _json_params(params), "original_max_position_embeddings": L,
+              "written_as": rope.how}
+    changed[RECORD_KEY] = json.dumps(record, sort_keys=True)
+    if outtype != "same":
+        changed["general.file_type"] = int(gguf.LlamaFileType.ALL_F32 if outtype == "f32"
+                                           else gguf.LlamaFileType.MOSTLY_F16)
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fd, staging = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
+    os.close(fd)
+    try:
+        _write(reader, Path(staging), arch, changed, rope.rope_freqs, outtype)
+        os.chmod(staging, 0o644)
+        os.replace(staging, output)
+    finally:
+        if os.path.exists(staging):
+            os.unlink(staging)
+    return PatchedGguf(output.resolve(), method_config.label, rope, model.context_length, new_length, outtype)
+
+
+def _write(reader, path: Path, arch: str, changed: dict, rope_freqs, outtype: str) -> None:
+    import gguf
+    import numpy as np
+    from tqdm import tqdm
+
+    writer = gguf.GGUFWriter(path, arch=arch, endianess=reader.endianess)
+    alignment = field_value(reader, "general.alignment")
+    if alignment is not None:
+        writer.data_alignment = alignment
+    pending = dict(changed)
+    for found in reader.fields.values():
+        if found.name == "general.architecture" or found.name.startswith("GGUF."):
+            continue  # the writer writes these itself
+        value_type = found.types[0]
+        sub_type = found.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        if found.name in pending:
+            writer.add_key_value(found.name, pending.pop(found.name), value_type, sub_type=sub_type)
+        else:
+            writer.add_key_value(found.name, found.contents(), value_type, sub_type=sub_type)
+    for key, value in pending.items():  # keys the source did not have
+        writer.add_key_value(key, value, _value_type(value))
+
+    tensors = [(t, _converted(t, outtype)) for t in reader.tensors]
+    for tensor, data in tensors:
+        if data is None:
+            writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes,
+                                   tensor.tensor_type)
+        else:
+            writer.add_tensor_info(tensor.name, data.shape, data.dtype, data.nbytes)
+    freqs = None if rope_freqs is None else np.asarray(rope_freqs, dtype=np.float32)
+    if freqs is not None:
+        writer.add_tensor_info(ROPE_FREQS, freqs.shape, freqs.dtype, freqs.nbytes)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    total = sum(int(t.n_bytes) for t in reader.tensors)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="writing GGUF", leave=False) as bar:
+        for tensor, data in tensors:
+            writer.write_tensor_data(tensor.data if data is None else data, tensor_endianess=reader.endianess)
+            bar.update(int(tensor.n_bytes))
+    if freqs is not None:
+        writer.write_tensor_data(freqs, tensor_endianess=reader.endianess)
+    writer.close()
+
+
+def _converted(tensor, outtype: str):
+    """None to copy the tensor's bytes, else its values as f32/f16 (1-D tensors stay f32, as llama.cpp's converter
+    keeps norms)."""
+    import gguf
+    import numpy as np
+
+    if outtype == "same":
+        return None
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+    if outtype == "f16" and len(tensor.shape) > 1:
+        values = values.astype(np.float16)
+    if values.dtype == tensor.data.dtype and tensor.tensor_type in (gguf.GGMLQuantizationType.F32,
+                                                                     gguf.GGMLQuantizationType.F16):
+        return None  # already in the asked type: copy the bytes
+    return values
+
+
+def _value_type(value):
+    import gguf
+
+    if isinstance(value, bool):
+        return gguf.GGUFValueType.BOOL
+    if isinstance(value, int):
+        return gguf.GGUFValueType.UINT32
+    if isinstance(value, float):
+        return gguf.GGUFValueType.FLOAT32
+    return gguf.GGUFValueType.STRING
+
+
+def _json_params(params: MethodParams) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in params.to_dict().items() if v is not None}
+
+
+def _scaling_summary(model: GgufModel) -> str:
+    if model.record:
+        return f"ctxext patched it with {model.record['method']}"
+    if model.scaling_type not in (None, "none"):
+        return f"rope.scaling.type {model.scaling_type}"
+    return "it carries rope_freqs"
+
+
+def _check_gguf_output(source: Path, output: Path, overwrite: bool) -> None:
+    if output.exists() and output.resolve() == source.resolve():
+        raise CtxextError(f"--output '{output}' is the input file; write the patched GGUF to a new file")
+    if output.is_dir():
+        raise CtxextError(f"--output '{output}' is a directory; a GGUF input is written as one .gguf file")
+    if output.exists() and not overwrite:
+        raise CtxextError(f"--output '{output}' already exists; pass --overwrite to replace it")

@@ -1,0 +1,167 @@
+"""`ctxext patch model.gguf`: SmolLM2's real GGUF file patched, read back with gguf's reader. The expected rope keys
+and rope_freqs come from oracles outside ctxext's GGUF code (transformers' own yarn frequencies, the NTK base
+formula); every other key and tensor must be byte-identical to the source's."""
+
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from ctxext.methods import get_method
+from ctxext.serving.gguf import ROPE_FREQS, gguf_rope
+from tests.test_search import run_cli
+
+gguf = pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    from ctxext import assets
+
+    return assets.smollm2_gguf()
+
+
+def fields(reader):
+    """name -> the key's bytes as stored (name, type, value) for every key but the GGUF.* counters."""
+    return {f.name: b"".join(bytes(part) for part in f.parts) for f in reader.fields.values()
+            if not f.name.startswith("GGUF.")}
+
+
+def tensors(reader):
+    return {t.name: (t.tensor_type, t.shape.tolist(), np.ascontiguousarray(t.data).tobytes()) for t in reader.tensors}
+
+
+def transformers_yarn_factors(factor, L=8192, base=1e5, dim=64):
+    """theta_i / theta'_i of transformers' own yarn (the frequencies of ntk_by_parts)."""
+    from transformers import PretrainedConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = PretrainedConfig()
+    config.head_dim, config.hidden_size, config.num_attention_heads = dim, dim, 1
+    config.max_position_embeddings = int(L * factor)
+    config.rope_parameters = {"rope_type": "yarn", "rope_theta": base, "factor": factor,
+                              "original_max_position_embeddings": L}
+    scaled, _ = ROPE_INIT_FUNCTIONS["yarn"](config, None)
+    plain = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    return (plain.double() / scaled.double()).numpy()
+
+
+@pytest.mark.parametrize("method,flags,expected_keys", [
+    ("yarn", ["--factor", "4"], {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+                                 "llama.rope.scaling.original_context_length": 8192}),
+    ("yarn", ["--factor", "4", "--attention-factor", "1.3"],
+     {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.attn_factor": 1.3 / (0.1 * math.log(4) + 1)}),
+    ("linear", ["--factor", "2"], {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}),
+    ("ntk", ["--factor", "2"], {"llama.rope.freq_base": 1e5 * 2 ** (64 / 62)}),
+    ("ntk_by_parts", ["--factor", "4"], {}),
+])
+def test_patched_gguf_has_the_rope_keys_and_copies_everything_else(smollm2_gguf, tmp_path, capsys, method, flags,
+                                                                     expected_keys):
+    out = tmp_path / "out.gguf"
+    code, stdout, err = run_cli(capsys, "patch", smollm2_gguf, "--method", method, *flags, "-o", out)
+    assert code == 0, err
+    source, patched = gguf.GGUFReader(smollm2_gguf), gguf.GGUFReader(out)
+    factor = float(flags[1])
+    expected = {"llama.context_length": int(8192 * factor), **expected_keys}
+    for key, value in expected.items():
+        got = patched.get_field(key).contents()
+        assert got == pytest.approx(value, rel=1e-6) if isinstance(value, float) else got == value, key
+    record = json.loads(patched.get_field("ctxext.patch").contents())
+    assert record["method"] == method and record["original_max_position_embeddings"] == 8192
+
+    # Everything else: byte-identical keys and tensors.
+    before, after = fields(source), fields(patched)
+    changed = {k for k in after if k.startswith("llama.rope.") or k in ("llama.context_length", "ctxext.patch")}
+    assert {k: v for k, v in after.items() if k not in changed} == \
+        {k: v for k, v in before.items() if k not in changed}
+    assert before["llama.rope.freq_base"] == after["llama.rope.freq_base"] or method == "ntk"
+    source_tensors, patched_tensors = tensors(source), tensors(patched)
+    assert {k: v for k, v in patched_tensors.items() if k != ROPE_FREQS} == source_tensors
+    if method == "ntk_by_parts":
+        freqs = patched_tensors[ROPE_FREQS]
+        assert freqs[0] == gguf.GGMLQuantizationType.F32 and freqs[1] == [32]
+        np.testing.assert_allclose(np.frombuffer(freqs[2], dtype=np.float32), transformers_yarn_factors(4.0),
+                                   rtol=1e-6)
+    else:
+        assert ROPE_FREQS not in patched_tensors
+
+
+@pytest.mark.parametrize("outtype,dtype,rtol", [("f32", np.float32, 0), ("f16", np.float16, 1e-3)])
+def test_outtype_dequantises_every_tensor(smollm2_gguf, tmp_path, capsys, outtype, dtype, rtol):
+    out = tmp_path / f"{outtype}.gguf"
+    code, _, err = run_cli(capsys, "patch", smollm2_gguf, "--method", "linear", "--factor", "2", "--outtype", outtype,
+                           "-o", out)
+    assert code == 0, err
+    source = {t.name: t for t in gguf.GGUFReader(smollm2_gguf).tensors}
+    patched = gguf.GGUFReader(out)
+    assert patched.get_field("general.file_type").contents() == (0 if outtype == "f32" else 1)
+    for tensor in patched.tensors:
+        reference = gguf.quants.dequantize(source[tensor.name].data, source[tensor.name].tensor_type)
+        assert tensor.data.dtype == (np.float32 if len(tensor.shape) == 1 else dtype), tensor.name
+        np.testing.assert_allclose(tensor.data.astype(np.float32), reference, rtol=rtol, atol=rtol * 1e-2)
+
+
+def test_methods_llama_cpp_cannot_run_name_the_nearest_it_can():
+    spec = get_method("ntk_by_parts")
+    with pytest.raises(Exception, match="only for the llama architecture.*nearest it can express is 'yarn'"):
+        gguf_rope(spec, spec.make_params(factor=4.0), "qwen2", 64, 1e6, 4096)
+    spec = get_method("yarn")  # llama.cpp's own yarn at the default betas serves qwen2 exactly
+    assert gguf_rope(spec, spec.make_params(factor=4.0), "qwen2", 64, 1e6, 4096).keys["rope.scaling.type"] == "yarn"
+    spec = get_method("self_extend")
+    with pytest.raises(Exception, match="--grp-attn-n 8 --grp-attn-w 512"):
+        gguf_rope(spec, spec.make_params(group_size=8, window=512), "llama", 64, 1e4, 4096)
+
+
+def write_gguf(path, arch):
+    writer = gguf.GGUFWriter(path, arch=arch)
+    writer.add_context_length(4096)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("case,message", [
+    ("dynamic", "no dynamic scaling; the nearest it can express is static 'ntk'"),
+    ("rerope", "cannot run rerope .*nearest it can express is static 'yarn'"),
+    ("gemma", "is a 'gemma' model; ctxext supports the GGUF architectures llama, qwen2, qwen3"),
+    ("truncated", "not a readable GGUF file"),
+    ("not_gguf", "is not a GGUF file"),
+    ("over_input", "is the input file"),
+    ("outtype_on_a_folder", "--outtype applies to GGUF files"),
+])
+def test_bad_gguf_input_is_one_line_exit_2_and_writes_nothing(smollm2_gguf, tmp_path, capsys, case, message):
+    source, out, flags = smollm2_gguf, tmp_path / "out.gguf", ["--method", "yarn", "--factor", "2"]
+    if case == "dynamic":
+        flags = ["--method", "dynamic_ntk", "--factor", "2"]
+    elif case == "rerope":
+        flags = ["--method", "rerope"]
+    elif case == "gemma":
+        source = tmp_path / "gemma.gguf"
+        write_gguf(source, "gemma")
+    elif case == "truncated":
+        source = tmp_path / "truncated.gguf"
+        source.write_bytes(smollm2_gguf.read_bytes()[:4096])
+    elif case == "not_gguf":
+        source = tmp_path / "model.gguf"
+        source.write_text("not a model\n")
+    elif case == "over_input":
+        source = tmp_path / "copy.gguf"
+        source.write_bytes(smollm2_gguf.read_bytes())
+        out = source
+    elif case == "outtype_on_a_folder":
+        source, flags = tmp_path / "folder", flags + ["--outtype", "f16"]
+        source.mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    size = source.stat().st_size if source.is_file() else None
+    code, _, err = run_cli(capsys, "patch", source, *flags, "-o", out)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert re.search(message, err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, no temp file left
+    if size is not None:
+        assert source.stat().st_size == size
