@@ -36,6 +36,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                  "LoRA fine-tuning at a longer context (PI / YaRN / any method), resumable"),
     "search": ("ctxext.cli.search",
                "search a method's parameters (LongRoPE's per-pair factors too) on your model and data; resumable"),
+    "export": ("ctxext.cli.export",
+               "which engines (transformers, vLLM, SGLang, llama.cpp) serve a patched model, checked; or write a copy for one"),
     "check": ("ctxext.cli.check",
               "check that the attention-level methods run exactly here, under every attention implementation"),
 }

@@ -210,7 +210,7 @@ def patch_gguf(source, method_config, output, overwrite: bool = False, outtype: 
     changed = {f"{arch}.{key}": value for key, value in rope.keys.items()}
     changed[f"{arch}.context_length"] = new_length
     record = {"method": spec.name, "params": _json_params(params), "original_max_position_embeddings": L,
-              "written_as": rope.how}
+              "rope_theta": model.base, "logn": bool(method_config.logn), "written_as": rope.how}
     changed[RECORD_KEY] = json.dumps(record, sort_keys=True)
     if outtype != "same":
         changed["general.file_type"] = int(gguf.LlamaFileType.ALL_F32 if outtype == "f32"

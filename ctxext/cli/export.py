@@ -1,0 +1,95 @@
+"""`ctxext export`: which engines serve a patched model and how, with the parity checks this machine can run;
+and a copy of the checkpoint written for one engine."""
+
+from __future__ import annotations
+
+HELP = "which engines (transformers, vLLM, SGLang, llama.cpp) serve a patched model, checked; or write a copy for one"
+DESCRIPTION = (
+    "For MODEL (a checkpoint directory or a GGUF file written by ctxext), print a table of the serving engines: exact "
+    "(the engine computes what ctxext computes), approximate (what differs is said), or no (and what to do instead). "
+    "--check also runs the parity checks this machine can run: plain transformers in a subprocess that never imports "
+    "ctxext, and llama.cpp where llama-cpp-python is installed. The vLLM and SGLang rows are read from their "
+    "source code, not run. --engine E -o OUT writes a copy of the checkpoint whose config E reads (for dual_chunk "
+    "on a Qwen2-family model, --engine sglang writes SGLang's dual_chunk_attention_config).")
+EPILOG = ("examples:\n"
+          "  ctxext export ./llama-16k --check\n"
+          "  ctxext export ./llama-16k-ctxext-format --engine vllm -o ./llama-16k-vllm\n"
+          "  ctxext export ./qwen2-dual-chunk --engine sglang -o ./qwen2-dca-sglang\n"
+          "  ctxext export model-32k.gguf --check")
+
+
+def add_arguments(parser) -> None:
+    import argparse
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("model", help="a checkpoint directory or a .gguf file")
+    parser.add_argument("--check", action="store_true", help="run the parity checks this machine can run")
+    parser.add_argument("--tokens", type=int, default=256, metavar="N",
+                        help="random tokens per parity check (default 256)")
+    parser.add_argument("--engine", choices=("transformers", "vllm", "sglang", "llama.cpp"),
+                        help="write a copy of the checkpoint for this engine to -o")
+    parser.add_argument("-o", "--output", help="where --engine writes the copy")
+    parser.add_argument("--overwrite", action="store_true", help="replace -o if it already exists")
+    parser.add_argument("--json", metavar="FILE", help="also write the table as JSON")
+
+
+def run(args) -> int:
+    import json
+    from dataclasses import asdict
+
+    from ..errors import CtxextError
+    from ..serving.engines import engine_table, export_checkpoint, read_served_model
+
+    if (args.engine is None) != (args.output is None):
+        raise CtxextError("--engine and -o go together: --engine ENGINE -o OUT writes a copy for that engine")
+    if args.tokens < 2:
+        raise CtxextError(f"--tokens must be at least 2, got {args.tokens}")
+    model = read_served_model(args.model)
+    if args.engine:
+        how = export_checkpoint(model, args.engine, args.output, args.overwrite)
+        print(f"wrote {args.output} for {args.engine}: {how}")
+        model = read_served_model(args.output)
+    rows = engine_table(model)
+    failed = _run_checks(model, rows, args.tokens) if args.check else False
+    applied = f"{model.method}" + (f" (L={model.record['original_max_position_embeddings']})" if model.record else "")
+    print(f"{model.path} ({model.kind}, {model.family}): {applied}")
+    width = max(len(r.engine) for r in rows)
+    for row in rows:
+        print(f"  {row.engine:<{width}}  {row.level:<11}  {row.how}")
+        if args.check:
+            print(f"  {'':<{width}}  {'':<11}  checked: {row.checked}")
+    if args.json:
+        from ..outputs import atomic_write_text
+        from pathlib import Path
+
+        atomic_write_text(Path(args.json), json.dumps({"model": str(model.path), "method": model.method,
+                                                       "engines": [asdict(r) for r in rows]}, indent=2) + "\n")
+    return 1 if failed else 0
+
+
+def _run_checks(model, rows, n_tokens) -> bool:
+    """Run what can run here; fill each row's `checked`. True when a check disagreed."""
+    from ..serving.llamacpp import INSTALL_HINT, llama_cpp_available
+    from ..serving.parity import llama_cpp_parity, transformers_parity
+
+    failed = False
+    for row in rows:
+        if row.engine in ("vllm", "sglang"):
+            row.checked = f"not run: {row.engine} needs a GPU build this machine does not have"
+            continue
+        if row.level != "exact" or model.record is None:
+            row.checked = "nothing to check" if row.level == "no" else "not checked (no exact form)"
+            continue
+        if row.engine == "transformers" and model.kind == "checkpoint":
+            agrees, row.checked = transformers_parity(model, n_tokens)
+        elif row.engine == "llama.cpp" and model.kind == "gguf":
+            if not llama_cpp_available():
+                row.checked = f"not run: llama.cpp is not installed ({INSTALL_HINT})"
+                continue
+            agrees, row.checked = llama_cpp_parity(model, n_tokens)
+        else:
+            row.checked = "not run: checked on the other format (GGUF for llama.cpp, checkpoint for transformers)"
+            continue
+        row.checked += "" if agrees else "  DISAGREES"
+        failed |= not agrees
+    return failed
