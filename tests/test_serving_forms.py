@@ -32,6 +32,7 @@ CASES = {
     "yarn_ratio_ramp": ("yarn", {"factor": 4.0, "ramp": "ratio", "attention_factor": 1.2}, "longrope"),
     "linear": ("linear", {"factor": 4.0}, "linear"),
     "yarn": ("yarn", {"factor": 4.0, "beta_fast": 24.0}, "yarn"),
+    "yarn_attention": ("yarn", {"factor": 4.0, "attention_factor": 1.3}, "yarn"),
     "llama3": ("llama3", {"factor": 8.0}, "llama3"),
     "dynamic_ntk": ("dynamic_ntk", {"factor": 2.0}, "dynamic"),
 }
@@ -146,3 +147,16 @@ def test_both_spellings_leave_the_rest_of_the_config_alone():
     assert out["rope_parameters"] == rope and out["rope_theta"] == 5e5
     assert out["rope_scaling"] == {"rope_type": "linear", "factor": 2.0, "original_max_position_embeddings": 64}
     assert {k: out[k] for k in ("model_type", "hidden_size")} == {"model_type": "llama", "hidden_size": 8}
+
+
+def test_keys_for_vllm_and_sglang_carry_the_attention_factor():
+    """They read longrope's scale from short/long_mscale and yarn's from attn_factor x (0.1 ln s + 1)."""
+    import math
+
+    spec = get_method("ntk_by_parts")
+    longrope = rope_form(spec, spec.make_params(factor=4.0), 64, 1e4, 64).rope_parameters
+    assert longrope["short_mscale"] == longrope["long_mscale"] == longrope["attention_factor"] == 1.0
+    spec = get_method("yarn")
+    yarn = rope_form(spec, spec.make_params(factor=4.0, attention_factor=1.3), 64, 1e4, 64).rope_parameters
+    assert yarn["attn_factor"] * (0.1 * math.log(4.0) + 1) == pytest.approx(1.3, rel=1e-12)
+    assert "attn_factor" not in rope_form(spec, spec.make_params(factor=4.0), 64, 1e4, 64).rope_parameters
