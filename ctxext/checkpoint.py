@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import CtxextError
-from .serving.forms import RopeForm
+
+if TYPE_CHECKING:
+    from .serving.forms import RopeForm
 
 
 @dataclass

@@ -16,7 +16,8 @@ tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
 REPO = Path(__file__).resolve().parents[1]
 # Modules of optional features, and the extra that installs them.
-OPTIONAL_IMPORTS = {"lm_eval": "tasks", "evaluate": "tasks", "optuna": "search", "cma": "search"}
+OPTIONAL_IMPORTS = {"lm_eval": "tasks", "evaluate": "tasks", "optuna": "search", "cma": "search",
+                    "llama_cpp": "llamacpp"}
 # Needed with no import statement in ctxext: distribution -> why.
 NEEDED_WITHOUT_IMPORT = {"gguf": "ctxext.assets converts SmolLM2's GGUF file with transformers, which needs gguf"}
 # (distribution, what ctxext uses, the first version that has it)

@@ -52,7 +52,8 @@ def test_the_parity_check_fails_when_the_written_config_is_wrong(tmp_path, capsy
 @pytest.mark.parametrize("method,params,family,expected", [
     ("ntk_mixed", {"factor": 4.0, "format": "ctxext"}, "llama",
      {"transformers": "no", "vllm": "no", "sglang": "no", "llama.cpp": "exact"}),
-    ("dynamic_yarn", {"factor": 4.0}, "mistral", {"transformers": "no", "vllm": "no", "sglang": "no", "llama.cpp": "no"}),
+    ("dynamic_yarn", {"factor": 4.0}, "mistral",
+     {"transformers": "no", "vllm": "no", "sglang": "no", "llama.cpp": "no"}),
     ("dynamic_ntk", {"factor": 2.0}, "llama",
      {"transformers": "exact", "vllm": "approximate", "sglang": "approximate", "llama.cpp": "no"}),
     ("ntk_by_parts", {"factor": 4.0}, "qwen3", {"transformers": "exact", "vllm": "exact", "sglang": "exact",

@@ -37,7 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "search": ("ctxext.cli.search",
                "search a method's parameters (LongRoPE's per-pair factors too) on your model and data; resumable"),
     "export": ("ctxext.cli.export",
-               "which engines (transformers, vLLM, SGLang, llama.cpp) serve a patched model, checked; or write a copy for one"),
+               "which engines (vLLM, SGLang, llama.cpp, transformers) serve a patched model, checked"),
     "check": ("ctxext.cli.check",
               "check that the attention-level methods run exactly here, under every attention implementation"),
 }

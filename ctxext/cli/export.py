@@ -3,7 +3,7 @@ and a copy of the checkpoint written for one engine."""
 
 from __future__ import annotations
 
-HELP = "which engines (transformers, vLLM, SGLang, llama.cpp) serve a patched model, checked; or write a copy for one"
+HELP = "which engines (vLLM, SGLang, llama.cpp, transformers) serve a patched model, checked"
 DESCRIPTION = (
     "For MODEL (a checkpoint directory or a GGUF file written by ctxext), print a table of the serving engines: exact "
     "(the engine computes what ctxext computes), approximate (what differs is said), or no (and what to do instead). "

@@ -49,8 +49,9 @@ def _method_config(model: ServedModel):
 
     spec, params = model.method_and_params()
     values = {k: v for k, v in params.to_dict().items() if v is not None and k not in spec.forced}
+    L = model.record["original_max_position_embeddings"]
     return load_method_config(None, {"method": spec.name, **values, "logn": model.logn,
-                                     "original_max_position_embeddings": model.record["original_max_position_embeddings"]})
+                                     "original_max_position_embeddings": L})
 
 
 def _unscaled(config, model: ServedModel) -> None:
