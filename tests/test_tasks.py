@@ -177,3 +177,43 @@ def test_scores_keep_the_cells_length_and_every_metric_of_other_tasks():
     assert tables[0].splitlines()[2].split() == ["none", "-", "-"]
     assert tables[0].splitlines()[3].split() == ["yarn", "x2", "-", "0.667"]
     assert tables[1].splitlines()[2].split() == ["none", "0.250"]
+
+
+def test_an_interrupted_cell_resumes_at_its_next_sample(ruler_checkpoint, tmp_path, monkeypatch):
+    """lm-eval's request cache stores each answer as it comes: after an interruption in the middle of a cell,
+    the next run generates only the samples not yet answered, and gives the uninterrupted run's results."""
+    from lm_eval.api.model import CacheHook
+    from lm_eval.models.huggingface import HFLM
+
+    args = ["tasks", str(ruler_checkpoint), "--tasks", "niah_single_1", "--lengths", str(LENGTH), "--limit", "3",
+            "--dtype", "fp32", "--no-progress", "--cache-dir", str(tmp_path / "cells")]
+    assert main([*args, "--no-cache", "-o", str(tmp_path / "whole")]) == 0
+    original_add = CacheHook.add_partial
+
+    def interrupt_after_the_first_answer(self, attr, req, res):
+        original_add(self, attr, req, res)
+        if attr == "generate_until":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(CacheHook, "add_partial", interrupt_after_the_first_answer)
+    assert main([*args, "-o", str(tmp_path / "first")]) == 130
+    assert not (tmp_path / "first").exists()
+    assert list((tmp_path / "cells" / "requests").glob("*_rank0.db"))
+    monkeypatch.setattr(CacheHook, "add_partial", original_add)
+
+    generated = []
+    original_generate = HFLM._model_generate
+
+    def counting(self, *a, **k):
+        generated.append(1)
+        return original_generate(self, *a, **k)
+
+    monkeypatch.setattr(HFLM, "_model_generate", counting)
+    assert main([*args, "-o", str(tmp_path / "resumed")]) == 0
+    assert len(generated) == 2  # 3 samples, 1 answered before the interruption
+    resumed = json.loads((tmp_path / "resumed" / "results.json").read_text())["cells"][0]["lm_eval"]
+    whole = json.loads((tmp_path / "whole" / "results.json").read_text())["cells"][0]["lm_eval"]
+    assert resumed["results"] == whole["results"]
+    assert [s["response"] for s in resumed["samples"]["niah_single_1"]] == \
+        [s["response"] for s in whole["samples"]["niah_single_1"]]
+    assert not list((tmp_path / "cells" / "requests").glob("*.db"))  # the finished cell's requests are dropped

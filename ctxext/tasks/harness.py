@@ -254,6 +254,19 @@ class CellCache:
     def path(self, key: dict) -> Path | None:
         return self.directory / f"{self.digest(key)}.json" if self.directory is not None else None
 
+    def requests_path(self, key: dict) -> str | None:
+        """Where lm-eval's own request cache for this cell lives (its CachingLM adds `_rank<N>.db`): every sample
+        is stored as soon as it is answered, so an interrupted cell resumes at its next sample. The name is the
+        cell's digest, so a change of method, parameters, model, length or lm-eval version starts afresh."""
+        return None if self.directory is None else str(self.directory / "requests" / self.digest(key))
+
+    def drop_requests(self, key: dict) -> None:
+        """Remove a finished cell's request cache (its result is cached whole)."""
+        prefix = self.requests_path(key)
+        if prefix is not None:
+            for db in Path(prefix).parent.glob(f"{Path(prefix).name}_rank*.db"):
+                db.unlink(missing_ok=True)
+
     def load(self, key: dict) -> dict | None:
         path = self.path(key)
         if path is None or not path.is_file():
@@ -314,16 +327,18 @@ def harness_model(model, tokenizer, max_length: int, batch_size, processes):
 
 
 def evaluate_cell(lm, spec: TaskSpec, manager, limit: int | None, apply_chat_template: bool,
-                  quiet: bool = False) -> dict | None:
+                  quiet: bool = False, requests_cache: str | None = None) -> dict | None:
     """lm_eval.simple_evaluate on one task; what it returns, reduced to what results.json keeps (None off the
-    main process)."""
+    main process). `requests_cache`: lm-eval's per-request cache (`use_cache`), for resuming a cell."""
     import lm_eval
 
     started = time.perf_counter()
     sink = _Discard() if quiet else None
+    if requests_cache is not None:
+        Path(requests_cache).parent.mkdir(parents=True, exist_ok=True)
     with contextlib.redirect_stderr(sink) if quiet else contextlib.nullcontext():
         out = lm_eval.simple_evaluate(model=lm, tasks=[spec.name], limit=limit, task_manager=manager,
-                                      apply_chat_template=apply_chat_template)
+                                      apply_chat_template=apply_chat_template, use_cache=requests_cache)
     if out is None:
         return None
     config = out.get("config", {})
@@ -390,11 +405,13 @@ def run_cells(cells: list[Cell], model, tokenizer, managers: TaskManagers, cache
         lm = harness_model(model, tokenizer, max_length_for(cell, lengths), batch_size, processes)
         cell.method.apply(model)
         try:
-            cell.result = evaluate_cell(lm, cell.task, manager, limit, apply_chat_template, quiet)
+            cell.result = evaluate_cell(lm, cell.task, manager, limit, apply_chat_template, quiet,
+                                        cache.requests_path(cell.key))
         finally:
             cell.method.remove(model)
         if processes.is_main:
             cache.save(cell.key, cell.result)
+            cache.drop_requests(cell.key)  # every process is past simple_evaluate's final gather
             report(f"[{index}/{len(cells)}] {cell.name}: {cell_summary(cell)} "
                    f"({cell.result['seconds']:.0f} s)")
     return cells
