@@ -96,6 +96,9 @@ def test_same_results_and_answers_as_lm_eval_then_resumes_from_the_cache(ruler_c
         assert score == pytest.approx(sum(s[str(LENGTH)] for s in expected) / LIMIT)
         answers[cell["method"]] = [s["response"] for s in samples]
     assert answers["none"] != answers["yarn x2"]  # the patch reached the model lm-eval ran
+    # The random model scores 0 at the shortest length: no effective length, and the reason is given.
+    panel, = ours["effective_length"]["panels"]
+    assert panel["threshold"] is None and "no positive score of 'none' at 4096" in panel["note"]
     assert (tmp_path / "out" / "tasks.png").stat().st_size > 0
     csv_lines = (tmp_path / "out" / "results.csv").read_text().splitlines()
     assert csv_lines[0].startswith("method,task,length,metric,value") and len(csv_lines) == 3
@@ -217,3 +220,25 @@ def test_an_interrupted_cell_resumes_at_its_next_sample(ruler_checkpoint, tmp_pa
     assert [s["response"] for s in resumed["samples"]["niah_single_1"]] == \
         [s["response"] for s in whole["samples"]["niah_single_1"]]
     assert not list((tmp_path / "cells" / "requests").glob("*.db"))  # the finished cell's requests are dropped
+
+
+def test_effective_length_is_the_longest_length_within_85_percent_of_the_unpatched_short_score(tmp_path):
+    from ctxext.tasks.report import effective_lengths, plot_task_heatmap, score_tables
+
+    def row(method, length, value, task="niah_single_1"):
+        return {"method": method, "task": task, "length": length, "metric": "score", "value": value, "samples": 10,
+                "seconds": 1.0, "cached": False}
+
+    rows = [row("none", 4096, 0.9), row("none", 8192, 0.6), row("none", 16384, 0.2),
+            row("yarn x2", 4096, 0.95), row("yarn x2", 8192, 0.8), row("yarn x2", 16384, 0.77),
+            row("dpe", 4096, 0.5), row("dpe", 8192, 0.9),  # not monotonic; 16k not run
+            row("none", 4096, 0.0, "cwe"), row("yarn x2", 4096, 0.3, "cwe")]
+    methods = ["none", "yarn x2", "dpe"]
+    niah, cwe = effective_lengths(rows, methods)
+    assert niah["threshold"] == pytest.approx(0.85 * 0.9) and niah["baseline_length"] == 4096
+    assert niah["effective_length"] == {"none": 4096, "yarn x2": 16384, "dpe": 8192}  # 0.77 >= 0.765
+    assert cwe["threshold"] is None and cwe["effective_length"] == {"none": None, "yarn x2": None, "dpe": None}
+    table = score_tables(rows, methods, [4096, 8192, 16384]).split("\n\n")[0].splitlines()
+    assert table[-1] == "effective length (score >= 85% of none at 4k = 0.765): none 4k, yarn x2 16k, dpe 8k"
+    plot_task_heatmap(rows, methods, tmp_path / "tasks.png", "t")
+    assert (tmp_path / "tasks.png").stat().st_size > 0

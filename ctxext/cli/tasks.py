@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     from ..runtime import Processes, cpu_processes, on_main_first
     from ..tasks.harness import (CellCache, TaskManagers, cell_scores, check_lengths, check_task_data,
                                  model_fingerprint, plan_cells, resolve_tasks, run_cells, task_lengths, task_metadata)
-    from ..tasks.report import CSV_COLUMNS, plot_task_heatmap, score_tables
+    from ..tasks.report import CSV_COLUMNS, EFFECTIVE_RULE, effective_lengths, plot_task_heatmap, score_tables
     from .evaluation import arguments, build_methods, command_line, load, model_description
 
     from ..loading import check_model_source
@@ -191,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         },
         "methods": [{"label": m.label, **m.description} for m in methods],
         "scores": rows,
+        "effective_length": {"rule": EFFECTIVE_RULE, "panels": effective_lengths(rows, labels)},
         "missing_cells": missing,
         "cells": [{"method": c.method.label, "task": c.task.name, "length": c.length, "cached": c.cached,
                    "cache_file": str(cache.path(c.key)) if cache.directory is not None else None,
@@ -210,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
                               f"{'all' if args.limit is None else args.limit} samples per cell")
     print()
     print(table)
+    if rows and effective_lengths(rows, labels):
+        print(f"\n{EFFECTIVE_RULE}")
     if missing:
         print(f"\n{len(missing)} cells not run yet: {'; '.join(missing[:6])}{'; ...' if len(missing) > 6 else ''}")
     print(f"\nresults: {Path(args.output).resolve()} (results.json, results.csv, table.txt"

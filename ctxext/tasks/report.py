@@ -8,6 +8,33 @@ import math
 from pathlib import Path
 
 CSV_COLUMNS = ["method", "task", "length", "metric", "value", "samples", "seconds", "cached"]
+BASELINE = "none"  # the unpatched model's row
+EFFECTIVE_SHARE = 0.85
+EFFECTIVE_RULE = ("effective length: the longest length tested at which the score is at least 85% of the "
+                  "unpatched model's score at the shortest length tested (RULER-style)")
+
+
+def effective_lengths(rows: list[dict], methods: list[str]) -> list[dict]:
+    """Per (task, metric) that has lengths: the threshold (85% of `none` at the shortest length) and, per method,
+    the longest length whose score reaches it (None: no length does, or no baseline to measure against)."""
+    out = []
+    for task, metric in _panels(rows):
+        panel = [r for r in rows if r["task"] == task and r["metric"] == metric and r["length"] is not None]
+        if not panel:
+            continue
+        shortest = min(r["length"] for r in panel)
+        baseline = next((r["value"] for r in panel if r["method"] == BASELINE and r["length"] == shortest), None)
+        usable = baseline is not None and math.isfinite(baseline) and baseline > 0
+        threshold = EFFECTIVE_SHARE * baseline if usable else None
+        by_method = {}
+        for method in methods:
+            passed = [r["length"] for r in panel if r["method"] == method and threshold is not None
+                      and r["value"] is not None and math.isfinite(r["value"]) and r["value"] >= threshold]
+            by_method[method] = max(passed) if passed else None
+        out.append({"task": task, "metric": metric, "baseline_length": shortest, "baseline": baseline,
+                    "threshold": threshold, "effective_length": by_method,
+                    "note": None if usable else f"no positive score of '{BASELINE}' at {shortest} to measure against"})
+    return out
 
 
 def _panels(rows: list[dict]) -> list[tuple[str, str]]:
@@ -49,14 +76,26 @@ def score_tables(rows: list[dict], methods: list[str], lengths: list[int] = ()) 
             cells = [format_score(by_key[(method, n)]["value"]) if (method, n) in by_key else "-"
                      for n in lengths_here]
             lines.append(method.ljust(label_width) + "".join(f"{c:>9}" for c in cells))
+        effective = next((e for e in effective_lengths(panel, methods)), None)
+        if effective is not None:
+            lines.append(_effective_line(effective))
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+def _effective_line(effective: dict) -> str:
+    if effective["threshold"] is None:
+        return f"effective length: - ({effective['note']})"
+    found = ", ".join(f"{m} {_length_label(n) if n else '-'}" for m, n in effective["effective_length"].items())
+    return (f"effective length (score >= {EFFECTIVE_SHARE:.0%} of {BASELINE} at "
+            f"{_length_label(effective['baseline_length'])} = {effective['threshold']:.3f}): {found}")
 
 
 def plot_task_heatmap(rows: list[dict], methods: list[str], path: Path, title: str) -> None:
     """One panel per (task, metric): methods (rows) x lengths (columns), coloured 0-1 (or the panel's range when
     its values leave 0-1)."""
     from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
 
     panels = _panels(rows)
     widths = [len({r["length"] for r in rows if (r["task"], r["metric"]) == p}) for p in panels]
@@ -75,6 +114,11 @@ def plot_task_heatmap(rows: list[dict], methods: list[str], path: Path, title: s
             for j, value in enumerate(row):
                 ax.text(j, i, format_score(value) if math.isfinite(value) else "-", ha="center", va="center",
                         fontsize=8)
+        effective = next(iter(effective_lengths(panel, methods)), None)
+        for i, method in enumerate(methods):  # a frame around each method's effective length
+            n = effective["effective_length"].get(method) if effective else None
+            if n is not None:
+                ax.add_patch(Rectangle((lengths.index(n) - 0.5, i - 0.5), 1, 1, fill=False, linewidth=2))
         ax.set_xticks(range(len(lengths)), [_length_label(n) for n in lengths])
         ax.set_yticks(range(len(methods)), methods)
         ax.tick_params(axis="y", labelleft=ax is axes[0][0])
@@ -82,5 +126,6 @@ def plot_task_heatmap(rows: list[dict], methods: list[str], path: Path, title: s
         ax.set_title(task if metric == "score" else f"{task}\n{metric}", fontsize=9)
     if image is not None:
         fig.colorbar(image, ax=axes[0].tolist(), label="score")
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(f"{title}\nframed: each method's effective length (>= {EFFECTIVE_SHARE:.0%} of {BASELINE} at the "
+                 f"shortest length)", fontsize=10)
     fig.savefig(path, dpi=120, bbox_inches="tight")
