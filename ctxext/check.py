@@ -40,6 +40,7 @@ AGREEMENT_CASES: dict[str, tuple[str, dict]] = {
     "self_extend": ("self_extend", {"group_size": 4, "window": 16}),
     "dual_chunk": ("dual_chunk", {"chunk_size": 48, "local_window": 8}),
     "string": ("string", {"shifted_offset": 40, "local_value": 8}),
+    "dpe": ("dpe", {"window": 16, "group_scales": [2, 4, 8, 16]}),
     "logn": ("none", {"logn": True}),
 }
 # At the cost lengths: each method's defaults for L = length / 4, log-n with the two that use it.
@@ -49,6 +50,7 @@ COST_CASES: dict[str, tuple[str, dict]] = {
     "self_extend": ("self_extend", {"group_size": 8}),
     "dual_chunk": ("dual_chunk", {}),
     "string": ("string", {}),
+    "dpe": ("dpe", {}),
     "logn": ("none", {"logn": True}),
 }
 MIN_MEMORY_MB = 16  # below this native peak, memory ratios are not reported
@@ -159,8 +161,8 @@ def per_cell_attention(module, query, key, value, attention_mask, **kwargs):
     inv_freq = host.rotary_emb.inv_freq.double().cpu()
     factor = float(getattr(host.rotary_emb, "attention_scaling", 1.0))
 
-    def turn(x, at):  # rotate-half RoPE at float64 positions `at`, times the attention factor
-        angles = at.double()[:, None] * inv_freq
+    def turn(x, at):  # rotate-half RoPE at float64 positions `at` ((n,) or (n, pairs)), times the attention factor
+        angles = (at.double() if at.dim() == 2 else at.double()[:, None]) * inv_freq
         cos64, sin64 = (torch.cat((f, f), -1).to(x.device) * factor for f in (angles.cos(), angles.sin()))
         rotary = cos64.shape[-1]
         turned, kept = x[..., :rotary], x[..., rotary:]
@@ -174,14 +176,23 @@ def per_cell_attention(module, query, key, value, attention_mask, **kwargs):
     for region in regions:
         lo, hi = region.key_range(i)
         inside = ((j[None] >= lo[:, None]) & (j[None] < hi[:, None])).to(q.device)
-        q_at = i if region.query_position is None else region.query_position(i)
-        k_at = j if region.key_position is None else region.key_position(j)
+        q_at = _positions(region, region.query_position, i, module.layer_idx, len(inv_freq))
+        k_at = _positions(region, region.key_position, j, module.layer_idx, len(inv_freq))
         region_scores = turn(q, q_at) @ turn(k, k_at).repeat_interleave(groups, 1).transpose(-1, -2)
         scores = torch.where(inside, region_scores, scores)
     causal = (j[None] <= i[:, None]).to(q.device)
     probs = torch.softmax((scores * module.scaling).masked_fill(~causal, float("-inf")), dim=-1)
     out = probs @ value.double().repeat_interleave(groups, 1)
     return out.to(value.dtype).transpose(1, 2).contiguous(), None
+
+
+def _positions(region, rule, at: torch.Tensor, layer: int, pairs: int) -> torch.Tensor:
+    """A region's positions for `at`: (n,), or (n, pairs) for a rule per rotary pair (DPE)."""
+    if rule is None:
+        return at
+    if region.pair_scales is None:
+        return rule(at)
+    return torch.stack([rule(at, int(G)) for G in region.pair_scales(pairs, layer).tolist()], dim=-1)
 
 
 def reference_model(patched, host_settings, shape, device, seed):

@@ -45,7 +45,9 @@ def write_patched_checkpoint(source: str, method_config, output: str | Path, ove
     from .loading import load_config, load_model, load_tokenizer
     from .outputs import atomic_output_dir, check_output_dir
     from .patching import applied_method
+    from .methods import get_method
     from .patching.families import check_supported
+    from .patching.patch import check_shape
     from .serving.forms import FORMATS, write_config_for_serving
 
     if format not in FORMATS:
@@ -55,6 +57,9 @@ def write_patched_checkpoint(source: str, method_config, output: str | Path, ove
     check_output_dir(output, protected, overwrite)
     config = load_config(source)
     check_supported(config, f"'{source}' (model type '{config.model_type}')")
+    spec = get_method(method_config.method)
+    check_shape(config, spec.make_params(factor=method_config.factor, **method_config.params),
+                method_config.original_max_position_embeddings or config.max_position_embeddings)
 
     model = load_model(source, dtype="auto", device="cpu")
     tokenizer = load_tokenizer(source)

@@ -30,7 +30,7 @@ def test_every_method_agrees_under_every_cpu_implementation(tiny_shape, tmp_path
     result = json.loads((tmp_path / "check.json").read_text())
     cases = {(row["implementation"], row["method"]) for row in result["agreement"]}
     assert cases == {(i, m) for i in ("eager", "sdpa", "flex_attention")
-                     for m in ("rerope", "leaky_rerope", "self_extend", "dual_chunk", "string", "logn")}
+                     for m in ("rerope", "leaky_rerope", "self_extend", "dual_chunk", "string", "dpe", "logn")}
     for row in result["agreement"]:
         assert row["ok"] and row["forward_error"] < 1e-4
         if row["method"] != "logn":  # the remapping ones run ctxext's backends: lse to infer, blockwise to train

@@ -73,8 +73,8 @@ def naive_forward(relative_fn, inv_freq, attention_factor, logn_length, position
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         i, j = torch.arange(n)[:, None], torch.arange(n)[None]
-        relative = relative_fn(at[:, None], at[None]).double()  # (n, n)
-        angles = relative[..., None] * inv_freq.double()  # (n, n, d/2)
+        relative = relative_fn(at[:, None], at[None]).double()  # (n, n), or (n, n, d/2): one r' per pair (DPE)
+        angles = (relative if relative.dim() == 3 else relative[..., None]) * inv_freq.double()  # (n, n, d/2)
         cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
         half = q.shape[-1] // 2
         q_half = torch.cat((-q[..., half:], q[..., :half]), -1)

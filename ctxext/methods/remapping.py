@@ -14,6 +14,8 @@ T x T matrix. With r = i - j >= 0 and L the original length (docs/METHODS.md has
 - `dual_chunk` (s, w; c = s - w): keys sit at j mod c. Same chunk: r' = r (q = i mod c); previous chunk:
   q = min(i mod c + c, s); older chunks: q = min(2c - 1, s).
 - `string` (S, W): r' = r for r < S, else r - S + W.                far region: q = i - S + W, k = j
+- `dpe` (w, G_g per group of rotary pairs): self_extend's rule with G = G_g in pair p of group g; pairs not
+  selected keep r' = r (G = 1).                                    far region: q and k per pair, as self_extend
 
 Positions are absolute token positions (0-based). A rule of None means "the token's own position", which
 lets the kernel use the model's own rotation untouched.
@@ -40,12 +42,16 @@ PositionRule = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class Region:
-    """Query i sees the keys at positions [lo(i), hi(i)) with the query rotated at q(i), the key at k(j)."""
+    """Query i sees the keys at positions [lo(i), hi(i)) with the query rotated at q(i), the key at k(j).
+
+    With `pair_scales` (DPE) the rules take a second argument, a scale G, and rotary pair p is rotated at
+    q(i, G_p) and k(j, G_p), where pair_scales(n_pairs, layer_index) gives G_p (int64, one per pair)."""
 
     name: str
     key_range: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     query_position: PositionRule | None = None  # None: the query's own position
     key_position: PositionRule | None = None  # None: the key's own position
+    pair_scales: Callable[[int, int], torch.Tensor] | None = None
 
 
 def _floor_div(x: torch.Tensor, d: int) -> torch.Tensor:
@@ -188,13 +194,12 @@ class SelfExtendParams(RemapParams):
 
     def regions(self) -> list[Region]:
         G, w = self.group_size, self.window
-        shift = w - w // G  # makes r' continue from w at the window's edge
 
         def query_group(i):
-            return (_floor_div(i, G) + shift).to(torch.float64)
+            return grouped_query_position(i, G, w)
 
         def key_group(j):
-            return _floor_div(j, G).to(torch.float64)
+            return grouped_key_position(j, G)
 
         return [local_band(w), beyond_band(w, query_group, key_group)]
 
@@ -203,6 +208,109 @@ class SelfExtendParams(RemapParams):
 
     def describe(self) -> str:
         return f"G{self.group_size} w{self.window}"
+
+
+def grouped_query_position(i: torch.Tensor, G: int, window: int) -> torch.Tensor:
+    """SelfExtend's far-region query position floor(i/G) + w - floor(w/G): r' continues from w at the edge."""
+    return (_floor_div(i, G) + window - window // G).to(torch.float64)
+
+
+def grouped_key_position(j: torch.Tensor, G: int) -> torch.Tensor:
+    return _floor_div(j, G).to(torch.float64)
+
+
+# -------------------------------------------------------------------------------------------------- DPE
+@dataclass
+class DpeParams(RemapParams):
+    """DPE: SelfExtend per group of rotary pairs, each group with its own scale; unselected pairs keep r' = r."""
+
+    shift_invariant: ClassVar[bool] = False
+
+    window: int | None = param(None, "w: pairs closer than w keep r' = r in every dimension (default L/8, DPE's "
+                                     "1024 at 8k)", search=(1 / 32, 1 / 2, "log", "int", "*L"))
+    group_scales: list | None = param(None, "one SelfExtend scale G per group of rotary pairs, pair 0 (highest "
+                                            "frequency) first; the list's length is the number of groups and must "
+                                            "divide the pair count (default: 8 groups at G = 4, self_extend's)")
+    selected_pairs: list | None = param(None, "the pairs that are grouped (the rest keep r' = r): one list for every "
+                                              "layer, or one list per layer (DPE keeps the top pairs by |q||k|)")
+
+    def validate(self):
+        super().validate()
+        if self.window is not None:
+            self.window = whole_number("window", self.window, 1)
+        if self.group_scales is not None:
+            if not isinstance(self.group_scales, (list, tuple)) or not self.group_scales:
+                raise CtxextError("'group_scales' must be a non-empty list of positive integers, e.g. [2, 8, 32]")
+            self.group_scales = [whole_number("group_scales", G, 1) for G in self.group_scales]
+        if self.selected_pairs is not None:
+            layers = self.selected_pairs
+            if not isinstance(layers, (list, tuple)) or not layers:
+                raise CtxextError("'selected_pairs' must be a list of pair indices, or one such list per layer")
+            per_layer = isinstance(layers[0], (list, tuple))
+            for pairs in (layers if per_layer else [layers]):
+                if not isinstance(pairs, (list, tuple)) or isinstance(pairs, str):
+                    raise CtxextError("'selected_pairs' mixes pair indices and lists; give one or the other")
+                for p in pairs:
+                    whole_number("selected_pairs", p, 0)
+
+    @property
+    def scales(self) -> list[int]:
+        return list(self.group_scales) if self.group_scales is not None else [4] * 8
+
+    def resolved(self, original_max_position_embeddings: int) -> "DpeParams":
+        if self.window is not None and self.group_scales is not None:
+            return self
+        params = DpeParams(**{**self.to_dict(), "window": self.window or original_max_position_embeddings // 8,
+                              "group_scales": self.scales})
+        params.validate()
+        return params
+
+    def check_model(self, rotary_dim: int, num_layers: int) -> None:
+        """A one-line CtxextError unless the groups divide this model's pairs and the selected pairs exist."""
+        pairs = rotary_dim // 2
+        if pairs % len(self.scales):
+            raise CtxextError(f"dpe: {len(self.scales)} groups (group_scales) do not divide this model's {pairs} "
+                              f"rotary pairs; use a divisor of {pairs}, e.g. {_divisors(pairs)}")
+        layers = self.selected_pairs
+        if layers is None:
+            return
+        per_layer = isinstance(layers[0], (list, tuple))
+        if per_layer and len(layers) != num_layers:
+            raise CtxextError(f"dpe: 'selected_pairs' has {len(layers)} lists; this model has {num_layers} layers")
+        wrong = sorted({p for chosen in (layers if per_layer else [layers]) for p in chosen if p >= pairs})
+        if wrong:
+            raise CtxextError(f"dpe: selected pairs {wrong} are out of range; this model has pairs 0-{pairs - 1}")
+
+    def pair_scales(self, n_pairs: int, layer_index: int) -> torch.Tensor:
+        """G_p for every rotary pair in layer `layer_index` (1, i.e. r' = r, for pairs not selected)."""
+        scales = torch.tensor(self.scales, dtype=torch.int64).repeat_interleave(n_pairs // len(self.scales))
+        if self.selected_pairs is not None:
+            layers = self.selected_pairs
+            chosen = layers[layer_index] if isinstance(layers[0], (list, tuple)) else layers
+            keep = torch.zeros(n_pairs, dtype=torch.bool)
+            keep[torch.as_tensor(list(chosen), dtype=torch.int64)] = True
+            scales = torch.where(keep, scales, torch.ones_like(scales))
+        return scales
+
+    def regions(self) -> list[Region]:
+        w = self.window
+        if w is None:
+            raise CtxextError("dpe's 'window' is not resolved yet (it defaults from the original length L)")
+        return [local_band(w), Region(
+            "far", lambda i: (torch.full_like(i, FIRST_KEY), i - w + 1),
+            lambda i, G: grouped_query_position(i, G, w), grouped_key_position, self.pair_scales)]
+
+    def plain_up_to(self) -> int:
+        return self.window
+
+    def describe(self) -> str:
+        scales = "G" + "/".join(str(G) for G in self.group_scales) if self.group_scales is not None else ""
+        chosen = "" if self.selected_pairs is None else " selected"
+        return " ".join(x for x in (f"w{self.window}" if self.window else "", scales) if x) + chosen
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 16)
 
 
 # ---------------------------------------------------------------------------- Dual Chunk Attention
@@ -344,6 +452,14 @@ register(Method(
     summary="SelfExtend: neighbours keep positions, farther keys are grouped by floor(j/G) (attention-level)",
     source="Jin et al. 2024, 'LLM Maybe LongLM' (arXiv 2401.01325)",
     params_cls=SelfExtendParams,
+    inv_freq_fn=none_inv_freq,
+))
+register(Method(
+    name="dpe",
+    summary="DPE: SelfExtend per group of rotary pairs, each with its own scale; unselected pairs plain (attention-level)",
+    source="Lu et al. 2025, 'Effective Length Extrapolation via Dimension-Wise Positional Embeddings Manipulation' "
+           "(arXiv 2504.18857)",
+    params_cls=DpeParams,
     inv_freq_fn=none_inv_freq,
 ))
 register(Method(

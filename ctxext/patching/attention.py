@@ -530,6 +530,15 @@ def _remapped_forward(module, state: AttentionState, plan: ForwardPlan, query, k
     plain_key = None  # unrotated keys, made once a region rotates keys by a rule of its own (STRING's never does)
     queries, keys, rotated_keys = [], [], {}
     for index, region in enumerate(remap.regions()):
+        if region.pair_scales is not None:  # DPE: every rotary pair at its own scale
+            scales = region.pair_scales(cos_k.shape[-1] // 2, module.layer_idx)
+            query_rule, key_rule = region.query_position, region.key_position
+            queries.append(_rotated_per_pair(plan, host, plain_query, ("query", index), scales,
+                                             lambda G: query_rule(query_positions, G)).to(query.dtype))
+            plain_key = undo_rotation(key, cos_k, sin_k) if plain_key is None else plain_key
+            keys.append(_rotated_per_pair(plan, host, plain_key, ("key", index), scales,
+                                          lambda G: key_rule(positions, G)).to(key.dtype))
+            continue
         if region.query_position is None:
             queries.append(query)
         else:
@@ -554,6 +563,24 @@ def _remapped_forward(module, state: AttentionState, plan: ForwardPlan, query, k
                                           region_plan, module.scaling, state.kernel))
     attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
     return attn.transpose(1, 2), None
+
+
+def _rotated_per_pair(plan: ForwardPlan, host: nn.Module, x: torch.Tensor, name, scales: torch.Tensor,
+                      positions_at: Callable) -> torch.Tensor:
+    """x rotated pair by pair, pair p at `positions_at(scales[p])`: one (cos, sin) per distinct scale (once per
+    forward), then each channel takes its pair's (channels c and c + d/2 are pair c, as in rotate_half)."""
+    distinct = sorted(set(scales.tolist()))
+    tables = [_rotary_entry(plan, host, x, (*name, G), lambda G=G: positions_at(G)) for G in distinct]
+    rotary = tables[0][0].shape[-1]
+    pick = torch.tensor([distinct.index(G) for G in scales.tolist()], dtype=torch.int64).repeat(2)
+    pick, channels = pick.to(x.device), torch.arange(rotary, device=x.device)
+
+    def assembled(which: int) -> torch.Tensor:
+        return torch.stack([table[which] for table in tables], dim=-1)[..., channels, pick]
+
+    cos, sin = plan.remember(("per-pair", name, tuple(scales.tolist()), x.dtype, x.device),
+                             lambda: (assembled(0), assembled(1)))
+    return apply_rotation(x, cos, sin)
 
 
 __all__ = ["CONFIG_KEY", "AttentionState", "apply_rotation", "install_attention", "installed_settings",

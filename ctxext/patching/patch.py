@@ -44,6 +44,7 @@ def patch(model: nn.Module, method: str, factor: float = 1.0, original_max_posit
         check_original_length_for_logn(original_max_position_embeddings)
     L = whole_number("original_max_position_embeddings", original_max_position_embeddings)
     attention = AttentionSettings.for_method(spec.name, method_params, logn, L)
+    check_shape(host.config, method_params, L)
     if attention.active:
         check_can_install(host, attention, int(round(L * method_params.factor)))
     unpatch(model)
@@ -70,6 +71,14 @@ def patch(model: nn.Module, method: str, factor: float = 1.0, original_max_posit
     record_attention_in_config(config, attention)
     install_attention(host, attention)
     return model
+
+
+def check_shape(config, method_params, original_max_position_embeddings: int) -> None:
+    """What `patch` refuses about the model's shape, from its config alone (so before any weights load): DPE's
+    groups must divide the rotary pairs and its selected pairs exist."""
+    if hasattr(method_params, "check_model"):
+        method_params.resolved(original_max_position_embeddings).check_model(rotary_dim(config),
+                                                                              config.num_hidden_layers)
 
 
 def original_length(model: nn.Module) -> int | None:
