@@ -34,11 +34,15 @@ class PatchedCheckpoint:
 
 def write_patched_checkpoint(source: str, method_config, output: str | Path, overwrite: bool = False,
                              written_by: str = "ctxext patch", extra_record: dict | None = None,
-                             format: str = "native") -> PatchedCheckpoint:
+                             format: str = "native", pair_selection: tuple[str, int] | None = None) -> PatchedCheckpoint:
     """Load `source` in its own dtype on the CPU, apply `method_config`, and write a complete checkpoint (weights,
     config, tokenizer, ctxext.yaml recording what was applied) to `output`, atomically. The source is never
     written to; an existing non-empty `output` needs `overwrite`. config.json gets the method's exact native
-    rope form where one exists (`format='native'`, see ctxext.serving.forms), in both config spellings."""
+    rope form where one exists (`format='native'`, see ctxext.serving.forms), in both config spellings.
+    `pair_selection` (calibration text file, k): DPE's selected pairs, the top k per layer by |q||k| on the text
+    (ctxext.patching.pair_selection), measured on the unpatched model and recorded with the method."""
+    import json
+
     import yaml
 
     from . import __version__
@@ -64,6 +68,18 @@ def write_patched_checkpoint(source: str, method_config, output: str | Path, ove
     model = load_model(source, dtype="auto", device="cpu")
     tokenizer = load_tokenizer(source)
     original_length = model.config.max_position_embeddings
+    extra_record = dict(extra_record or {})
+    if pair_selection is not None:
+        import dataclasses
+
+        from .patching.pair_selection import select_pairs
+
+        text, k = pair_selection
+        tokens = min(4096, method_config.original_max_position_embeddings or original_length)
+        chosen = select_pairs(model, tokenizer, Path(text).read_text(encoding="utf-8"), k, tokens)
+        method_config = dataclasses.replace(method_config, params={**method_config.params, "selected_pairs": chosen})
+        extra_record["pair_selection"] = {"text": str(text), "top_pairs": k, "max_tokens": tokens,
+                                          "rule": "top k pairs per layer by mean |q_p||k_p| over tokens and heads"}
     method_config.apply(model)
     applied = applied_method(model)
 
@@ -79,8 +95,9 @@ def write_patched_checkpoint(source: str, method_config, output: str | Path, ove
             "rope_parameters": dict(model.config.rope_parameters),
             "max_position_embeddings": model.config.max_position_embeddings,
             "written_as": {"format": format, "rope_type": form.rope_parameters["rope_type"], "how": form.how},
-            **(extra_record or {}),
+            **extra_record,
         }
+        record = json.loads(json.dumps(record))  # plain data: YAML without anchors for lists used twice
         (staging / "ctxext.yaml").write_text(
             f"# Written by `{written_by}`: what was applied to the source model.\n"
             + yaml.safe_dump(record, sort_keys=False)

@@ -113,6 +113,8 @@ def test_defaults_follow_the_original_length_and_the_checkpoint_records_them(tmp
     (["--group-scales", "[2, 4, 8]"], "3 groups (group_scales) do not divide this model's 8 rotary pairs"),
     (["--selected-pairs", "[0, 8]"], "selected pairs [8] are out of range; this model has pairs 0-7"),
     (["--selected-pairs", "[[0], [1], [2]]"], "'selected_pairs' has 3 lists; this model has 2 layers"),
+    (["--select-pairs", "/nonexistent/text.txt", "--top-pairs", "2"], "text file '/nonexistent/text.txt' does not"),
+    (["--top-pairs", "2"], "--select-pairs TEXT and --top-pairs K go together"),
 ])
 def test_bad_dpe_parameters_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, flags, message):
     from ctxext.cli import main
@@ -124,3 +126,42 @@ def test_bad_dpe_parameters_are_one_line_exit_2_and_write_nothing(tmp_path, caps
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+def test_pair_selection_ranks_pairs_by_mean_q_k_norm_product_and_is_recorded(tmp_path, capsys):
+    """Oracle for layer 0: its queries and keys computed here from the embeddings (input norm, projections, Qwen3's
+    q/k norms), |q_p| |k_p| per token and query head, averaged; then the checkpoint is dpe with those pairs."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from ctxext.cli import main
+    from ctxext.patching.pair_selection import pair_contributions
+
+    model = tiny_model("qwen3", seed=3, max_position_embeddings=L)
+    words = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        attention = model.model.layers[0].self_attn
+        x = model.model.layers[0].input_layernorm(model.model.embed_tokens(words[None]))
+        q = attention.q_norm(attention.q_proj(x).view(1, 200, -1, 16))
+        k = attention.k_norm(attention.k_proj(x).view(1, 200, -1, 16)).repeat_interleave(2, dim=2)
+        expected = ((q[..., :8] ** 2 + q[..., 8:] ** 2).sqrt() * (k[..., :8] ** 2 + k[..., 8:] ** 2).sqrt())
+        expected = expected.mean(dim=(0, 1, 2))
+        got = pair_contributions(model, words[None])
+    torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-7)
+
+    source = save_tiny_checkpoint(tmp_path / "model", model)
+    text = tmp_path / "calibration.txt"
+    text.write_text(" ".join(f"w{int(w)}" for w in words))
+    capsys.readouterr()
+    assert main(["patch", str(source), "-o", str(tmp_path / "out"), "--method", "dpe", "--window", "8",
+                 "--group-scales", "[2, 8]", "--select-pairs", str(text), "--top-pairs", "3"]) == 0
+    chosen = [sorted(torch.topk(row, 3).indices.tolist()) for row in pair_contributions(model, words[None, :L])]
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())["ctxext_attention"]
+    assert saved["selected_pairs"] == chosen
+    tokens = torch.randint(0, 256, (1, SEQ), generator=torch.Generator().manual_seed(6))
+    reference = ctxext.patch(tiny_model("qwen3", seed=3, max_position_embeddings=L), "dpe", window=8,
+                             group_scales=[2, 8], selected_pairs=chosen)
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path / "out")(tokens).logits,
+                                   reference(tokens).logits, rtol=0, atol=0)

@@ -33,6 +33,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--outtype", choices=("same", "f16", "f32"), default="same",
                         help="GGUF input only: keep every tensor's type (same, default), or write f16 / f32 "
                              "(dequantised; 1-D tensors stay f32)")
+    dpe = parser.add_argument_group("dpe's dimension selection (--method dpe)")
+    dpe.add_argument("--select-pairs", metavar="TEXT", help="a UTF-8 calibration text: keep grouped only the "
+                     "--top-pairs pairs of each layer with the largest mean |q_p||k_p| on it (DPE's selection; up "
+                     "to 4096 tokens, measured on the unpatched model); the choice is recorded as selected_pairs")
+    dpe.add_argument("--top-pairs", type=int, metavar="K", help="how many pairs per layer --select-pairs keeps")
     add_method_arguments(parser)
 
 
@@ -42,6 +47,7 @@ def run(args) -> int:
     from .common import method_config_from_args
 
     method_config = method_config_from_args(args)
+    pair_selection = _pair_selection(args, method_config)
     if is_gguf(args.model):
         if args.format != "native":
             raise CtxextError("--format applies to checkpoint directories; a GGUF file gets llama.cpp's rope keys")
@@ -52,16 +58,36 @@ def run(args) -> int:
 
     from ..checkpoint import write_patched_checkpoint
 
-    written = write_patched_checkpoint(args.model, method_config, args.output, args.overwrite, format=args.format)
+    written = write_patched_checkpoint(args.model, method_config, args.output, args.overwrite, format=args.format,
+                                       pair_selection=pair_selection)
     print(f"patched {args.model} with {written.label}")
     print(f"  written as: {written.form.how}")
     print(f"  rope_parameters: {_short(written.rope_parameters)}")
     print(f"  max_position_embeddings: {written.max_position_embeddings_before} -> {written.max_position_embeddings}")
     if written.applied["attention"]:  # log-n / ReRoPE live in patched attention layers, re-installed by `import ctxext`
-        print(f"  attention: {written.applied['attention']}")
+        print(f"  attention: {_short(written.applied['attention'])}")
     print(f"  loads in plain transformers: {written.loads_in_plain_transformers}")
     print(f"  saved to {written.output}")
     return 0
+
+
+def _pair_selection(args, method_config) -> tuple[str, int] | None:
+    """(text, k) for DPE's selection, or None; a one-line error for a half-given or misplaced pair."""
+    from pathlib import Path
+
+    from ..errors import CtxextError
+
+    if args.select_pairs is None and args.top_pairs is None:
+        return None
+    if args.select_pairs is None or args.top_pairs is None:
+        raise CtxextError("--select-pairs TEXT and --top-pairs K go together")
+    if method_config.method != "dpe":
+        raise CtxextError(f"--select-pairs chooses DPE's pairs; it does not apply to {method_config.method}")
+    if "selected_pairs" in method_config.params:
+        raise CtxextError("give the pairs either with --selected-pairs or by --select-pairs/--top-pairs, not both")
+    if not Path(args.select_pairs).is_file():
+        raise CtxextError(f"--select-pairs: text file '{args.select_pairs}' does not exist")
+    return args.select_pairs, args.top_pairs
 
 
 def _patch_gguf(args, method_config) -> int:
@@ -80,7 +106,13 @@ def _patch_gguf(args, method_config) -> int:
     return 0
 
 
-def _short(rope_parameters: dict) -> dict:
-    """The parameters with per-pair lists summarised (a 64-pair list is not worth a screenful)."""
-    return {k: (f"[{len(v)} per-pair values, {min(v):.4g}..{max(v):.4g}]" if isinstance(v, list) else v)
-            for k, v in rope_parameters.items()}
+def _short(values: dict) -> dict:
+    """The values with long lists summarised (64 per-pair factors, or a list of pairs per layer)."""
+    def short(v):
+        if not isinstance(v, list) or len(v) <= 8:
+            return v
+        if all(isinstance(x, (int, float)) for x in v):
+            return f"[{len(v)} per-pair values, {min(v):.4g}..{max(v):.4g}]"
+        return f"[{len(v)} lists]"
+
+    return {k: short(v) for k, v in values.items()}

@@ -304,9 +304,10 @@ class DpeParams(RemapParams):
         return self.window
 
     def describe(self) -> str:
-        scales = "G" + "/".join(str(G) for G in self.group_scales) if self.group_scales is not None else ""
-        chosen = "" if self.selected_pairs is None else " selected"
-        return " ".join(x for x in (f"w{self.window}" if self.window else "", scales) if x) + chosen
+        parts = [f"w{self.window}" if self.window else "",
+                 "G" + "/".join(str(G) for G in self.group_scales) if self.group_scales is not None else "",
+                 "selected pairs" if self.selected_pairs is not None else ""]
+        return " ".join(part for part in parts if part)
 
 
 def _divisors(n: int) -> str:
