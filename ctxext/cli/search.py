@@ -44,9 +44,12 @@ def add_arguments(parser) -> None:
     group.add_argument("--trials", type=int, default=30, metavar="K",
                        help="trials in all, trial 0 (the defaults) included (default 30); with --resume, a larger K "
                             "continues a finished search")
-    group.add_argument("--objective", default="ppl", choices=("ppl", "passkey", "ppl+passkey"),
+    group.add_argument("--objective", default="ppl",
+                       choices=("ppl", "passkey", "ppl+passkey", "needle-ppl", "ppl+needle-ppl"),
                        help="ppl: calibration perplexity (default); passkey: 1 - passkey accuracy at --length; "
-                            "ppl+passkey: perplexity x 2^(1 - accuracy)")
+                            "ppl+passkey: perplexity x 2^(1 - accuracy); needle-ppl: mean NLL of the passkey "
+                            "answers' tokens at --length (one forward each, no generation; keeps retrieval); "
+                            "ppl+needle-ppl: ln(perplexity) + that NLL (the two per-token NLLs weighted equally)")
     group.add_argument("--seed", type=int, default=0, help="seed of the optimizer and of the passkeys (default 0)")
     group.add_argument("--startup-trials", type=int, default=5, metavar="K",
                        help="TPE's random trials before it models the objective (default 5)")
@@ -318,7 +321,7 @@ def _print_summary(results: dict, out) -> None:
     def number(value):
         if value is None:
             return "-"
-        return format_perplexity(value) if settings["objective"] != "passkey" else f"{value:.3f}"
+        return format_perplexity(value) if settings["objective"] in ("ppl", "ppl+passkey") else f"{value:.3f}"
 
     def change(value):
         return "" if value is None else f" ({value:+.1%})"

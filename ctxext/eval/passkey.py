@@ -84,6 +84,21 @@ def plan_trials(lengths: list[int], depths: list[float], trials: int, seed: int 
             for length in lengths for depth in depths for i in range(trials)]
 
 
+def answer_nll(model: nn.Module, tokenizer, trial: Trial, bos_token_id: int | None = None) -> tuple[float, int]:
+    """(sum of -log p over the answer's tokens, their count) for the prompt of `trial` followed by its answer
+    " K.": needle-driven perplexity (LongRoPE2), one forward pass, no generation. Prompt and answer together fill
+    `trial.length` tokens."""
+    answer = tokenizer(f" {trial.key}.", add_special_tokens=False).input_ids
+    prompt = build_prompt(tokenizer, trial.length - len(answer), trial.depth, trial.key, bos_token_id)
+    ids = torch.cat([prompt, torch.tensor(answer, dtype=torch.long)])[None]
+    device = next(model.parameters()).device
+    with evaluation_mode(model), torch.inference_mode():
+        # the logits at the last len(answer) + 1 positions; all but the last predict the answer's tokens
+        logits = model(ids.to(device), logits_to_keep=len(answer) + 1, use_cache=False).logits[0, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.double(), ids[0, -len(answer):].to(device), reduction="sum")
+    return float(nll), len(answer)
+
+
 def generate_answer(model: nn.Module, tokenizer, prompt: torch.Tensor) -> str:
     """Greedy decoding of NEW_TOKENS tokens after the prompt, decoded to text."""
     device = next(model.parameters()).device

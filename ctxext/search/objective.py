@@ -5,6 +5,10 @@
 - `passkey`: the passkey error rate (1 - accuracy) at the search length, on seeded keys (`ctxext.eval.passkey`).
 - `ppl+passkey`: perplexity x 2^(1 - accuracy): perfect retrieval leaves the perplexity as it is, no retrieval
   doubles it.
+- `needle-ppl`: the mean NLL of the answer tokens of the seeded passkey prompts at the search length (LongRoPE2's
+  needle-driven perplexity): one forward pass per prompt, no generation, continuous where accuracy is a step.
+- `ppl+needle-ppl`: ln(perplexity) + that mean answer NLL, i.e. perplexity x needle perplexity: the text's and the
+  answer's per-token NLL weighted equally.
 
 The same scoring re-scores the best parameters and the defaults on held-out documents after the search.
 """
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 from ..errors import CtxextError
 from .loop import InvalidParams
 
-OBJECTIVES = ("ppl", "passkey", "ppl+passkey")
+OBJECTIVES = ("ppl", "passkey", "ppl+passkey", "needle-ppl", "ppl+needle-ppl")
 
 
 def check_objective(name: str) -> str:
@@ -65,6 +69,21 @@ def score_passkey(model, tokenizer, config, trials, bos_token_id: int | None) ->
     return {"passkey_accuracy": correct / len(records), "passkey_correct": correct, "passkey_trials": len(records)}
 
 
+def score_needle(model, tokenizer, config, trials, bos_token_id: int | None) -> dict:
+    """Mean NLL of the passkey answers' tokens (needle-driven perplexity), with `config` applied."""
+    from ..eval.passkey import answer_nll
+    from ..patching import unpatch
+
+    _apply(model, config)
+    try:
+        scored = [answer_nll(model, tokenizer, trial, bos_token_id) for trial in trials]
+    finally:
+        unpatch(model)
+    tokens = sum(n for _, n in scored)
+    nll = math.fsum(s for s, _ in scored) / tokens
+    return {"needle_nll": nll, "needle_perplexity": math.exp(nll), "needle_tokens": tokens}
+
+
 def _apply(model, config) -> None:
     from ..patching import unpatch
 
@@ -109,11 +128,13 @@ class Objective:
     def __call__(self, params: dict) -> dict:
         config = method_config(self.base, params)
         metrics = {}
-        if self.kind in ("ppl", "ppl+passkey"):
+        if self.kind in ("ppl", "ppl+passkey", "ppl+needle-ppl"):
             scored = score_perplexity(self.model, config, self.documents, self.length, self.stride, self.bos_token_id)
             metrics.update(perplexity=scored["perplexity"], nll_sum=scored["nll_sum"], tokens=scored["tokens"])
         if self.kind in ("passkey", "ppl+passkey"):
             metrics.update(score_passkey(self.model, self.tokenizer, config, self.passkey_trials, self.bos_token_id))
+        if self.kind in ("needle-ppl", "ppl+needle-ppl"):
+            metrics.update(score_needle(self.model, self.tokenizer, config, self.passkey_trials, self.bos_token_id))
         metrics["value"] = combine(self.kind, metrics)
         return metrics
 
@@ -123,4 +144,8 @@ def combine(kind: str, metrics: dict) -> float:
         return metrics["perplexity"]
     if kind == "passkey":
         return 1.0 - metrics["passkey_accuracy"]
+    if kind == "needle-ppl":
+        return metrics["needle_nll"]
+    if kind == "ppl+needle-ppl":
+        return math.log(metrics["perplexity"]) + metrics["needle_nll"]
     return metrics["perplexity"] * 2.0 ** (1.0 - metrics["passkey_accuracy"])

@@ -253,7 +253,9 @@ def plot_objective(history: list[dict], path: Path, title: str, objective: str) 
         ax.ticklabel_format(axis="y", useOffset=False)
     ax.set_xlabel("trial")
     ax.set_ylabel({"ppl": "calibration perplexity", "passkey": "passkey error rate",
-                   "ppl+passkey": "perplexity x 2^(1 - passkey accuracy)"}[objective] + " (lower is better)")
+                   "ppl+passkey": "perplexity x 2^(1 - passkey accuracy)",
+                   "needle-ppl": "mean NLL of the passkey answers",
+                   "ppl+needle-ppl": "ln(perplexity) + answer NLL"}[objective] + " (lower is better)")
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
