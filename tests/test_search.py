@@ -257,8 +257,13 @@ def test_every_declared_range_resolves_to_a_non_empty_range():
         for name, field in searchable_fields(method).items():
             if "search" not in field.metadata:
                 continue
-            (r,) = build_space(method, scales, [name])
-            assert r.low < r.high, (method.name, name)
+            r, *elements = build_space(method, scales, [name])
+            if r.choices is not None:  # a list parameter: one range of powers of two per element
+                assert r.name == f"{name}[0]" and len(elements) + 1 == field.metadata["elements"]
+                assert field.metadata["element_default"] in r.choices and r.choices == (1, 2, 4, 8, 16, 32, 64)
+                searched += 1
+                continue
+            assert not elements and r.low < r.high, (method.name, name)
             if field.default is not None and not isinstance(field.default, bool):
                 assert r.low <= field.default <= r.high or name == "alpha", (method.name, name, field.default)
             searched += 1
@@ -319,3 +324,26 @@ def test_ranges_reject_bad_specifications():
     with pytest.raises(CtxextError, match="has no searchable parameter 'windw'.*did you mean 'window'"):
         build_space(get_method("rerope"), {"factor": 2, "L": 64, "base": 1e4}, space={"windw": [1, 2]})
     assert np.isclose(Range("x", 1.0, 8.0, log=True).distribution().high, 8.0)
+
+
+def test_dpe_searches_one_power_of_two_scale_per_group(tiny, tmp_path, capsys):
+    """A list parameter is searched element by element: trial 0 is the defaults ([4] x 8, or the list given),
+    every proposal is a power of two in 1-64, and the checkpoint holds the best trial's list."""
+    source, docs = tiny
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "search", source, "--method", "dpe", "--factor", 4, "--length", 256,
+                           "--params", "group_scales", "--group-scales", "[2, 8, 2, 8]", "--window", 8,
+                           "--text-file", docs, "--trials", 4, "--dtype", "fp32", "--no-progress", "-o", out)
+    assert code == 0, err
+    trials = read_trials(out)
+    assert trials[0]["params"] == {"group_scales[0]": 2, "group_scales[1]": 8, "group_scales[2]": 2,
+                                   "group_scales[3]": 8}
+    assert all(v in (1, 2, 4, 8, 16, 32, 64) for t in trials for v in t["params"].values())
+    best = min((t for t in trials if t["state"] == "complete"), key=lambda t: t["value"])
+    saved = json.loads((out / "checkpoint" / "config.json").read_text())["ctxext_attention"]
+    assert saved["group_scales"] == [best["params"][f"group_scales[{i}]"] for i in range(4)]
+    assert saved["window"] == 8
+    # Oracle for trial 0: dpe at [2, 8, 2, 8] patched by hand, scored from full logits.
+    model = ctxext.patch(tiny_model("llama"), "dpe", factor=4.0, window=8, group_scales=[2, 8, 2, 8])
+    ids = [torch.tensor([int(w[1:]) for w in (docs / "doc0.txt").read_text().split()])]
+    assert trials[0]["value"] == pytest.approx(naive_perplexity(model, ids, 256), rel=1e-5)

@@ -251,11 +251,15 @@ def _plan(args):
     else:
         space_yaml = read_yaml_mapping(args.space) if args.space is not None else None
         names = parse_param_names(args.params) if args.params is not None else None
+        counts = {k: len(v) for k, v in config.params.items() if isinstance(v, list)}
         space = build_space(spec, {"factor": config.factor, "L": L, "base": base}, names, space_yaml,
-                            source=f"--space '{args.space}'")
+                            source=f"--space '{args.space}'", counts=counts)
         searched = {r.name for r in space}
-        start = {k: v for k, v in config.params.items() if k in searched}
-        fixed = {k: v for k, v in config.params.items() if k not in searched}
+        given = {**config.params, **{f"{k}[{i}]": x for k, v in counts.items() for i, x in
+                                     enumerate(config.params[k])}}
+        start = {k: v for k, v in given.items() if k in searched}
+        fixed = {k: v for k, v in config.params.items()
+                 if k not in searched and not any(name.startswith(f"{k}[") for name in searched)}
     base_mapping = {"method": config.method, "factor": config.factor, "original_max_position_embeddings": int(L),
                     "logn": config.logn, **fixed}
     method_config(base_mapping, start)  # the defaults (trial 0) must be a valid configuration

@@ -230,7 +230,8 @@ class DpeParams(RemapParams):
                                      "1024 at 8k)", search=(1 / 32, 1 / 2, "log", "int", "*L"))
     group_scales: list | None = param(None, "one SelfExtend scale G per group of rotary pairs, pair 0 (highest "
                                             "frequency) first; the list's length is the number of groups and must "
-                                            "divide the pair count (default: 8 groups at G = 4, self_extend's)")
+                                            "divide the pair count (default: 8 groups at G = 4, self_extend's)",
+                                      search=(1, 64, "pow2", "each"), elements=8, element_default=4)
     selected_pairs: list | None = param(None, "the pairs that are grouped (the rest keep r' = r): one list for every "
                                               "layer, or one list per layer (DPE keeps the top pairs by |q||k|)")
 

@@ -33,9 +33,11 @@ def check_objective(name: str) -> str:
 def method_config(base: dict, params: dict):
     """A validated MethodConfig from the fixed settings and one trial's parameters; InvalidParams if rejected."""
     from ..config import MethodConfig
+    from .space import collapse_elements
 
     try:
-        return MethodConfig.from_mapping({**base, **{k: v for k, v in params.items() if v is not None}})
+        values = collapse_elements({k: v for k, v in params.items() if v is not None})
+        return MethodConfig.from_mapping({**base, **values})
     except CtxextError as error:
         raise InvalidParams(str(error)) from None
 

@@ -137,12 +137,10 @@ def run_trials(settings: SearchSettings, objective, out: Path, trials: int, rota
 
 
 def _default(method_name: str, name: str):
-    import dataclasses
-
     from ..methods import get_method
+    from .space import element_default
 
-    field_ = next(f for f in dataclasses.fields(get_method(method_name).params_cls) if f.name == name)
-    return field_.default
+    return element_default(get_method(method_name), name)
 
 
 def longrope_curves(settings: SearchSettings, rotary_dim: int, base: float):

@@ -5,7 +5,9 @@ A parameters dataclass declares a range with `param(default, help, search=(low, 
     beta_fast: float = param(32.0, "...", search=(4.0, 128.0, "log"))
     window: int = param(512, "...", search=(1 / 32, 1.0, "log", "int", "*L"))
 
-The words are `"log"` (sample on a log scale), `"int"` (whole numbers) and any of `"*factor"`, `"*L"`, `"*base"`
+The words are `"log"` (sample on a log scale), `"int"` (whole numbers), `"pow2"` (the powers of two from low to
+high, as choices), `"each"` (the parameter is a list: one range per element, named `name[i]`; the element count
+is the list given on the command line, else the field's `elements`) and any of `"*factor"`, `"*L"`, `"*base"`
 (low and high are multiples of the scale s, the original length L, or the RoPE base b; the words multiply, so
 `"*L", "*factor"` makes them shares of the target length s L), so that one declaration fits a 2k model at s=2 and
 a 128k target alike. A `--space` YAML overrides them for the parameters it names:
@@ -22,12 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CtxextError, did_you_mean
 
-WORDS = ("log", "int")
+WORDS = ("log", "int", "pow2", "each")
+ELEMENT = re.compile(r"^(\w+)\[(\d+)\]$")  # name[i]: element i of a list parameter
 SCALES = {"*factor": "factor", "*L": "L", "*base": "base"}
 
 
@@ -107,7 +111,47 @@ def declared_range(field: dataclasses.Field, scales: dict[str, float]) -> Range 
     for word in words:
         if word in SCALES:
             multiplier *= scales[SCALES[word]]
-    return Range(field.name, low * multiplier, high * multiplier, log="log" in words, integer="int" in words)
+    low, high = low * multiplier, high * multiplier
+    if "pow2" in words:
+        return Range(field.name, choices=tuple(2 ** k for k in range(math.ceil(math.log2(low)),
+                                                                     math.floor(math.log2(high)) + 1)))
+    return Range(field.name, low, high, log="log" in words, integer="int" in words)
+
+
+def per_element(ranges: list[Range], fields: dict, counts: dict[str, int]) -> list[Range]:
+    """A list parameter's range ("each") as one range per element, `name[i]`."""
+    out = []
+    for r in ranges:
+        field_ = fields.get(r.name)
+        if field_ is None or "each" not in (field_.metadata.get("search") or ()):
+            out.append(r)
+            continue
+        count = counts.get(r.name, field_.metadata.get("elements"))
+        out += [dataclasses.replace(r, name=f"{r.name}[{i}]") for i in range(count)]
+    return out
+
+
+def element_default(method, name: str):
+    """The default of `name`, or of element i of a list parameter for `name[i]` (the field's element_default)."""
+    found = ELEMENT.match(name)
+    fields = {f.name: f for f in dataclasses.fields(method.params_cls)}
+    if found is None:
+        return fields[name].default
+    return fields[found[1]].metadata.get("element_default")
+
+
+def collapse_elements(params: dict) -> dict:
+    """{'g[0]': 2, 'g[1]': 8, 'w': 5} -> {'g': [2, 8], 'w': 5}: a trial's element values back into lists."""
+    out, lists = {}, {}
+    for key, value in params.items():
+        found = ELEMENT.match(key)
+        if found is None:
+            out[key] = value
+        else:
+            lists.setdefault(found[1], {})[int(found[2])] = value
+    for name, items in lists.items():
+        out[name] = [items[i] for i in sorted(items)]
+    return out
 
 
 def searchable_fields(method) -> dict[str, dataclasses.Field]:
@@ -117,9 +161,11 @@ def searchable_fields(method) -> dict[str, dataclasses.Field]:
 
 
 def build_space(method, scales: dict[str, float], names: list[str] | None = None,
-                space: dict[str, Any] | None = None, source: str = "--space") -> list[Range]:
+                space: dict[str, Any] | None = None, source: str = "--space",
+                counts: dict[str, int] | None = None) -> list[Range]:
     """The ranges to search: `space` (a --space mapping) if given, else the declared ranges of `names` (default:
-    every parameter that declares one). A one-line CtxextError for an unknown name, an undeclared or empty range."""
+    every parameter that declares one); a list parameter becomes one range per element (`counts` of them where
+    given). A one-line CtxextError for an unknown name, an undeclared or empty range."""
     fields = searchable_fields(method)
     if space is not None:
         if not isinstance(space, dict) or not space:
@@ -141,7 +187,7 @@ def build_space(method, scales: dict[str, float], names: list[str] | None = None
             ranges.append(declared)
     if len({r.name for r in ranges}) != len(ranges):
         raise CtxextError("each parameter may be searched once; --params names one twice")
-    return ranges
+    return per_element(ranges, fields, counts or {})
 
 
 def _check_known(name: str, fields: dict, method_name: str, source: str) -> None:
