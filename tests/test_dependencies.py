@@ -18,6 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 # Modules of optional features, and the extra that installs them.
 OPTIONAL_IMPORTS = {"lm_eval": "tasks", "evaluate": "tasks", "optuna": "search", "cma": "search",
                     "llama_cpp": "llamacpp"}
+# Optional modules the test extra does not install (llama-cpp-python compiles llama.cpp): module -> distribution.
+NOT_INSTALLED_BY_TESTS = {"llama_cpp": "llama-cpp-python"}
 # Needed with no import statement in ctxext: distribution -> why.
 NEEDED_WITHOUT_IMPORT = {"gguf": "ctxext.assets converts SmolLM2's GGUF file with transformers, which needs gguf"}
 # (distribution, what ctxext uses, the first version that has it)
@@ -55,6 +57,9 @@ def imported_distributions(paths) -> dict[str, set[str]]:
                     continue
                 for top in {name.split(".")[0] for name in names}:
                     if top in sys.stdlib_module_names or top in ("ctxext", "tests", "__future__"):
+                        continue
+                    if top not in owners and top in NOT_INSTALLED_BY_TESTS:
+                        found.setdefault(normalize(NOT_INSTALLED_BY_TESTS[top]), set()).add(top)
                         continue
                     assert top in owners, f"{path}: no installed distribution provides '{top}'"
                     for dist in owners[top]:
