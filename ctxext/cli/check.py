@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+from .common import HelpFormatter
+
 HELP = "check that the attention-level methods run exactly here, under every attention implementation"
 DESCRIPTION = """\
 Run on a new machine before trusting ctxext's attention-level methods there. On a random model of your
 architecture (--model: a config directory, config.json or hub id; only the config is read), for each
 attention implementation available on the device (eager, sdpa, flex_attention, FlashAttention where
-installed) and each method (rerope, leaky_rerope, self_extend, dual_chunk, string, logn):
+installed) and each method (rerope, leaky_rerope, self_extend, dual_chunk, string, dpe,
+logn):
 
   1. agreement: the logits and weight gradients against a per-cell reference (every score from its
      remapped relative position, float64) on 160 tokens that cross every region boundary;
@@ -20,7 +23,7 @@ Prints two tables; --json writes everything. Exit code 1 if any method disagrees
 EPILOG = ("examples:\n"
           "  ctxext check --device cpu --lengths 2048                     # default 1B-class LLaMA shape\n"
           "  ctxext check --model Qwen/Qwen2.5-7B --lengths 8192,32768,131072 --backward --json check.json")
-FORMATTER_CLASS = argparse.RawDescriptionHelpFormatter
+FORMATTER_CLASS = HelpFormatter  # wraps prose, keeps the examples one a line
 
 
 def _names(text: str) -> list[str]:

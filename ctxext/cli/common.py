@@ -15,6 +15,15 @@ _LONG_FLAG = re.compile(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?:=(.*))?$", re.DOTA
 _NUMBER = re.compile(r"-\d|-\.\d")
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Text with line breaks (examples, numbered parts) is printed as written; other text is wrapped."""
+
+    def _fill_text(self, text, width, indent):
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors (exit code 2)."""
 

@@ -3,6 +3,8 @@ and a copy of the checkpoint written for one engine."""
 
 from __future__ import annotations
 
+from .common import HelpFormatter
+
 HELP = "which engines (vLLM, SGLang, llama.cpp, transformers) serve a patched model, checked"
 DESCRIPTION = (
     "For MODEL (a checkpoint directory or a GGUF file written by ctxext), print a table of the serving engines: exact "
@@ -11,6 +13,7 @@ DESCRIPTION = (
     "ctxext, and llama.cpp where llama-cpp-python is installed. The vLLM and SGLang rows are read from their "
     "source code, not run. --engine E -o OUT writes a copy of the checkpoint whose config E reads (for dual_chunk "
     "on a Qwen2-family model, --engine sglang writes SGLang's dual_chunk_attention_config).")
+FORMATTER_CLASS = HelpFormatter  # wraps prose, keeps the examples one a line
 EPILOG = ("examples:\n"
           "  ctxext export ./llama-16k --check\n"
           "  ctxext export ./llama-16k-ctxext-format --engine vllm -o ./llama-16k-vllm\n"
@@ -19,9 +22,6 @@ EPILOG = ("examples:\n"
 
 
 def add_arguments(parser) -> None:
-    import argparse
-
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("model", help="a checkpoint directory or a .gguf file")
     parser.add_argument("--check", action="store_true", help="run the parity checks this machine can run")
     parser.add_argument("--tokens", type=int, default=256, metavar="N",

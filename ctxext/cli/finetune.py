@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
+from .common import HelpFormatter
 
 HELP = "LoRA fine-tuning at a longer context (PI / YaRN / any method), resumable"
 DESCRIPTION = """\
@@ -31,7 +31,7 @@ examples:
 """
 
 
-FORMATTER_CLASS = argparse.RawDescriptionHelpFormatter
+FORMATTER_CLASS = HelpFormatter  # wraps prose, keeps the examples one a line
 
 
 def add_arguments(parser) -> None:

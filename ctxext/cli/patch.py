@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_method_arguments
+from .common import HelpFormatter, add_method_arguments
 
 HELP = "apply a method to a checkpoint and save the patched checkpoint"
 DESCRIPTION = ("Load MODEL, apply a scaling method, and write a complete checkpoint (weights, config, tokenizer, "
@@ -11,6 +11,7 @@ DESCRIPTION = ("Load MODEL, apply a scaling method, and write a complete checkpo
                "native rope type wherever one exists, so vLLM, SGLang and plain transformers load it. "
                "A .gguf MODEL (llama.cpp, Ollama, LM Studio) is written as a .gguf file with the rope keys "
                "llama.cpp reads.")
+FORMATTER_CLASS = HelpFormatter  # wraps prose, keeps the examples one a line
 EPILOG = ("examples:\n"
           "  ctxext patch ./llama-4k --method yarn --factor 4 -o ./llama-16k\n"
           "  ctxext patch model.gguf --method yarn --factor 4 -o model-32k.gguf\n"
@@ -18,9 +19,6 @@ EPILOG = ("examples:\n"
 
 
 def add_arguments(parser) -> None:
-    import argparse
-
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("model", help="a local checkpoint directory, a hub id, or a .gguf file")
     parser.add_argument("-o", "--output", required=True,
                         help="directory to write the patched checkpoint to (a .gguf file for a GGUF input)")

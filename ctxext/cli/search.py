@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import textwrap
 
-from .common import add_data_arguments, add_method_arguments, add_runtime_arguments
+from .common import HelpFormatter, add_data_arguments, add_method_arguments, add_runtime_arguments
 
 HELP = "search a method's parameters (LongRoPE's per-pair factors too) on your model and data; resumable"
 DESCRIPTION = (
@@ -20,7 +19,7 @@ DESCRIPTION = (
     "are written as a checkpoint to OUT/checkpoint (the same code as `ctxext patch`; longrope as transformers' own "
     "'longrope' type).")
 DESCRIPTION = textwrap.fill(DESCRIPTION, 100)
-FORMATTER_CLASS = argparse.RawDescriptionHelpFormatter  # keeps the examples one a line
+FORMATTER_CLASS = HelpFormatter  # wraps prose, keeps the examples one a line
 EPILOG = ("examples:\n"
           "  ctxext search ./model --method yarn --factor 4 --length 16k --dataset pg19 --max-docs 4 -o yarn-search\n"
           "  ctxext search ./model --method longrope --factor 4 --length 16k --text-file books/ --trials 40 -o lr\n"
