@@ -78,21 +78,6 @@ def test_equal_scales_are_self_extend_and_scales_of_one_are_plain_rope(family):
         torch.testing.assert_close(ones(tokens).logits, plain(tokens).logits, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family,params,logn", [
-    ("llama", {"window": 6, "group_scales": [2, 4, 8, 16]}, False),
-    ("qwen3", {"window": 5, "group_scales": [3, 9], "selected_pairs": [[0, 1, 6], [2, 3, 4, 7]]}, True),
-])
-def test_cached_decoding_equals_full_forward(family, params, logn):
-    model = ctxext.patch(tiny_model(family, max_position_embeddings=L), "dpe", logn=logn, **params)
-    prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        generated = model.generate(prompt, max_new_tokens=32, do_sample=False, output_logits=True,
-                                   return_dict_in_generate=True, pad_token_id=0)
-        decoded = torch.stack(generated.logits, dim=1)
-        full = model(generated.sequences).logits[:, prompt.shape[1] - 1: -1]
-    assert torch.allclose(decoded, full, atol=1e-4), (decoded - full).abs().max()
-
-
 def test_defaults_follow_the_original_length_and_the_checkpoint_records_them(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -153,6 +153,8 @@ DECODE = [
     ("qwen2", "string", {"shifted_offset": 10, "local_value": 3}, True),
     ("qwen3", "self_extend", {"group_size": 2, "window": 16}, True),  # prompt inside w, decoding crosses it
     ("llama", "dual_chunk", {"chunk_size": 18, "local_window": 4}, False),
+    ("llama", "dpe", {"window": 6, "group_scales": [2, 4, 8, 16]}, False),
+    ("qwen3", "dpe", {"window": 5, "group_scales": [3, 9], "selected_pairs": [[0, 1, 6], [2, 3, 4, 7]]}, True),
 ]
 
 

@@ -172,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
     labels = [m.label for m in methods]
     missing = [c.name for c in cells if c.result is None]
     table = score_tables(rows, labels, lengths) if rows else "(no cell has a result yet)"
+    effective = effective_lengths(rows, labels)
     payload = {
         "command": command_line(),
         "arguments": arguments(args),
@@ -191,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         },
         "methods": [{"label": m.label, **m.description} for m in methods],
         "scores": rows,
-        "effective_length": {"rule": EFFECTIVE_RULE, "panels": effective_lengths(rows, labels)},
+        "effective_length": {"rule": EFFECTIVE_RULE, "panels": effective},
         "missing_cells": missing,
         "cells": [{"method": c.method.label, "task": c.task.name, "length": c.length, "cached": c.cached,
                    "cache_file": str(cache.path(c.key)) if cache.directory is not None else None,
@@ -211,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
                               f"{'all' if args.limit is None else args.limit} samples per cell")
     print()
     print(table)
-    if rows and effective_lengths(rows, labels):
+    if effective:
         print(f"\n{EFFECTIVE_RULE}")
     if missing:
         print(f"\n{len(missing)} cells not run yet: {'; '.join(missing[:6])}{'; ...' if len(missing) > 6 else ''}")

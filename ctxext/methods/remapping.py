@@ -63,9 +63,11 @@ def local_band(width: int) -> Region:
     return Region("band", lambda i: (i - width + 1, i + 1))
 
 
-def beyond_band(width: int, query_position: PositionRule | None, key_position: PositionRule | None) -> Region:
+def beyond_band(width: int, query_position: PositionRule | None, key_position: PositionRule | None,
+                pair_scales: Callable[[int, int], torch.Tensor] | None = None) -> Region:
     """Every key at distance >= width."""
-    return Region("far", lambda i: (torch.full_like(i, FIRST_KEY), i - width + 1), query_position, key_position)
+    return Region("far", lambda i: (torch.full_like(i, FIRST_KEY), i - width + 1), query_position, key_position,
+                  pair_scales)
 
 
 @dataclass
@@ -220,6 +222,9 @@ def grouped_key_position(j: torch.Tensor, G: int) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------------------------------------- DPE
+DPE_GROUPS, DPE_SCALE = 8, 4  # the default: 8 groups, each at self_extend's default G
+
+
 @dataclass
 class DpeParams(RemapParams):
     """DPE: SelfExtend per group of rotary pairs, each group with its own scale; unselected pairs keep r' = r."""
@@ -231,7 +236,7 @@ class DpeParams(RemapParams):
     group_scales: list | None = param(None, "one SelfExtend scale G per group of rotary pairs, pair 0 (highest "
                                             "frequency) first; the list's length is the number of groups and must "
                                             "divide the pair count (default: 8 groups at G = 4, self_extend's)",
-                                      search=(1, 64, "pow2", "each"), elements=8, element_default=4)
+                                      search=(1, 64, "pow2", "each"), elements=DPE_GROUPS, element_default=DPE_SCALE)
     selected_pairs: list | None = param(None, "the pairs that are grouped (the rest keep r' = r): one list for every "
                                               "layer, or one list per layer (DPE keeps the top pairs by |q||k|)")
 
@@ -256,7 +261,7 @@ class DpeParams(RemapParams):
 
     @property
     def scales(self) -> list[int]:
-        return list(self.group_scales) if self.group_scales is not None else [4] * 8
+        return list(self.group_scales) if self.group_scales is not None else [DPE_SCALE] * DPE_GROUPS
 
     def resolved(self, original_max_position_embeddings: int) -> "DpeParams":
         if self.window is not None and self.group_scales is not None:
@@ -297,9 +302,8 @@ class DpeParams(RemapParams):
         w = self.window
         if w is None:
             raise CtxextError("dpe's 'window' is not resolved yet (it defaults from the original length L)")
-        return [local_band(w), Region(
-            "far", lambda i: (torch.full_like(i, FIRST_KEY), i - w + 1),
-            lambda i, G: grouped_query_position(i, G, w), grouped_key_position, self.pair_scales)]
+        return [local_band(w), beyond_band(w, lambda i, G: grouped_query_position(i, G, w), grouped_key_position,
+                                           self.pair_scales)]
 
     def plain_up_to(self) -> int:
         return self.window

@@ -47,11 +47,17 @@ class ServedModel:
 
     def method_and_params(self):
         spec = get_method(self.method)
-        values = dict(self.record.get("params") or {}) if self.record else {}
-        if self.record and self.kind == "checkpoint":  # ctxext.yaml is flat: method, factor, parameters, notes
-            values = dict(self.record)
+        # ctxext.yaml is flat (method, factor, parameters, notes); a GGUF's record keeps them under "params"
+        values = (self.record if self.kind == "checkpoint" else self.record.get("params")) if self.record else None
         names = set(spec.params_cls.__dataclass_fields__)
-        return spec, spec.make_params(**{k: v for k, v in values.items() if k in names})
+        return spec, spec.make_params(**{k: v for k, v in (values or {}).items() if k in names})
+
+    @property
+    def rotary_dim(self) -> int:
+        """Rotated channels per head, from config.json (a checkpoint's)."""
+        config = self.config
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        return int(head_dim * (self.rope_parameters.get("partial_rotary_factor") or 1.0))
 
     @property
     def logn(self) -> bool:
@@ -96,8 +102,7 @@ def _is_remapping(method: str) -> bool:
 
 def _transformers(model: ServedModel) -> Support:
     if model.kind == "gguf":
-        spec, params = model.method_and_params()
-        if model.method == "none" or spec.new_base is not None:
+        if model.method == "none" or get_method(model.method).new_base is not None:
             return Support("transformers", "exact", "its GGUF loader reads rope.freq_base, all this file changes")
         return Support("transformers", "no", "its GGUF loader reads only rope.freq_base, not the scaling keys or "
                        "rope_freqs; load the patched checkpoint directory instead")
@@ -161,14 +166,13 @@ def _llama_cpp(model: ServedModel) -> Support:
     spec, params = model.method_and_params()
     L = int(model.record["original_max_position_embeddings"])
     base = float((model.record.get("rope_parameters") or model.rope_parameters)["rope_theta"])
-    head_dim = model.config.get("head_dim") or model.config["hidden_size"] // model.config["num_attention_heads"]
     if spec.name == "self_extend":
         from .gguf import self_extend_flags
 
         return Support("llama.cpp", "approximate", f"at run time, with {self_extend_flags(params)} (its window is a "
                        "chunk width, and keys are shifted in the cache, not re-rotated)")
     try:
-        rope = gguf_rope(spec, params, arch, int(head_dim), base, L, logn=model.logn)
+        rope = gguf_rope(spec, params, arch, model.rotary_dim, base, L, logn=model.logn)
     except CtxextError as error:
         return Support("llama.cpp", "no", str(error))
     return Support("llama.cpp", "exact", f"{rope.how}: convert the source model with llama.cpp's "
@@ -200,9 +204,6 @@ def export_checkpoint(model: ServedModel, engine: str, output, overwrite: bool =
     L = int(model.record["original_max_position_embeddings"])
     base = float(model.record["rope_parameters"]["rope_theta"])
     config = model.config
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    partial = model.rope_parameters.get("partial_rotary_factor")
-    dim = int(head_dim * (partial or 1.0))
     if model.logn:
         raise CtxextError(f"no serving engine runs log-n scaling; {SERVED_BY_CTXEXT}, or patch without --logn")
     if spec.name == "dual_chunk" and engine == "sglang" and model.family == "qwen2":
@@ -213,7 +214,8 @@ def export_checkpoint(model: ServedModel, engine: str, output, overwrite: bool =
                                                  "original_max_position_embeddings": L}}
         how = "SGLang's dual_chunk_attention_config (approximate: SGLang also scales keys by 0.1 ln(len/L) + 1)"
     else:
-        form = rope_form(spec, params, dim, base, L, partial, "native")
+        form = rope_form(spec, params, model.rotary_dim, base, L, model.rope_parameters.get("partial_rotary_factor"),
+                         "native")
         if not form.native:
             hint = {"dual_chunk": "--engine sglang on a Qwen2-family model",
                     "self_extend": "llama.cpp's --grp-attn-n/--grp-attn-w on a GGUF"}.get(spec.name, SERVED_BY_CTXEXT)

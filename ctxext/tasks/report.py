@@ -76,7 +76,7 @@ def score_tables(rows: list[dict], methods: list[str], lengths: list[int] = ()) 
             cells = [format_score(by_key[(method, n)]["value"]) if (method, n) in by_key else "-"
                      for n in lengths_here]
             lines.append(method.ljust(label_width) + "".join(f"{c:>9}" for c in cells))
-        effective = next((e for e in effective_lengths(panel, methods)), None)
+        effective = next(iter(effective_lengths(panel, methods)), None)
         if effective is not None:
             lines.append(_effective_line(effective))
         blocks.append("\n".join(lines))
