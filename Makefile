@@ -1,4 +1,4 @@
-# The two commands: `make demo` (the offline end-to-end demo) and `make test` (the test suite).
+# The two commands: `make demo` (the offline end-to-end demo) and `make test` (ruff, then the test suite).
 # Both create or reuse .venv, installing torch first so that pip never pulls a multi-GB CUDA build by accident.
 PYTHON ?= python3
 VENV := .venv
@@ -23,6 +23,8 @@ demo: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python scripts/demo.py
 
 test: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
 clean-cache:

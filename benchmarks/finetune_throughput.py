@@ -48,17 +48,28 @@ def text_file(folder: Path) -> Path:
 def recipe_for(args, output: Path, data: Path):
     from ctxext.train.recipe import recipe_from_mapping
 
-    return recipe_from_mapping({
-        "model": args.model, "method": {"method": args.method, "factor": args.factor}, "seq_len": args.seq_len,
-        "output_dir": str(output), "seed": 0,
-        "optim": {"lr": 2e-5},
-        "train": {"max_steps": args.steps, "global_batch_size": args.micro_batch * args.accumulation,
-                  "micro_batch_size": args.micro_batch, "precision": args.precision,
-                  "gradient_checkpointing": args.gradient_checkpointing, "checkpoint_every": 0, "log_every": 1,
-                  "save_merged": False},
-        "data": {"text_files": [str(data)]},
-        "eval": {"every": 0, "dataset": None},
-    })
+    return recipe_from_mapping(
+        {
+            "model": args.model,
+            "method": {"method": args.method, "factor": args.factor},
+            "seq_len": args.seq_len,
+            "output_dir": str(output),
+            "seed": 0,
+            "optim": {"lr": 2e-5},
+            "train": {
+                "max_steps": args.steps,
+                "global_batch_size": args.micro_batch * args.accumulation,
+                "micro_batch_size": args.micro_batch,
+                "precision": args.precision,
+                "gradient_checkpointing": args.gradient_checkpointing,
+                "checkpoint_every": 0,
+                "log_every": 1,
+                "save_merged": False,
+            },
+            "data": {"text_files": [str(data)]},
+            "eval": {"every": 0, "dataset": None},
+        }
+    )
 
 
 # ------------------------------------------------------------------------------------------------ workers
@@ -70,8 +81,12 @@ def worker_ctxext(args, folder: Path) -> dict:
     train = [r for r in records if r["kind"] == "train"]
     tokens_per_step = recipe.train.global_batch_size * recipe.seq_len
     step_seconds = [tokens_per_step / r["tokens_per_second"] for r in train]
-    return {"step_seconds": step_seconds, "precision": setup.runtime.precision,
-            "device": str(setup.runtime.accelerator.device), "losses": [r["loss"] for r in train]}
+    return {
+        "step_seconds": step_seconds,
+        "precision": setup.runtime.precision,
+        "device": str(setup.runtime.accelerator.device),
+        "losses": [r["loss"] for r in train],
+    }
 
 
 def worker_trainer(args, folder: Path) -> dict:
@@ -79,9 +94,9 @@ def worker_trainer(args, folder: Path) -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
     from ctxext.loading import load_model, load_tokenizer
+    from ctxext.runtime import attention_implementation, training_precision
     from ctxext.train.data import PackedSequences, token_stream
     from ctxext.train.lora import add_lora
-    from ctxext.runtime import attention_implementation, training_precision
     from ctxext.train.pretrain_tiny import resolve_model_name
 
     recipe = recipe_for(args, folder / "trainer-run", text_file(folder))
@@ -89,8 +104,12 @@ def worker_trainer(args, folder: Path) -> dict:
     precision = training_precision(recipe.train.precision, device, sharded=False)
     path = resolve_model_name(recipe.model)
     tokenizer = load_tokenizer(path)
-    model = load_model(path, dtype=torch.bfloat16 if precision == "bf16" else torch.float32, device=device,
-                       attn_implementation=attention_implementation("auto", device, precision != "fp32"))
+    model = load_model(
+        path,
+        dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
+        device=device,
+        attn_implementation=attention_implementation("auto", device, precision != "fp32"),
+    )
     recipe.method.apply(model)
     model.config.use_cache = False
     model = add_lora(model, 8, 16, 0.05, ["q_proj", "k_proj", "v_proj", "o_proj"], True)
@@ -126,15 +145,31 @@ def worker_trainer(args, folder: Path) -> dict:
 
     timer = StepTimes()
     training_args = TrainingArguments(
-        output_dir=str(folder / "trainer-run"), per_device_train_batch_size=args.micro_batch,
-        gradient_accumulation_steps=args.accumulation, max_steps=args.steps, learning_rate=2e-5,
-        adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.0, warmup_steps=20, lr_scheduler_type="constant_with_warmup",
-        bf16=precision != "fp32", use_cpu=device.type == "cpu", gradient_checkpointing=args.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False}, logging_steps=1, save_strategy="no", report_to=[],
-        dataloader_num_workers=0, remove_unused_columns=False, disable_tqdm=True, seed=0,
+        output_dir=str(folder / "trainer-run"),
+        per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=args.accumulation,
+        max_steps=args.steps,
+        learning_rate=2e-5,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        weight_decay=0.0,
+        warmup_steps=20,
+        lr_scheduler_type="constant_with_warmup",
+        bf16=precision != "fp32",
+        use_cpu=device.type == "cpu",
+        gradient_checkpointing=args.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        disable_tqdm=True,
+        seed=0,
     )
-    trainer = Trainer(model=model, args=training_args, train_dataset=Packed(), data_collator=default_data_collator,
-                      callbacks=[timer])
+    trainer = Trainer(
+        model=model, args=training_args, train_dataset=Packed(), data_collator=default_data_collator, callbacks=[timer]
+    )
     trainer.train()
     trainer.save_model(str(folder / "trainer-run" / "adapter"))  # ctxext saves its adapter too
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -184,25 +219,34 @@ def main() -> None:
     for _ in range(args.repeats):
         for kind in ("ctxext", "trainer"):
             runs[kind].append(run_worker(kind))
-            print(f"  {kind}: median step {statistics.median(runs[kind][-1]['step_seconds'][args.warmup:]):.2f} s, "
-                  f"peak {runs[kind][-1]['peak_memory_mb']:.0f} MB", flush=True)
+            print(
+                f"  {kind}: median step {statistics.median(runs[kind][-1]['step_seconds'][args.warmup :]):.2f} s, "
+                f"peak {runs[kind][-1]['peak_memory_mb']:.0f} MB",
+                flush=True,
+            )
     tokens_per_step = args.micro_batch * args.accumulation * args.seq_len
     summary = {}
     for kind, results in runs.items():
-        steps = [s for r in results for s in r["step_seconds"][args.warmup:]]
-        summary[kind] = {"tokens_per_second": tokens_per_step / statistics.median(steps),
-                         "peak_memory_mb": max(r["peak_memory_mb"] for r in results),
-                         "first_losses": results[0]["losses"][:3]}
+        steps = [s for r in results for s in r["step_seconds"][args.warmup :]]
+        summary[kind] = {
+            "tokens_per_second": tokens_per_step / statistics.median(steps),
+            "peak_memory_mb": max(r["peak_memory_mb"] for r in results),
+            "first_losses": results[0]["losses"][:3],
+        }
     ours, theirs = summary["ctxext"], summary["trainer"]
-    print(f"{Path(args.model).name}, {args.method} x{args.factor:g}, seq {args.seq_len}, micro-batch "
-          f"{args.micro_batch} x accumulation {args.accumulation}, precision {runs['ctxext'][0]['precision']}, "
-          f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}, device {runs['ctxext'][0]['device']}, "
-          f"{args.steps} steps ({args.warmup} warm-up) x {args.repeats} alternating runs each")
+    print(
+        f"{Path(args.model).name}, {args.method} x{args.factor:g}, seq {args.seq_len}, micro-batch "
+        f"{args.micro_batch} x accumulation {args.accumulation}, precision {runs['ctxext'][0]['precision']}, "
+        f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}, device {runs['ctxext'][0]['device']}, "
+        f"{args.steps} steps ({args.warmup} warm-up) x {args.repeats} alternating runs each"
+    )
     print(f"{'':16}{'tokens/s':>12}{'peak MB':>12}")
     for kind, label in (("ctxext", "ctxext finetune"), ("trainer", "HF Trainer+PEFT")):
         print(f"{label:<16}{summary[kind]['tokens_per_second']:>12.1f}{summary[kind]['peak_memory_mb']:>12.0f}")
-    print(f"throughput ratio ctxext/Trainer: {ours['tokens_per_second'] / theirs['tokens_per_second']:.3f} "
-          f"(target >= 1.0)")
+    print(
+        f"throughput ratio ctxext/Trainer: {ours['tokens_per_second'] / theirs['tokens_per_second']:.3f} "
+        f"(target >= 1.0)"
+    )
     print(f"peak memory ratio ctxext/Trainer: {ours['peak_memory_mb'] / theirs['peak_memory_mb']:.3f} (target <= 1.0)")
     print(json.dumps({"summary": summary, "args": vars(args)}))
 

@@ -25,8 +25,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = {"none": {}, "yarn": {"factor": 2}, "ntk": {"factor": 2}, "ntk_by_parts": {"factor": 2},
-           "linear": {"factor": 2}}
+METHODS = {
+    "none": {},
+    "yarn": {"factor": 2},
+    "ntk": {"factor": 2},
+    "ntk_by_parts": {"factor": 2},
+    "linear": {"factor": 2},
+}
 LLAMA_CPP_SPEC = "llama-cpp-python==0.3.36"
 
 
@@ -70,7 +75,7 @@ def main() -> int:
         cells["llama_cpp_build_seconds"] = build_seconds
     source, checkpoint = assets.smollm2_gguf(), assets.smollm2_checkpoint()
     text = assets.shakespeare_text(assets.HAMLET_RICHARD3)
-    ids = load_tokenizer(str(checkpoint))(text)["input_ids"][:args.tokens]
+    ids = load_tokenizer(str(checkpoint))(text)["input_ids"][: args.tokens]
     if len(ids) < args.tokens:
         raise SystemExit(f"the text has only {len(ids)} tokens")
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
@@ -92,19 +97,29 @@ def main() -> int:
         import ctxext
 
         ctxext.unpatch(model)
-        cell = {"llama_cpp_ppl": math.exp(lcpp_sum / n), "ctxext_ppl": math.exp(hf_sum / hf_n), "tokens_scored": n,
-                "llama_cpp_seconds": lcpp_seconds, "ctxext_seconds": hf_seconds}
+        cell = {
+            "llama_cpp_ppl": math.exp(lcpp_sum / n),
+            "ctxext_ppl": math.exp(hf_sum / hf_n),
+            "tokens_scored": n,
+            "llama_cpp_seconds": lcpp_seconds,
+            "ctxext_seconds": hf_seconds,
+        }
         cell["relative_difference"] = cell["llama_cpp_ppl"] / cell["ctxext_ppl"] - 1
         cells.setdefault("cells", {})[key] = cell
         atomic_write_text(cells_path, json.dumps(cells, indent=2) + "\n")
-        print(f"{key}: llama.cpp {cell['llama_cpp_ppl']:.3f}  ctxext {cell['ctxext_ppl']:.3f}  "
-              f"({100 * cell['relative_difference']:+.3f}%)", flush=True)
+        print(
+            f"{key}: llama.cpp {cell['llama_cpp_ppl']:.3f}  ctxext {cell['ctxext_ppl']:.3f}  "
+            f"({100 * cell['relative_difference']:+.3f}%)",
+            flush=True,
+        )
 
     print(f"\n| method (x2, {args.tokens} tokens) | llama.cpp ppl | ctxext ppl | difference |")
     print("|---|---|---|---|")
     for key, cell in cells.get("cells", {}).items():
-        print(f"| {key} | {cell['llama_cpp_ppl']:.3f} | {cell['ctxext_ppl']:.3f} | "
-              f"{100 * cell['relative_difference']:+.3f}% |")
+        print(
+            f"| {key} | {cell['llama_cpp_ppl']:.3f} | {cell['ctxext_ppl']:.3f} | "
+            f"{100 * cell['relative_difference']:+.3f}% |"
+        )
     if "llama_cpp_build_seconds" in cells:
         print(f"\nllama-cpp-python build: {cells['llama_cpp_build_seconds'] / 60:.1f} min")
     return 0

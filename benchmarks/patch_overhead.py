@@ -44,8 +44,10 @@ def main() -> None:
         times["unpatched"].append(timed_forward(baseline, tokens))
         times["patched"].append(timed_forward(patched, tokens))
     unpatched, with_patch = statistics.median(times["unpatched"]), statistics.median(times["patched"])
-    print(f"SmolLM2-135M fp32, {args.tokens} tokens, {args.repeats} interleaved repeats, torch threads "
-          f"{torch.get_num_threads()}")
+    print(
+        f"SmolLM2-135M fp32, {args.tokens} tokens, {args.repeats} interleaved repeats, torch threads "
+        f"{torch.get_num_threads()}"
+    )
     print(f"median forward: unpatched {unpatched:.3f} s, {args.method} x{args.factor:g} {with_patch:.3f} s")
     print(f"ratio patched/unpatched: {with_patch / unpatched:.3f} (target <= 1.02)")
 

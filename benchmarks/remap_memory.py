@@ -129,11 +129,17 @@ def worker_model(args) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
-    result = {"variant": args.variant, "length": args.length, "seconds": seconds,
-              "threads": torch.get_num_threads(), "device": str(device)}
+    result = {
+        "variant": args.variant,
+        "length": args.length,
+        "seconds": seconds,
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+    }
     if memory is not None:
-        result.update(peak_mb=memory.peak / 1024, before_mb=memory.before / 1024,
-                      increase_mb=(memory.peak - memory.before) / 1024)
+        result.update(
+            peak_mb=memory.peak / 1024, before_mb=memory.before / 1024, increase_mb=(memory.peak - memory.before) / 1024
+        )
     else:
         peak = torch.cuda.max_memory_allocated()
         result.update(peak_mb=peak / 2**20, before_mb=before_gpu / 2**20, increase_mb=(peak - before_gpu) / 2**20)
@@ -154,6 +160,7 @@ def worker_kernel(args) -> dict:
     k, v = torch.randn(1, kv_heads, n, dim), torch.randn(1, kv_heads, n, dim)
     with torch.inference_mode():
         if args.variant == "sdpa":
+
             def run():
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
@@ -161,16 +168,24 @@ def worker_kernel(args) -> dict:
             kernel = "naive" if args.variant == "naive" else "auto"
 
             def run():
-                return rerope_attention(q, q_far, k, k_far, v, args.window, dim**-0.5,
-                                        query_block=args.query_block, kernel=kernel)
+                return rerope_attention(
+                    q, q_far, k, k_far, v, args.window, dim**-0.5, query_block=args.query_block, kernel=kernel
+                )
+
         run()  # warm-up
         with PeakRss() as memory:
             start = time.perf_counter()
             run()
             seconds = time.perf_counter() - start
-    return {"variant": args.variant, "length": n, "seconds": seconds, "threads": torch.get_num_threads(),
-            "peak_mb": memory.peak / 1024,
-            "before_mb": memory.before / 1024, "increase_mb": (memory.peak - memory.before) / 1024}
+    return {
+        "variant": args.variant,
+        "length": n,
+        "seconds": seconds,
+        "threads": torch.get_num_threads(),
+        "peak_mb": memory.peak / 1024,
+        "before_mb": memory.before / 1024,
+        "increase_mb": (memory.peak - memory.before) / 1024,
+    }
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -183,9 +198,26 @@ def naive_fits(length: int, model: bool) -> bool:
 
 
 def run_worker(mode: str, variant: str, length: int, args, logits_out: str) -> dict:
-    command = [sys.executable, __file__, "--worker", mode, "--variant", variant, "--length", str(length),
-               "--window", str(args.window), "--query-block", str(args.query_block), "--device", args.device,
-               "--dtype", args.dtype, "--logits-out", logits_out] + (["--threads", str(args.threads)] if args.threads else [])
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        mode,
+        "--variant",
+        variant,
+        "--length",
+        str(length),
+        "--window",
+        str(args.window),
+        "--query-block",
+        str(args.query_block),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--logits-out",
+        logits_out,
+    ] + (["--threads", str(args.threads)] if args.threads else [])
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{mode}/{variant} at {length} failed:\n{done.stderr[-3000:]}")
@@ -199,15 +231,22 @@ def ratio(value, base):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4096,8192,16384", help="comma-separated token counts")
-    parser.add_argument("--variants", default="sdpa,rerope,leaky_rerope,self_extend,dual_chunk,string,naive",
-                        help="sdpa (first: the baseline), naive, and any of " + ", ".join(REMAP_PARAMS))
+    parser.add_argument(
+        "--variants",
+        default="sdpa,rerope,leaky_rerope,self_extend,dual_chunk,string,naive",
+        help="sdpa (first: the baseline), naive, and any of " + ", ".join(REMAP_PARAMS),
+    )
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="model dtype (default fp32)")
     parser.add_argument("--window", type=int, default=512, help="ReRoPE window w (default 512)")
     parser.add_argument("--query-block", type=int, default=256, help="queries per block of the ReRoPE kernel")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads in each measurement (default: torch's choice); 1 is steadier on a "
-                             "machine shared with other jobs")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads in each measurement (default: torch's choice); 1 is steadier on a "
+        "machine shared with other jobs",
+    )
     parser.add_argument("--skip-kernels", action="store_true", help="skip the attention-only table")
     parser.add_argument("--json", help="write all measurements here")
     parser.add_argument("--csv", help="write all measurements here")
@@ -233,9 +272,13 @@ def main() -> None:
     variants = [v.strip() for v in args.variants.split(",")]
     rows = []
     scratch = Path(tempfile.mkdtemp(prefix="remap_bench_"))
-    plan = [(mode, length, variant) for mode in (["model"] + ([] if args.skip_kernels else ["kernel"]))
-            for length in lengths for variant in variants
-            if mode == "model" or variant in ("sdpa", "rerope", "naive")]  # the kernel table is ReRoPE's
+    plan = [
+        (mode, length, variant)
+        for mode in (["model"] + ([] if args.skip_kernels else ["kernel"]))
+        for length in lengths
+        for variant in variants
+        if mode == "model" or variant in ("sdpa", "rerope", "naive")
+    ]  # the kernel table is ReRoPE's
     for mode, length, variant in tqdm(plan, desc="measurements", unit="run"):
         if variant == "naive" and not naive_fits(length, mode == "model"):
             rows.append({"mode": mode, "variant": variant, "length": length, "skipped": "does not fit in memory"})
@@ -243,20 +286,26 @@ def main() -> None:
         logits_out = str(scratch / f"{mode}-{variant}-{length}.pt")
         rows.append({"mode": mode, **run_worker(mode, variant, length, args, logits_out), "logits": logits_out})
 
-    for mode, title in (("model", f"SmolLM2-135M {args.dtype} prefill (logits_to_keep=1)"),
-                        ("kernel", "attention of one layer alone (9 q heads, 3 kv heads, d=64)")):
+    for mode, title in (
+        ("model", f"SmolLM2-135M {args.dtype} prefill (logits_to_keep=1)"),
+        ("kernel", "attention of one layer alone (9 q heads, 3 kv heads, d=64)"),
+    ):
         table = [r for r in rows if r["mode"] == mode]
         if not table:
             continue
         threads = table[0].get("threads", args.threads or torch.get_num_threads())
         print(f"\n{title}; w={args.window}, block {args.query_block}, torch threads {threads}")
-        print(f"{'length':>7} {'variant':<12} {'time s':>8} {'x sdpa':>7} {'peak MB':>8} {'x sdpa':>7} "
-              f"{'forward +MB':>11} {'x sdpa':>7}  check")
+        print(
+            f"{'length':>7} {'variant':<12} {'time s':>8} {'x sdpa':>7} {'peak MB':>8} {'x sdpa':>7} "
+            f"{'forward +MB':>11} {'x sdpa':>7}  check"
+        )
         for length in lengths:
-            base = next((r for r in table if r["length"] == length and r["variant"] == "sdpa"
-                         and "skipped" not in r), None)
-            naive = next((r for r in table if r["length"] == length and r["variant"] == "naive"
-                          and "skipped" not in r), None)
+            base = next(
+                (r for r in table if r["length"] == length and r["variant"] == "sdpa" and "skipped" not in r), None
+            )
+            naive = next(
+                (r for r in table if r["length"] == length and r["variant"] == "naive" and "skipped" not in r), None
+            )
             for r in (r for r in table if r["length"] == length):
                 if "skipped" in r:
                     print(f"{length:>7} {r['variant']:<12} skipped: {r['skipped']}")
@@ -270,9 +319,11 @@ def main() -> None:
                     r["time_ratio"] = ratio(r["seconds"], base["seconds"])
                     r["peak_ratio"] = ratio(r["peak_mb"], base["peak_mb"])
                     r["increase_ratio"] = ratio(r["increase_mb"], base["increase_mb"])
-                print(f"{length:>7} {r['variant']:<12} {r['seconds']:>8.2f} {r.get('time_ratio', float('nan')):>7.2f} "
-                      f"{r['peak_mb']:>8.0f} {r.get('peak_ratio', float('nan')):>7.2f} {r['increase_mb']:>11.0f} "
-                      f"{r.get('increase_ratio', float('nan')):>7.2f}  {check}")
+                print(
+                    f"{length:>7} {r['variant']:<12} {r['seconds']:>8.2f} {r.get('time_ratio', float('nan')):>7.2f} "
+                    f"{r['peak_mb']:>8.0f} {r.get('peak_ratio', float('nan')):>7.2f} {r['increase_mb']:>11.0f} "
+                    f"{r.get('increase_ratio', float('nan')):>7.2f}  {check}"
+                )
     print(f"\ntargets for every remapping method: time <= {TARGET_TIME}x sdpa, peak memory <= {TARGET_MEMORY}x sdpa")
     for row in rows:
         row.pop("logits", None)

@@ -79,13 +79,18 @@ def main() -> int:
                 method, params = METHODS[label]
                 ctxext.patch(model, method, **params)
                 nll, n = sliding_window_nll(model, tokens[None], length, length)
-            cells[key] = {"nll": nll, "tokens": n, "perplexity": perplexity(nll, n),
-                          "seconds": round(time.perf_counter() - start, 1)}
+            cells[key] = {
+                "nll": nll,
+                "tokens": n,
+                "perplexity": perplexity(nll, n),
+                "seconds": round(time.perf_counter() - start, 1),
+            }
             cells_path.write_text(json.dumps(cells, indent=1))
             print(f"{key:<46} {cells[key]['perplexity']:8.2f}  ({cells[key]['seconds']:.0f} s)", flush=True)
 
-    print(f"\nSmolLM2-135M-Instruct, {args.dtype}, SDPA; {machine_description()}; "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"\nSmolLM2-135M-Instruct, {args.dtype}, SDPA; {machine_description()}; torch threads {torch.get_num_threads()}"
+    )
     for length in lengths:
         native = cells.get(f"{NATIVE} @ {length}")
         print(f"\nfirst {length} tokens of Hamlet + Richard III ({length / 8192:g}x L):")

@@ -61,9 +61,20 @@ from remap_memory import PeakRss, _status_kib  # noqa: E402  (the prefill benchm
 
 TARGET_GROWTH_RATIO = 1.5
 ORIGINAL_LENGTH = 2048
-MODEL = dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-             num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=ORIGINAL_LENGTH,
-             rope_theta=10000.0, tie_word_embeddings=False, attention_dropout=0.0, attn_implementation="sdpa")
+MODEL = dict(
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=ORIGINAL_LENGTH,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    attention_dropout=0.0,
+    attn_implementation="sdpa",
+)
 # Parameters for L = 2048; dual_chunk (s = 3L/4 = 1536, w = L/16 = 128) and string (S = floor(0.33 L) = 675,
 # W = 128) take their defaults.
 REMAP_PARAMS = {
@@ -151,12 +162,19 @@ def worker(args) -> dict:
         seconds = time.perf_counter() - start
     grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None))
     result = {
-        "variant": args.variant, "length": args.length, "backend": args.backend or "auto",
-        "threads": torch.get_num_threads(), "seconds": seconds, "forward_seconds": forward_seconds,
-        "peak_mb": memory.peak / MB, "before_mb": memory.before / MB,
+        "variant": args.variant,
+        "length": args.length,
+        "backend": args.backend or "auto",
+        "threads": torch.get_num_threads(),
+        "seconds": seconds,
+        "forward_seconds": forward_seconds,
+        "peak_mb": memory.peak / MB,
+        "before_mb": memory.before / MB,
         "growth_mb": (memory.peak - memory.before) / MB,
         "forward_growth_mb": None if forward_peak is None else (forward_peak - memory.before) / MB,
-        "saved_mb": saved.total() / 2**20, "loss": loss.item(), "grad_norm": grad_norm.item(),
+        "saved_mb": saved.total() / 2**20,
+        "loss": loss.item(),
+        "grad_norm": grad_norm.item(),
     }
     if args.saved_detail:
         result["saved_by_shape"] = {label: [count, size / 2**20] for label, (count, size) in saved.by_shape().items()}
@@ -165,8 +183,17 @@ def worker(args) -> dict:
 
 # --------------------------------------------------------------------------------------------- driver
 def run_worker(variant: str, length: int, args) -> dict:
-    command = [sys.executable, __file__, "--worker", "--variant", variant, "--length", str(length),
-               "--threads", str(args.threads)]
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--variant",
+        variant,
+        "--length",
+        str(length),
+        "--threads",
+        str(args.threads),
+    ]
     if args.backend:
         command += ["--backend", args.backend]
     if args.query_block:
@@ -198,8 +225,16 @@ def summarise(rows: list[dict], lengths, variants) -> list[dict]:
             runs = [r for r in rows if r["length"] == length and r["variant"] == variant]
             if not runs:
                 continue
-            keys = ("seconds", "forward_seconds", "peak_mb", "growth_mb", "forward_growth_mb", "saved_mb",
-                    "loss", "grad_norm")
+            keys = (
+                "seconds",
+                "forward_seconds",
+                "peak_mb",
+                "growth_mb",
+                "forward_growth_mb",
+                "saved_mb",
+                "loss",
+                "grad_norm",
+            )
             row = {"length": length, "variant": variant, "rounds": len(runs), "backend": runs[0]["backend"]}
             for key in keys:
                 values = [r[key] for r in runs if r.get(key) is not None]
@@ -226,24 +261,35 @@ def verdicts(table, lengths, tolerance: float) -> dict:
             why.append(f"growth ratio above {TARGET_GROWTH_RATIO}x")
         if not flat:
             why.append(f"ratio grows with the length by more than {tolerance:.0%}")
-        out[variant] = {"ratios": ratios, "within_target": within, "not_growing": flat, "pass": within and flat,
-                        "why": "; ".join(why)}
+        out[variant] = {
+            "ratios": ratios,
+            "within_target": within,
+            "not_growing": flat,
+            "pass": within and flat,
+            "why": "; ".join(why),
+        }
     return out
 
 
 def print_table(table, args, lengths) -> None:
-    print(f"\nrandom LLaMA (4 layers, 8/2 heads x 64, hidden 512, mlp 1408, vocab 4096, L {ORIGINAL_LENGTH}), "
-          f"fp32, train mode, forward(labels) + backward; remap backend {args.backend or 'auto'}; "
-          f"torch threads {args.threads}; median of {args.rounds} round(s)"
-          + ("" if args.mmap_threshold is None else f"; MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}"))
-    print(f"{'tokens':>6} {'variant':<13} {'time s':>7} {'x sdpa':>6} {'peak MB':>8} {'growth MB':>9} "
-          f"{'x sdpa':>6} {'fwd MB':>7} {'x sdpa':>6} {'saved MB':>8} {'x sdpa':>6} {'loss':>7}")
+    print(
+        f"\nrandom LLaMA (4 layers, 8/2 heads x 64, hidden 512, mlp 1408, vocab 4096, L {ORIGINAL_LENGTH}), "
+        f"fp32, train mode, forward(labels) + backward; remap backend {args.backend or 'auto'}; "
+        f"torch threads {args.threads}; median of {args.rounds} round(s)"
+        + ("" if args.mmap_threshold is None else f"; MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}")
+    )
+    print(
+        f"{'tokens':>6} {'variant':<13} {'time s':>7} {'x sdpa':>6} {'peak MB':>8} {'growth MB':>9} "
+        f"{'x sdpa':>6} {'fwd MB':>7} {'x sdpa':>6} {'saved MB':>8} {'x sdpa':>6} {'loss':>7}"
+    )
     for length in lengths:
         for r in (r for r in table if r["length"] == length):
-            print(f"{length:>6} {r['variant']:<13} {r['seconds']:>7.2f} {fmt(r['seconds_ratio'], '.2f', 6)} "
-                  f"{r['peak_mb']:>8.0f} {r['growth_mb']:>9.0f} {fmt(r['growth_ratio'], '.2f', 6)} "
-                  f"{fmt(r['forward_growth_mb'], '.0f', 7)} {fmt(r['forward_growth_ratio'], '.2f', 6)} "
-                  f"{r['saved_mb']:>8.0f} {fmt(r['saved_ratio'], '.2f', 6)} {r['loss']:>7.4f}")
+            print(
+                f"{length:>6} {r['variant']:<13} {r['seconds']:>7.2f} {fmt(r['seconds_ratio'], '.2f', 6)} "
+                f"{r['peak_mb']:>8.0f} {r['growth_mb']:>9.0f} {fmt(r['growth_ratio'], '.2f', 6)} "
+                f"{fmt(r['forward_growth_mb'], '.0f', 7)} {fmt(r['forward_growth_ratio'], '.2f', 6)} "
+                f"{r['saved_mb']:>8.0f} {fmt(r['saved_ratio'], '.2f', 6)} {r['loss']:>7.4f}"
+            )
 
 
 def main() -> None:
@@ -253,27 +299,49 @@ def main() -> None:
         "backward, each with its ratio to plain SDPA, and checks the target: growth <= 1.5x sdpa at every "
         "length, not growing with the length.",
         epilog="Example: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/remap_train_memory.py "
-               "--lengths 4096,8192 --json /tmp/train_memory.json",
+        "--lengths 4096,8192 --json /tmp/train_memory.json",
     )
     parser.add_argument("--lengths", default="4096,8192", help="comma-separated token counts (default 4096,8192)")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated, from {', '.join(VARIANTS)} (default all; sdpa is the baseline of "
-                             "every ratio)")
-    parser.add_argument("--backend", default=None, choices=["auto", "blockwise", "concat", "naive", "lse", "flex"],
-                        help="force the remapping backend with set_attention_tuning (default: ctxext's choice, "
-                             "blockwise for CPU training; concat: the old training path; naive: O(T^2))")
-    parser.add_argument("--query-block", type=int, default=None, help="queries per block of the remapping kernel "
-                                                                       "(default: ctxext's, 256)")
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated, from {', '.join(VARIANTS)} (default all; sdpa is the baseline of every ratio)",
+    )
+    parser.add_argument(
+        "--backend",
+        default=None,
+        choices=["auto", "blockwise", "concat", "naive", "lse", "flex"],
+        help="force the remapping backend with set_attention_tuning (default: ctxext's choice, "
+        "blockwise for CPU training; concat: the old training path; naive: O(T^2))",
+    )
+    parser.add_argument(
+        "--query-block",
+        type=int,
+        default=None,
+        help="queries per block of the remapping kernel (default: ctxext's, 256)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each measurement (default 1)")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; the table shows medians")
-    parser.add_argument("--tolerance", type=float, default=0.05,
-                        help="how much the growth ratio may rise from one length to the next (default 0.05)")
-    parser.add_argument("--saved-detail", action="store_true",
-                        help="also print each variant's saved-for-backward storages by shape and dtype")
-    parser.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
-                        help="set glibc's MALLOC_MMAP_THRESHOLD_ in each measurement (e.g. 65536): every larger "
-                             "block is mmapped and returned on free, so RSS follows the live tensors instead of "
-                             "what glibc's heap keeps after frees (default: glibc's own, dynamic threshold)")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.05,
+        help="how much the growth ratio may rise from one length to the next (default 0.05)",
+    )
+    parser.add_argument(
+        "--saved-detail",
+        action="store_true",
+        help="also print each variant's saved-for-backward storages by shape and dtype",
+    )
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="set glibc's MALLOC_MMAP_THRESHOLD_ in each measurement (e.g. 65536): every larger "
+        "block is mmapped and returned on free, so RSS follows the live tensors instead of "
+        "what glibc's heap keeps after frees (default: glibc's own, dynamic threshold)",
+    )
     parser.add_argument("--json", help="write the raw measurements, the table and the verdicts here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
@@ -299,29 +367,49 @@ def main() -> None:
         row = run_worker(variant, length, args)
         row["round"] = round_
         rows.append(row)
-        print(f"[{i}/{len(plan)}] round {round_} {length:>6} {variant:<13} step {row['seconds']:6.2f} s, growth "
-              f"{row['growth_mb']:6.0f} MB, saved {row['saved_mb']:6.0f} MB (process {time.perf_counter() - t0:.0f} s)",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{i}/{len(plan)}] round {round_} {length:>6} {variant:<13} step {row['seconds']:6.2f} s, growth "
+            f"{row['growth_mb']:6.0f} MB, saved {row['saved_mb']:6.0f} MB (process {time.perf_counter() - t0:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     table = summarise(rows, lengths, variants)
     print_table(table, args, lengths)
     checks = verdicts(table, lengths, args.tolerance)
-    print(f"\ntarget per method: growth <= {TARGET_GROWTH_RATIO}x sdpa at every length, and the ratio not growing "
-          f"(next length <= previous x {1 + args.tolerance:.2f})")
+    print(
+        f"\ntarget per method: growth <= {TARGET_GROWTH_RATIO}x sdpa at every length, and the ratio not growing "
+        f"(next length <= previous x {1 + args.tolerance:.2f})"
+    )
     for variant, check in checks.items():
         ratios = ", ".join(f"{n}: {fmt(r, '.2f', 0)}" for n, r in check["ratios"].items())
         verdict = {True: "PASS", False: "FAIL", None: "n/a"}[check["pass"]]
         print(f"  {variant:<13} {verdict}  ({ratios}){'  ' + check['why'] if check['why'] else ''}")
     if args.saved_detail:
         for row in rows:
-            print(f"\nsaved for backward, {row['variant']} at {row['length']} (round {row['round']}): "
-                  f"{row['saved_mb']:.1f} MB")
+            print(
+                f"\nsaved for backward, {row['variant']} at {row['length']} (round {row['round']}): "
+                f"{row['saved_mb']:.1f} MB"
+            )
             for label, (count, size) in row["saved_by_shape"].items():
                 print(f"  {size:9.1f} MB  {count:4d} x {label}")
     print(f"\nwall time {time.perf_counter() - started:.0f} s", file=sys.stderr)
     if args.json:
-        Path(args.json).write_text(json.dumps({"settings": {**vars(args), "model": MODEL, "remap": REMAP_PARAMS,
-                                                            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
-                                               "runs": rows, "table": table, "verdicts": checks}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "settings": {
+                        **vars(args),
+                        "model": MODEL,
+                        "remap": REMAP_PARAMS,
+                        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                    },
+                    "runs": rows,
+                    "table": table,
+                    "verdicts": checks,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

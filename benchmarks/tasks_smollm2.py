@@ -47,9 +47,25 @@ def main() -> int:
     for stage in [int(s) for s in args.stages.split(",")]:
         task, lengths, limit, sweep = STAGES[stage]
         output = Path(args.output) / f"smollm2-{task}-{lengths.replace(',', '-')}-{Path(sweep).stem}"
-        command = [sys.executable, "-m", "ctxext", "tasks", str(model), "--tasks", task, "--lengths", lengths,
-                   "--limit", str(limit), "--config", str(SWEEPS / sweep), "--no-progress", "--overwrite",
-                   "-o", str(output)] + (["--cached-only"] if args.cached_only else [])
+        command = [
+            sys.executable,
+            "-m",
+            "ctxext",
+            "tasks",
+            str(model),
+            "--tasks",
+            task,
+            "--lengths",
+            lengths,
+            "--limit",
+            str(limit),
+            "--config",
+            str(SWEEPS / sweep),
+            "--no-progress",
+            "--overwrite",
+            "-o",
+            str(output),
+        ] + (["--cached-only"] if args.cached_only else [])
         print(f"stage {stage}: {shlex.join(command)}", flush=True)
         started = time.perf_counter()
         code = subprocess.run(command, cwd=REPO).returncode

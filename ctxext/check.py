@@ -74,8 +74,16 @@ class CheckOptions:
 
 
 # A 1B-class LLaMA attention shape (head_dim 128, 32 heads, 8 KV heads).
-DEFAULT_SHAPE = dict(model_type="llama", hidden_size=4096, intermediate_size=8192, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, max_position_embeddings=8192, rope_theta=500000.0)
+DEFAULT_SHAPE = dict(
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=8192,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+)
 
 
 # ----------------------------------------------------------------------------------------------- models
@@ -103,8 +111,17 @@ def load_shape(model: str | None):
     return config
 
 
-def random_model(shape, layers: int, implementation: str, device, dtype, seed: int, vocab: int = 1024,
-                 max_length: int | None = None, mlp: int | None = None):
+def random_model(
+    shape,
+    layers: int,
+    implementation: str,
+    device,
+    dtype,
+    seed: int,
+    vocab: int = 1024,
+    max_length: int | None = None,
+    mlp: int | None = None,
+):
     """A randomly initialised model of `shape`'s architecture with `layers` layers and a small vocabulary
     (and an MLP of width `mlp` where given: the attention is what is checked)."""
     from transformers import AutoModelForCausalLM
@@ -133,9 +150,14 @@ def available_implementations(device: torch.device) -> list[str]:
     if device.type == "cuda":
         from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
-        implementations += [name for name, available in (("flash_attention_2", is_flash_attn_2_available()),
-                                                         ("flash_attention_3", is_flash_attn_3_available()))
-                            if available]
+        implementations += [
+            name
+            for name, available in (
+                ("flash_attention_2", is_flash_attn_2_available()),
+                ("flash_attention_3", is_flash_attn_3_available()),
+            )
+            if available
+        ]
     return implementations
 
 
@@ -166,7 +188,7 @@ def per_cell_attention(module, query, key, value, attention_mask, **kwargs):
         cos64, sin64 = (torch.cat((f, f), -1).to(x.device) * factor for f in (angles.cos(), angles.sin()))
         rotary = cos64.shape[-1]
         turned, kept = x[..., :rotary], x[..., rotary:]
-        half = turned[..., rotary // 2:], turned[..., :rotary // 2]
+        half = turned[..., rotary // 2 :], turned[..., : rotary // 2]
         return torch.cat((turned * cos64 + torch.cat((-half[0], half[1]), -1) * sin64, kept), -1)
 
     i, j = positions[-q_len:], positions
@@ -204,8 +226,9 @@ def reference_model(patched, host_settings, shape, device, seed):
 
     if REFERENCE_IMPLEMENTATION not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(REFERENCE_IMPLEMENTATION, per_cell_attention)
-    reference = random_model(shape, 1, "eager", device, torch.float32, seed, max_length=AGREEMENT_L,
-                             mlp=AGREEMENT_MLP)  # the same seed: the same weights
+    reference = random_model(
+        shape, 1, "eager", device, torch.float32, seed, max_length=AGREEMENT_L, mlp=AGREEMENT_MLP
+    )  # the same seed: the same weights
     if not torch.equal(reference.lm_head.weight, patched.lm_head.weight):
         raise CtxextError("internal: the reference model did not get the checked model's weights")
     reference.set_attn_implementation(REFERENCE_IMPLEMENTATION)
@@ -237,13 +260,15 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def check_one(shape, implementation: str, name: str, device, options: CheckOptions) -> AgreementRow:
     """One implementation and method: forward logits and weight gradients against the per-cell reference."""
     import ctxext
+
     from .patching.attention import installed_settings
     from .patching.families import rotary_host
     from .patching.remap_kernel import pick_backend
 
     method, params = AGREEMENT_CASES[name]
-    model = random_model(shape, 1, implementation, device, torch.float32, options.seed, max_length=AGREEMENT_L,
-                         mlp=AGREEMENT_MLP)
+    model = random_model(
+        shape, 1, implementation, device, torch.float32, options.seed, max_length=AGREEMENT_L, mlp=AGREEMENT_MLP
+    )
     ctxext.patch(model, method, factor=AGREEMENT_TOKENS / AGREEMENT_L, **params)
     settings = installed_settings(rotary_host(model))
     reference = reference_model(model, settings, shape, device, options.seed)
@@ -262,15 +287,15 @@ def check_one(shape, implementation: str, name: str, device, options: CheckOptio
             weights = torch.linspace(-1, 1, 1024, device=device)
             (candidate(tokens).logits * weights).mean().backward()
             attention = rotary_host(candidate).layers[0].self_attn
-            grads.append([p.grad for p in (attention.q_proj.weight, attention.k_proj.weight,
-                                           attention.v_proj.weight)])
+            grads.append([p.grad for p in (attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight)])
         backward_error = max(_relative_error(g, w) for g, w in zip(*grads))
     except (NotImplementedError, RuntimeError) as error:  # e.g. an implementation with no backward here
         note = f"backward not run: {str(error).splitlines()[0][:120]}"
     errors = [forward_error] + ([backward_error] if backward_error is not None else [])
     ok = all(math.isfinite(e) and e <= options.tolerance for e in errors)
-    return AgreementRow(implementation, name, forward_backend, forward_error, backward_backend, backward_error, ok,
-                        note)
+    return AgreementRow(
+        implementation, name, forward_backend, forward_error, backward_backend, backward_error, ok, note
+    )
 
 
 # ----------------------------------------------------------------------------------------------- cost
@@ -370,6 +395,7 @@ def _measure_once(model, tokens, device, backward: bool) -> tuple[float, float]:
 def cost_rows(shape, length: int, native: str, device, dtype, options: CheckOptions) -> list[CostRow]:
     """Every method against the native attention at one length, one after another (load drifts hit all)."""
     import ctxext
+
     from .patching.remap_kernel import pick_backend
 
     tokens = torch.randint(0, 1024, (1, length), generator=torch.Generator().manual_seed(options.seed)).to(device)
@@ -426,8 +452,9 @@ def run_check(options: CheckOptions, progress=None) -> CheckResult:
 
     unknown = [m for m in options.methods if m not in AGREEMENT_CASES]
     if unknown:
-        raise CtxextError(f"unknown method(s) {', '.join(unknown)} for ctxext check; choose from "
-                          f"{', '.join(AGREEMENT_CASES)}")
+        raise CtxextError(
+            f"unknown method(s) {', '.join(unknown)} for ctxext check; choose from {', '.join(AGREEMENT_CASES)}"
+        )
     if any(length < 256 for length in options.lengths):
         raise CtxextError("--lengths must be at least 256 tokens each (the cost warm-up runs 256)")
     device = resolve_device(options.device)
@@ -438,8 +465,10 @@ def run_check(options: CheckOptions, progress=None) -> CheckResult:
     implementations = options.implementations or available
     missing = [i for i in implementations if i not in available]
     if missing:
-        raise CtxextError(f"attention implementation(s) {', '.join(missing)} are not available on {device}; "
-                          f"available: {', '.join(available)}")
+        raise CtxextError(
+            f"attention implementation(s) {', '.join(missing)} are not available on {device}; "
+            f"available: {', '.join(available)}"
+        )
     dtype = resolve_dtype(options.dtype, device)
     native = attention_implementation("auto", device, dtype in (torch.float16, torch.bfloat16))
     steps = len(implementations) * len(options.methods) + len(options.lengths) * (len(options.methods) + 1)
@@ -459,28 +488,43 @@ def run_check(options: CheckOptions, progress=None) -> CheckResult:
         tick.close()
     described = {k: getattr(shape, k, None) for k in DEFAULT_SHAPE if k != "rope_theta"}
     described["rope_theta"] = (getattr(shape, "rope_parameters", None) or {}).get("rope_theta")
-    return CheckResult(str(device), machine_description(), described,
-                       agreement, cost, native, str(dtype).removeprefix("torch."), options.tolerance)
+    return CheckResult(
+        str(device),
+        machine_description(),
+        described,
+        agreement,
+        cost,
+        native,
+        str(dtype).removeprefix("torch."),
+        options.tolerance,
+    )
 
 
 # ----------------------------------------------------------------------------------------------- report
 def agreement_table(result: CheckResult) -> str:
-    lines = [f"{'implementation':<19}{'method':<14}{'backend':<19}{'forward err':>11}  {'train backend':<19}"
-             f"{'backward err':>12}  result"]
+    lines = [
+        f"{'implementation':<19}{'method':<14}{'backend':<19}{'forward err':>11}  {'train backend':<19}"
+        f"{'backward err':>12}  result"
+    ]
     for row in result.agreement:
         backward = "-" if row.backward_error is None else f"{row.backward_error:.1e}"
-        lines.append(f"{row.implementation:<19}{row.method:<14}{row.backend:<19}{row.forward_error:>11.1e}  "
-                     f"{row.backward_backend:<19}{backward:>12}  {'ok' if row.ok else 'DISAGREES'}"
-                     + (f" ({row.note})" if row.note else ""))
+        lines.append(
+            f"{row.implementation:<19}{row.method:<14}{row.backend:<19}{row.forward_error:>11.1e}  "
+            f"{row.backward_backend:<19}{backward:>12}  {'ok' if row.ok else 'DISAGREES'}"
+            + (f" ({row.note})" if row.note else "")
+        )
     return "\n".join(lines)
 
 
 def cost_table(result: CheckResult, backward: bool) -> str:
     what = "forward + backward" if backward else "prefill"
-    lines = [f"{'tokens':>7}  {'method':<14}{'backend':<18}{what + ' s':>20}{'x native':>10}{'peak MB':>10}"
-             f"{'x native':>10}"]
+    lines = [
+        f"{'tokens':>7}  {'method':<14}{'backend':<18}{what + ' s':>20}{'x native':>10}{'peak MB':>10}{'x native':>10}"
+    ]
     for row in result.cost:
         memory = "-" if row.x_native_memory is None else f"{row.x_native_memory:.2f}"
-        lines.append(f"{row.length:>7}  {row.method:<14}{row.backend:<18}{row.seconds:>20.2f}"
-                     f"{row.x_native_time:>10.2f}{row.peak_mb:>10.1f}{memory:>10}")
+        lines.append(
+            f"{row.length:>7}  {row.method:<14}{row.backend:<18}{row.seconds:>20.2f}"
+            f"{row.x_native_time:>10.2f}{row.peak_mb:>10.1f}{memory:>10}"
+        )
     return "\n".join(lines)

@@ -27,14 +27,24 @@ class PatchedCheckpoint:
     @property
     def loads_in_plain_transformers(self) -> str:
         if self.applied["attention"]:  # log-n / remapping live in patched attention layers, re-installed by ctxext
-            return ("the frequencies only; log-n/ReRoPE need `import ctxext` first" if self.form.native
-                    else "after `import ctxext`")
+            return (
+                "the frequencies only; log-n/ReRoPE need `import ctxext` first"
+                if self.form.native
+                else "after `import ctxext`"
+            )
         return "yes" if self.form.native else "after `import ctxext`"
 
 
-def write_patched_checkpoint(source: str, method_config, output: str | Path, overwrite: bool = False,
-                             written_by: str = "ctxext patch", extra_record: dict | None = None,
-                             format: str = "native", pair_selection: tuple[str, int] | None = None) -> PatchedCheckpoint:
+def write_patched_checkpoint(
+    source: str,
+    method_config,
+    output: str | Path,
+    overwrite: bool = False,
+    written_by: str = "ctxext patch",
+    extra_record: dict | None = None,
+    format: str = "native",
+    pair_selection: tuple[str, int] | None = None,
+) -> PatchedCheckpoint:
     """Load `source` in its own dtype on the CPU, apply `method_config`, and write a complete checkpoint (weights,
     config, tokenizer, ctxext.yaml recording what was applied) to `output`, atomically. The source is never
     written to; an existing non-empty `output` needs `overwrite`. config.json gets the method's exact native
@@ -47,9 +57,9 @@ def write_patched_checkpoint(source: str, method_config, output: str | Path, ove
 
     from . import __version__
     from .loading import load_config, load_model, load_tokenizer
+    from .methods import get_method
     from .outputs import atomic_output_dir, check_output_dir
     from .patching import applied_method
-    from .methods import get_method
     from .patching.families import check_supported
     from .patching.patch import check_shape
     from .serving.forms import FORMATS, write_config_for_serving
@@ -62,8 +72,11 @@ def write_patched_checkpoint(source: str, method_config, output: str | Path, ove
     config = load_config(source)
     check_supported(config, f"'{source}' (model type '{config.model_type}')")
     spec = get_method(method_config.method)
-    check_shape(config, spec.make_params(factor=method_config.factor, **method_config.params),
-                method_config.original_max_position_embeddings or config.max_position_embeddings)
+    check_shape(
+        config,
+        spec.make_params(factor=method_config.factor, **method_config.params),
+        method_config.original_max_position_embeddings or config.max_position_embeddings,
+    )
 
     model = load_model(source, dtype="auto", device="cpu")
     tokenizer = load_tokenizer(source)
@@ -78,8 +91,12 @@ def write_patched_checkpoint(source: str, method_config, output: str | Path, ove
         tokens = min(4096, method_config.original_max_position_embeddings or original_length)
         chosen = select_pairs(model, tokenizer, Path(text).read_text(encoding="utf-8"), k, tokens)
         method_config = dataclasses.replace(method_config, params={**method_config.params, "selected_pairs": chosen})
-        extra_record["pair_selection"] = {"text": str(text), "top_pairs": k, "max_tokens": tokens,
-                                          "rule": "top k pairs per layer by mean |q_p||k_p| over tokens and heads"}
+        extra_record["pair_selection"] = {
+            "text": str(text),
+            "top_pairs": k,
+            "max_tokens": tokens,
+            "rule": "top k pairs per layer by mean |q_p||k_p| over tokens and heads",
+        }
     method_config.apply(model)
     applied = applied_method(model)
 
@@ -102,5 +119,12 @@ def write_patched_checkpoint(source: str, method_config, output: str | Path, ove
             f"# Written by `{written_by}`: what was applied to the source model.\n"
             + yaml.safe_dump(record, sort_keys=False)
         )
-    return PatchedCheckpoint(Path(output).resolve(), method_config.label, form.rope_parameters,
-                             original_length, model.config.max_position_embeddings, applied, form)
+    return PatchedCheckpoint(
+        Path(output).resolve(),
+        method_config.label,
+        form.rope_parameters,
+        original_length,
+        model.config.max_position_embeddings,
+        applied,
+        form,
+    )

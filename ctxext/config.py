@@ -37,7 +37,7 @@ class MethodConfig:
     params: dict[str, Any] = field(default_factory=dict)
     logn: bool = False  # log-n query scaling, max(1, ln n / ln L), on top of the method
 
-    def validate(self) -> "MethodConfig":
+    def validate(self) -> MethodConfig:
         """Raise a CtxextError for anything `patch` would reject, before any model is loaded."""
         from .methods import get_method
         from .methods.attention import check_original_length_for_logn
@@ -47,7 +47,8 @@ class MethodConfig:
         boolean("logn", self.logn)
         # 4096.0 (YAML, or 4e3 on the command line) is 4096, as patch() reads it.
         self.original_max_position_embeddings = whole_number(
-            "original_max_position_embeddings", self.original_max_position_embeddings, allow_none=True)
+            "original_max_position_embeddings", self.original_max_position_embeddings, allow_none=True
+        )
         if self.logn and self.original_max_position_embeddings is not None:
             check_original_length_for_logn(self.original_max_position_embeddings)
         return self
@@ -55,9 +56,14 @@ class MethodConfig:
     def apply(self, model):
         from .patching import patch
 
-        return patch(model, self.method, factor=self.factor,
-                     original_max_position_embeddings=self.original_max_position_embeddings, logn=self.logn,
-                     **self.params)
+        return patch(
+            model,
+            self.method,
+            factor=self.factor,
+            original_max_position_embeddings=self.original_max_position_embeddings,
+            logn=self.logn,
+            **self.params,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The flat YAML form (the same shape `from_mapping` reads)."""
@@ -82,7 +88,7 @@ class MethodConfig:
         return f"{name} +logn" if self.logn else name
 
     @classmethod
-    def from_mapping(cls, mapping: dict[str, Any], source: str | None = None) -> "MethodConfig":
+    def from_mapping(cls, mapping: dict[str, Any], source: str | None = None) -> MethodConfig:
         """Validate a flat mapping; `source` (e.g. the YAML path) prefixes error messages."""
         try:
             return cls._from_mapping(mapping)
@@ -90,7 +96,7 @@ class MethodConfig:
             raise CtxextError(f"{source}: {error}" if source else str(error)) from None
 
     @classmethod
-    def _from_mapping(cls, mapping: dict[str, Any]) -> "MethodConfig":
+    def _from_mapping(cls, mapping: dict[str, Any]) -> MethodConfig:
         if not isinstance(mapping, dict):
             raise CtxextError(f"a method config must be a mapping of keys to values, got {type(mapping).__name__}")
         values = dict(mapping)

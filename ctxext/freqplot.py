@@ -11,8 +11,9 @@ from .config import MethodConfig
 from .methods import compute_inv_freq, get_method, rope_inv_freq
 
 
-def frequency_ratios(config: MethodConfig, rotary_dim: int, base: float, original_length: int,
-                     seq_len: int | None = None) -> torch.Tensor:
+def frequency_ratios(
+    config: MethodConfig, rotary_dim: int, base: float, original_length: int, seq_len: int | None = None
+) -> torch.Tensor:
     """θ'_i / θ_i for every pair i (float64); dynamic methods are evaluated at `seq_len` (default L*s)."""
     spec = get_method(config.method)
     params = spec.make_params(factor=config.factor, **config.params)
@@ -21,8 +22,9 @@ def frequency_ratios(config: MethodConfig, rotary_dim: int, base: float, origina
     return inv_freq.double() / rope_inv_freq(rotary_dim, base).double()
 
 
-def plot_frequency_ratios(configs: list[MethodConfig], rotary_dim: int, base: float, original_length: int,
-                          path, seq_len: int | None = None) -> None:
+def plot_frequency_ratios(
+    configs: list[MethodConfig], rotary_dim: int, base: float, original_length: int, path, seq_len: int | None = None
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

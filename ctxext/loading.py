@@ -35,16 +35,18 @@ def load_config(name_or_path: str):
         raise CtxextError(f"could not load the config of '{name_or_path}': {first_line(error)}") from None
 
 
-def load_model(name_or_path: str, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu",
-               attn_implementation: str | None = None):
+def load_model(
+    name_or_path: str,
+    dtype: torch.dtype | str = "auto",
+    device: torch.device | str = "cpu",
+    attn_implementation: str | None = None,
+):
     """A causal LM from a local directory or a hub id, as a clear CtxextError when it cannot be loaded."""
     from transformers import AutoModelForCausalLM
 
     check_model_source(name_or_path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, dtype=dtype, attn_implementation=attn_implementation
-        )
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn_implementation)
     except (OSError, ValueError, KeyError) as error:
         raise CtxextError(f"could not load model '{name_or_path}': {first_line(error)}") from None
     return model.to(device).eval()

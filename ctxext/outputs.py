@@ -58,8 +58,9 @@ def atomic_output_dir(output: str | Path, protected: list[str | Path] = (), over
 def atomic_write_text(path: Path, text: str) -> None:
     """Write `text` to `path` through a temporary file beside it, renamed into place: never half a file."""
     path = Path(path)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False,
-                                     encoding="utf-8") as handle:
+    with tempfile.NamedTemporaryFile(
+        "w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False, encoding="utf-8"
+    ) as handle:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())

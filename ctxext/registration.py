@@ -36,8 +36,10 @@ def _ready(just_loaded: str | None) -> bool:
     """transformers' config module is loaded and no transformers/ctxext module is still being imported."""
     if TRIGGER not in sys.modules:
         return False
-    return not any(_watched(name) and name not in (just_loaded, "ctxext") and _half_imported(module)
-                   for name, module in list(sys.modules.items()))
+    return not any(
+        _watched(name) and name not in (just_loaded, "ctxext") and _half_imported(module)
+        for name, module in list(sys.modules.items())
+    )
 
 
 class _Registrar(MetaPathFinder):

@@ -16,8 +16,14 @@ import torch
 
 from .errors import CtxextError, first_line
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 # ----------------------------------------------------------------------------------------------- device
@@ -45,8 +51,10 @@ def machine_description(cpuinfo: str | None = None, gpus: list[str] | None = Non
     model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
     flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
     bf16 = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags]
-    return (f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-            f"bf16: {', '.join(bf16) or 'none'}, " + (", ".join(gpus) if gpus else "no GPU"))
+    return (
+        f"{model or platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"bf16: {', '.join(bf16) or 'none'}, " + (", ".join(gpus) if gpus else "no GPU")
+    )
 
 
 def bf16_is_fast(device: torch.device) -> bool:
@@ -114,13 +122,18 @@ def attention_implementation(requested: str, device: torch.device, half_precisio
     return "sdpa"
 
 
-def inference_runtime(device: str, dtype: str, attn_implementation: str, processes: "Processes") -> dict:
+def inference_runtime(device: str, dtype: str, attn_implementation: str, processes: Processes) -> dict:
     """device, dtype and attention implementation for evaluation, with the reason for the dtype."""
     chosen = processes.device_for(device)
     torch_dtype = resolve_dtype(dtype, chosen)
-    return {"device": chosen, "dtype": torch_dtype, "dtype_reason": dtype_reason(dtype, chosen),
-            "attn_implementation": attention_implementation(attn_implementation, chosen,
-                                                            torch_dtype in (torch.bfloat16, torch.float16))}
+    return {
+        "device": chosen,
+        "dtype": torch_dtype,
+        "dtype_reason": dtype_reason(dtype, chosen),
+        "attn_implementation": attention_implementation(
+            attn_implementation, chosen, torch_dtype in (torch.bfloat16, torch.float16)
+        ),
+    }
 
 
 # -------------------------------------------------------------------------------------------- processes
@@ -152,7 +165,8 @@ class Processes:
             raise CtxextError(
                 f"launched as {launched} processes, but accelerate set up {self.world_size}: every process would "
                 "write the same output. On a machine without GPUs use "
-                "`accelerate launch --multi_gpu --num_processes N` (torchrun; ctxext joins with gloo)")
+                "`accelerate launch --multi_gpu --num_processes N` (torchrun; ctxext joins with gloo)"
+            )
         if self.world_size == 1:
             from .compat import reset_accelerate_state
 
@@ -204,8 +218,11 @@ def on_main_first(processes: Processes, fn) -> None:
             fn()
         except BaseException as caught:  # noqa: BLE001  (re-raised below, after the others are told)
             error = caught
-            failure = [str(caught) if isinstance(caught, CtxextError)
-                       else f"the main process failed: {type(caught).__name__}: {first_line(caught)}"]
+            failure = [
+                str(caught)
+                if isinstance(caught, CtxextError)
+                else f"the main process failed: {type(caught).__name__}: {first_line(caught)}"
+            ]
     if processes.world_size > 1:
         from accelerate.utils import broadcast_object_list
 

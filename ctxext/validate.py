@@ -12,8 +12,15 @@ import math
 from .errors import CtxextError, did_you_mean
 
 
-def number(name: str, value, *, minimum: float | None = None, maximum: float | None = None, strict: bool = False,
-           allow_none: bool = False):
+def number(
+    name: str,
+    value,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    strict: bool = False,
+    allow_none: bool = False,
+):
     """A finite int or float (not a bool) within [minimum, maximum] ((minimum, ...] with `strict`)."""
     if value is None and allow_none:
         return None

@@ -143,11 +143,12 @@ def adopt_search(folder: Path, checkpoint: Path, fingerprint: str) -> None:
     settings = json.loads((folder / "search.json").read_text())
     if settings["model"] == str(checkpoint):
         return
-    recorded = json.loads(model_file(folder).read_text())["model_fingerprint"] if model_file(folder).exists() \
-        else None
+    recorded = json.loads(model_file(folder).read_text())["model_fingerprint"] if model_file(folder).exists() else None
     if recorded != fingerprint:
-        raise SystemExit(f"{folder}: searched another model ({settings['model']}, fingerprint {recorded}); "
-                         f"move the folder away to search {checkpoint} again")
+        raise SystemExit(
+            f"{folder}: searched another model ({settings['model']}, fingerprint {recorded}); "
+            f"move the folder away to search {checkpoint} again"
+        )
     write_json(folder / "search.json", {**settings, "model": str(checkpoint)})
 
 
@@ -206,8 +207,11 @@ def build_report(state: dict, out_dir: Path) -> None:
         "",
         "Written by `scripts/compare_methods.py` (cells cached; run it again to fill what is missing). "
         f"Model: SmolLM2-135M-Instruct (L = 8192), {state['dtype']}, SDPA. Cells computed on: {machines(state)}"
-        + (" (bf16 kernels differ between CPUs: BENCHMARKS.md, 'Comparison report', says by how much)."
-           if ";" in machines(state) else "."),
+        + (
+            " (bf16 kernels differ between CPUs: BENCHMARKS.md, 'Comparison report', says by how much)."
+            if ";" in machines(state)
+            else "."
+        ),
         "",
         f"- **Perplexity**: one window over the first N tokens of each held-out play ({', '.join(docs)}), every token "
         "scored; the column is exp(token-weighted mean NLL) over the plays. Lower is better; rank 1 is the best "
@@ -219,8 +223,11 @@ def build_report(state: dict, out_dir: Path) -> None:
         f"- **Searched**: the best of `ctxext search` ({state['search_trials']} trials per method and length; "
         f"TPE, LongRoPE by CMA-ES from YaRN's factors) on calibration text the table never scores "
         f"({CALIBRATION.replace('+', ' + ')}, first N tokens). 'search vs defaults' is the held-out change."
-        + (f" {', '.join(unsearched)}: no parameter to search but the factor, so no searched row."
-           if unsearched and state["search_trials"] else ""),
+        + (
+            f" {', '.join(unsearched)}: no parameter to search but the factor, so no searched row."
+            if unsearched and state["search_trials"]
+            else ""
+        ),
         "",
     ]
     header = "| method | parameters |"
@@ -231,7 +238,7 @@ def build_report(state: dict, out_dir: Path) -> None:
     header += f" passkey {state['passkey_length'] // 1024}k | search vs defaults |"
     rule += "---:|---|"
     lines += [header, rule]
-    native_line = f"| **native** (unpatched, 8k windows) | - |"
+    native_line = "| **native** (unpatched, 8k windows) | - |"
     for length in lengths:
         value = table[length]["native"]
         native_line += f" {value:.2f} | - | 1.00 |" if value else " ... | - | - |"
@@ -247,8 +254,13 @@ def build_report(state: dict, out_dir: Path) -> None:
                 line += " ... | | |" if row["kind"] == "searched" else " n/a | | |"
                 continue
             rank = table[length]["rank"].get(row["label"])
-            line += (f" {value:.2f} | {rank} | {value / native:.3f} |" if value and native else
-                     f" {value:.2f} | {rank} | ... |" if value else " ... | | |")
+            line += (
+                f" {value:.2f} | {rank} | {value / native:.3f} |"
+                if value and native
+                else f" {value:.2f} | {rank} | ... |"
+                if value
+                else " ... | | |"
+            )
             if row["kind"] == "searched" and value:
                 default = table[length]["perplexity"].get(row["method"])
                 if default:
@@ -264,9 +276,11 @@ def build_report(state: dict, out_dir: Path) -> None:
         for length in lengths:
             info = row["search"].get(length)
             if info:
-                lines.append(f"- {row['method']} at {length // 1024}k: {describe_params(row['configs'].get(length), 0)}"
-                             f" (best of {info['trials']} trials, trial {info['best']}; calibration "
-                             f"{info['calibration_defaults']:.2f} -> {info['calibration_best']:.2f})")
+                lines.append(
+                    f"- {row['method']} at {length // 1024}k: {describe_params(row['configs'].get(length), 0)}"
+                    f" (best of {info['trials']} trials, trial {info['best']}; calibration "
+                    f"{info['calibration_defaults']:.2f} -> {info['calibration_best']:.2f})"
+                )
     lines += ["", "Per document (perplexity):", ""]
     for length in lengths:
         lines += [f"**{length // 1024}k**", "", f"| method | {' | '.join(docs)} |"]
@@ -274,11 +288,17 @@ def build_report(state: dict, out_dir: Path) -> None:
         for label in [NATIVE] + [r["label"] for r in rows]:
             cells = [state["cells"].get((label, doc, length)) for doc in docs]
             if any(cells):
-                lines.append(f"| {label} | " + " | ".join(
-                    f"{math.exp(c['nll_sum'] / c['tokens']):.2f}" if c else "..." for c in cells) + " |")
+                lines.append(
+                    f"| {label} | "
+                    + " | ".join(f"{math.exp(c['nll_sum'] / c['tokens']):.2f}" if c else "..." for c in cells)
+                    + " |"
+                )
         lines.append("")
-    seconds = sum(c.get("seconds", 0.0) for c in state["cells"].values()) + \
-        sum(p.get("seconds", 0.0) for p in state["passkey"].values()) + state["search_seconds"]
+    seconds = (
+        sum(c.get("seconds", 0.0) for c in state["cells"].values())
+        + sum(p.get("seconds", 0.0) for p in state["passkey"].values())
+        + state["search_seconds"]
+    )
     lines += [
         f"**Run time**: {seconds / 3600:.1f} h of computation in the cells and searches so far "
         f"(cells {len(state['cells'])}, passkey cells {len(state['passkey'])}, search trials "
@@ -288,17 +308,39 @@ def build_report(state: dict, out_dir: Path) -> None:
     ]
     if missing:
         lines += [f"**Partial report: {len(missing)} cells are missing** (run the script again to compute them):", ""]
-        lines += [f"- {m}" for m in missing[:60]] + ([f"- ... and {len(missing) - 60} more"] if len(missing) > 60 else [])
+        lines += [f"- {m}" for m in missing[:60]] + (
+            [f"- ... and {len(missing) - 60} more"] if len(missing) > 60 else []
+        )
     else:
         lines.append("Every cell is computed.")
     atomic_write_text(out_dir / "comparison.md", "\n".join(lines) + "\n")
-    write_json(out_dir / "comparison.json", {
-        "lengths": lengths, "documents": docs, "table": {str(k): v for k, v in table.items()},
-        "rows": [{k: v for k, v in row.items() if k != "configs"} | {"configs": {str(k): v for k, v in
-                 row["configs"].items()}} for row in rows],
-        "passkey": state["passkey"], "missing": missing, "machine": state["machine"], "dtype": state["dtype"],
-        "cells": [{"label": k[0], "document": k[1], "length": k[2], "machine": v.get("machine"),
-                   **{f: v[f] for f in ("nll_sum", "tokens", "seconds")}} for k, v in state["cells"].items()]})
+    write_json(
+        out_dir / "comparison.json",
+        {
+            "lengths": lengths,
+            "documents": docs,
+            "table": {str(k): v for k, v in table.items()},
+            "rows": [
+                {k: v for k, v in row.items() if k != "configs"}
+                | {"configs": {str(k): v for k, v in row["configs"].items()}}
+                for row in rows
+            ],
+            "passkey": state["passkey"],
+            "missing": missing,
+            "machine": state["machine"],
+            "dtype": state["dtype"],
+            "cells": [
+                {
+                    "label": k[0],
+                    "document": k[1],
+                    "length": k[2],
+                    "machine": v.get("machine"),
+                    **{f: v[f] for f in ("nll_sum", "tokens", "seconds")},
+                }
+                for k, v in state["cells"].items()
+            ],
+        },
+    )
     plot(table, rows, lengths, out_dir / "comparison.png", by_label)
 
 
@@ -314,8 +356,9 @@ def plot(table: dict, rows: list[dict], lengths: list[int], path: Path, by_label
     axes = fig.subplots(1, len(lengths), squeeze=False, sharey=True)
     for ax, length in zip(axes[0], lengths):
         native = table[length]["native"]
-        ax.set_title(f"{length // 1024}k (s = {length / 8192:g})" + (f", native {native:.2f}" if native else ""),
-                     fontsize=9)
+        ax.set_title(
+            f"{length // 1024}k (s = {length / 8192:g})" + (f", native {native:.2f}" if native else ""), fontsize=9
+        )
         ax.set_xscale("log")
         ax.axvline(1.0, color="k", lw=1, ls="--")
         ax.set_xlabel("held-out perplexity / native (log; lower is better)", fontsize=8)
@@ -353,8 +396,11 @@ def main() -> int:
     parser.add_argument("--max-minutes", type=float, default=None, help="start no new cell after this many minutes")
     parser.add_argument("--report-only", action="store_true", help="write the report from the cached cells only")
     parser.add_argument("--output", default=str(REPO / "docs"), help="where comparison.md/.png/.json go")
-    parser.add_argument("--cells", default=str(REPO / "docs" / "comparison_cells"),
-                        help="where the computed cells and searches are kept (default %(default)s, committed)")
+    parser.add_argument(
+        "--cells",
+        default=str(REPO / "docs" / "comparison_cells"),
+        help="where the computed cells and searches are kept (default %(default)s, committed)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -381,8 +427,9 @@ def main() -> int:
     tokenizer = load_tokenizer(str(checkpoint))
     bos = tokenizer.bos_token_id if tokenizer_adds_bos(tokenizer) else None
     cache = CellCache(root / "cells", {"model": model_fingerprint(checkpoint), "dtype": args.dtype, "bos": bos})
-    texts = {doc: torch.tensor(tokenizer(assets.shakespeare_text([doc]), add_special_tokens=False).input_ids)
-             for doc in docs}
+    texts = {
+        doc: torch.tensor(tokenizer(assets.shakespeare_text([doc]), add_special_tokens=False).input_ids) for doc in docs
+    }
     L = 8192
     model = None
     machine = machine_description()
@@ -394,8 +441,9 @@ def main() -> int:
         return model
 
     def out_of_time() -> bool:
-        return args.report_only or (args.max_minutes is not None and
-                                    time.perf_counter() - started > 60 * args.max_minutes)
+        return args.report_only or (
+            args.max_minutes is not None and time.perf_counter() - started > 60 * args.max_minutes
+        )
 
     def search_dir(method: str, length: int) -> Path:
         return root / "searches" / f"{method}-{length}"
@@ -414,20 +462,47 @@ def main() -> int:
             return Variant(method, "searched", None, f"{len(history)} of {args.search_trials} trials done"), None
         if best is None:
             return Variant(method, "searched", None, "no valid trial"), None
-        base = {"method": settings["method"], "factor": settings["factor"],
-                "original_max_position_embeddings": settings["original_max_position_embeddings"],
-                **settings["fixed"], **{k: v for k, v in best["params"].items() if v is not None}}
-        info = {"trials": len(history), "best": best["number"], "calibration_defaults": history[0]["value"],
-                "calibration_best": best["value"]}
+        base = {
+            "method": settings["method"],
+            "factor": settings["factor"],
+            "original_max_position_embeddings": settings["original_max_position_embeddings"],
+            **settings["fixed"],
+            **{k: v for k, v in best["params"].items() if v is not None},
+        }
+        info = {
+            "trials": len(history),
+            "best": best["number"],
+            "calibration_defaults": history[0]["value"],
+            "calibration_best": best["value"],
+        }
         return Variant(method, "searched", base), info
 
     def run_search(method: str, length: int) -> None:
         from ctxext.cli import main as ctxext_main
 
         folder = search_dir(method, length)
-        argv = ["search", str(checkpoint), "--method", method, "--factor", str(length / L), "--length", str(length),
-                "--dataset", f"shakespeare:{CALIBRATION}", "--held-out", "0", "--trials", str(args.search_trials),
-                "--no-checkpoint", "--no-progress", "--dtype", args.dtype, "-o", str(folder)]
+        argv = [
+            "search",
+            str(checkpoint),
+            "--method",
+            method,
+            "--factor",
+            str(length / L),
+            "--length",
+            str(length),
+            "--dataset",
+            f"shakespeare:{CALIBRATION}",
+            "--held-out",
+            "0",
+            "--trials",
+            str(args.search_trials),
+            "--no-checkpoint",
+            "--no-progress",
+            "--dtype",
+            args.dtype,
+            "-o",
+            str(folder),
+        ]
         if (folder / "search.json").exists():
             adopt_search(folder, checkpoint, cache.context["model"])
             argv.append("--resume")
@@ -450,21 +525,28 @@ def main() -> int:
     def perplexity_cell(label: str, config: dict | None, doc: str, length: int, compute: bool) -> None:
         span = text_tokens_per_window(length, bos)
         ids = texts[doc][:span]
-        fields = {"kind": "perplexity", "config": config, "document": doc, "length": length,
-                  "tokens": tokens_fingerprint([ids]), "protocol": "one window" if label != NATIVE else "8192/4096"}
+        fields = {
+            "kind": "perplexity",
+            "config": config,
+            "document": doc,
+            "length": length,
+            "tokens": tokens_fingerprint([ids]),
+            "protocol": "one window" if label != NATIVE else "8192/4096",
+        }
         found = cache.get(**fields)
         if found is None and compute and not out_of_time():
             began = time.perf_counter()
             if label == NATIVE:
                 nll, tokens = sliding_window_nll(get_model(), ids, 8192, 4096, bos)
             else:
-                scored = score_perplexity(get_model(), MethodConfig.from_mapping(config), [_Doc(doc, ids)], length,
-                                          None, bos)
+                scored = score_perplexity(
+                    get_model(), MethodConfig.from_mapping(config), [_Doc(doc, ids)], length, None, bos
+                )
                 nll, tokens = scored["nll_sum"], scored["tokens"]
-            found = cache.put({"nll_sum": nll, "tokens": tokens, "seconds": time.perf_counter() - began,
-                               "machine": machine}, **fields)
-            print(f"  {label} @ {length} on {doc}: {math.exp(nll / tokens):.3f} "
-                  f"({found['seconds']:.0f} s)", flush=True)
+            found = cache.put(
+                {"nll_sum": nll, "tokens": tokens, "seconds": time.perf_counter() - began, "machine": machine}, **fields
+            )
+            print(f"  {label} @ {length} on {doc}: {math.exp(nll / tokens):.3f} ({found['seconds']:.0f} s)", flush=True)
         if found is None:
             missing.append(f"perplexity: {label} at {length} on {doc}")
         else:
@@ -472,16 +554,27 @@ def main() -> int:
 
     def passkey_cell(label: str, config: dict | None, compute: bool) -> None:
         trials = plan_trials([args.passkey_length], list(PASSKEY_DEPTHS), 1, seed=0)
-        fields = {"kind": "passkey", "config": config, "length": args.passkey_length,
-                  "keys": [(t.depth, t.key) for t in trials]}
+        fields = {
+            "kind": "passkey",
+            "config": config,
+            "length": args.passkey_length,
+            "keys": [(t.depth, t.key) for t in trials],
+        }
         found = cache.get(**fields)
         if found is None and compute and not out_of_time():
             began = time.perf_counter()
             method = _CheckedMethod(label, MethodConfig.from_mapping(config) if config else None)
             records = run_passkey(get_model(), tokenizer, trials, [method], bos)
-            found = cache.put({"correct": sum(r["correct"] for r in records), "trials": len(records),
-                               "records": records, "seconds": time.perf_counter() - began, "machine": machine},
-                              **fields)
+            found = cache.put(
+                {
+                    "correct": sum(r["correct"] for r in records),
+                    "trials": len(records),
+                    "records": records,
+                    "seconds": time.perf_counter() - began,
+                    "machine": machine,
+                },
+                **fields,
+            )
             print(f"  passkey {label}: {found['correct']}/{found['trials']} ({found['seconds']:.0f} s)", flush=True)
         if found is None:
             missing.append(f"passkey: {label} at {args.passkey_length}")
@@ -503,8 +596,17 @@ def main() -> int:
                         variant, info = default_variant(method, length / L), None
                     else:
                         variant, info = searched_variant(method, length)
-                    row = rows.setdefault(variant.label, {"label": variant.label, "method": method, "kind": kind,
-                                                          "note": variant.note, "configs": {}, "search": {}})
+                    row = rows.setdefault(
+                        variant.label,
+                        {
+                            "label": variant.label,
+                            "method": method,
+                            "kind": kind,
+                            "note": variant.note,
+                            "configs": {},
+                            "search": {},
+                        },
+                    )
                     row["configs"][length] = variant.config
                     if info:
                         row["search"][length] = info
@@ -522,14 +624,29 @@ def main() -> int:
     def report(rows: list[dict]) -> None:
         search_seconds, search_trials = 0.0, 0
         for folder in (root / "searches").glob("*") if (root / "searches").exists() else []:
-            for line in (folder / "trials.jsonl").read_text().splitlines() if (folder / "trials.jsonl").exists() else []:
+            for line in (
+                (folder / "trials.jsonl").read_text().splitlines() if (folder / "trials.jsonl").exists() else []
+            ):
                 search_seconds += json.loads(line).get("seconds", 0.0)
                 search_trials += 1
-        build_report({"lengths": lengths, "documents": docs, "rows": rows, "cells": cells, "passkey": passkey,
-                      "missing": missing, "dtype": args.dtype, "machine": machine,
-                      "passkey_length": args.passkey_length, "search_trials": args.search_trials,
-                      "search_seconds": search_seconds, "search_trial_count": search_trials,
-                      "run_seconds": time.perf_counter() - started}, Path(args.output))
+        build_report(
+            {
+                "lengths": lengths,
+                "documents": docs,
+                "rows": rows,
+                "cells": cells,
+                "passkey": passkey,
+                "missing": missing,
+                "dtype": args.dtype,
+                "machine": machine,
+                "passkey_length": args.passkey_length,
+                "search_trials": args.search_trials,
+                "search_seconds": search_seconds,
+                "search_trial_count": search_trials,
+                "run_seconds": time.perf_counter() - started,
+            },
+            Path(args.output),
+        )
 
     # 1. defaults (and native) everywhere, 2. searches, 3. the searched rows; the report after each stage.
     report(collect(compute_defaults=True, compute_searched=False))

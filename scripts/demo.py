@@ -35,9 +35,18 @@ FACTOR = 2  # 8192 x 2 = 16384
 def demo_methods() -> list:
     """The frequency methods, ReRoPE (w=1024) with log-n, NTK-mixed with log-n, and the other training-free
     position-remapping methods at their defaults (SelfExtend G=4 w=1024; Dual Chunk s=3L/4 w=L/16; STRING)."""
-    return ["none", "linear", "ntk", "ntk_mixed", "yarn",
-            {"method": "rerope", "factor": 1, "window": 1024, "logn": True}, {"method": "ntk_mixed", "logn": True},
-            {"method": "self_extend"}, {"method": "dual_chunk"}, {"method": "string", "factor": 1}]
+    return [
+        "none",
+        "linear",
+        "ntk",
+        "ntk_mixed",
+        "yarn",
+        {"method": "rerope", "factor": 1, "window": 1024, "logn": True},
+        {"method": "ntk_mixed", "logn": True},
+        {"method": "self_extend"},
+        {"method": "dual_chunk"},
+        {"method": "string", "factor": 1},
+    ]
 
 
 def run(step: str, args: list[str]) -> None:
@@ -60,36 +69,81 @@ def main() -> int:
     print(f"      SmolLM2-135M-Instruct: {checkpoint}")
 
     patched = assets.cache_dir() / "demo" / "smollm2-yarn-x2"
-    run("3/5", ["patch", str(checkpoint), "--method", "yarn", "--factor", str(FACTOR), "-o", str(patched),
-                "--overwrite"])
+    run(
+        "3/5",
+        ["patch", str(checkpoint), "--method", "yarn", "--factor", str(FACTOR), "-o", str(patched), "--overwrite"],
+    )
 
     sweep = assets.cache_dir() / "demo" / "methods.yaml"
-    sweep.write_text("# The demo's methods; `factor` applies to each unless it sets its own.\n"
-                     + yaml.safe_dump({"factor": FACTOR, "methods": demo_methods()}, sort_keys=False))
-    print("\n[4/5] evaluating: --stride window = one pass per length over the first 2k/4k/8k/16k tokens of one "
-          "document\n      (Hamlet + Richard III), so that 4 lengths x every method fit in 20 minutes on 2 cores; "
-          "every method\n      scores the very same tokens. For a sliding-window figure use e.g. --stride 256 "
-          "--dataset pg19 on a GPU.", flush=True)
-    run("4/5", ["eval", str(checkpoint), "--config", str(sweep), "--lengths", LENGTHS, "--stride", "window",
-                "--dataset", DOCUMENT, "-o", str(OUTPUT), "--overwrite"])
+    sweep.write_text(
+        "# The demo's methods; `factor` applies to each unless it sets its own.\n"
+        + yaml.safe_dump({"factor": FACTOR, "methods": demo_methods()}, sort_keys=False)
+    )
+    print(
+        "\n[4/5] evaluating: --stride window = one pass per length over the first 2k/4k/8k/16k tokens of one "
+        "document\n      (Hamlet + Richard III), so that 4 lengths x every method fit in 20 minutes on 2 cores; "
+        "every method\n      scores the very same tokens. For a sliding-window figure use e.g. --stride 256 "
+        "--dataset pg19 on a GPU.",
+        flush=True,
+    )
+    run(
+        "4/5",
+        [
+            "eval",
+            str(checkpoint),
+            "--config",
+            str(sweep),
+            "--lengths",
+            LENGTHS,
+            "--stride",
+            "window",
+            "--dataset",
+            DOCUMENT,
+            "-o",
+            str(OUTPUT),
+            "--overwrite",
+        ],
+    )
 
     # The checkpoint `ctxext patch` wrote, loaded as a user would, must score what the in-memory yarn scores.
     check = assets.cache_dir() / "demo" / "patched-check"
-    run("4/5", ["eval", str(patched), "--lengths", "2048", "--stride", "window", "--dataset", DOCUMENT,
-                "--no-baseline", "--no-progress", "-o", str(check), "--overwrite"])
+    run(
+        "4/5",
+        [
+            "eval",
+            str(patched),
+            "--lengths",
+            "2048",
+            "--stride",
+            "window",
+            "--dataset",
+            DOCUMENT,
+            "--no-baseline",
+            "--no-progress",
+            "-o",
+            str(check),
+            "--overwrite",
+        ],
+    )
     results = json.loads((OUTPUT / "results.json").read_text())
     yarn = next(r for r in results["results"] if r["method"] == f"yarn x{FACTOR}" and r["length"] == 2048)
     saved = json.loads((check / "results.json").read_text())["results"][0]
     same = abs(saved["perplexity"] / yarn["perplexity"] - 1) < 1e-3
-    print(f"      saved checkpoint at 2048: {saved['perplexity']:.3f} vs in-memory yarn x{FACTOR}: "
-          f"{yarn['perplexity']:.3f} -> {'the same' if same else 'DIFFERENT'}")
+    print(
+        f"      saved checkpoint at 2048: {saved['perplexity']:.3f} vs in-memory yarn x{FACTOR}: "
+        f"{yarn['perplexity']:.3f} -> {'the same' if same else 'DIFFERENT'}"
+    )
 
     minutes = (time.perf_counter() - started) / 60
-    print(f"\n[5/5] done in {minutes:.1f} min. SmolLM2-135M was trained at 8192 tokens; at 16384 'none' "
-          f"extrapolates and breaks down,\n      the scaled methods keep perplexity near its 8k value.")
+    print(
+        f"\n[5/5] done in {minutes:.1f} min. SmolLM2-135M was trained at 8192 tokens; at 16384 'none' "
+        f"extrapolates and breaks down,\n      the scaled methods keep perplexity near its 8k value."
+    )
     print((OUTPUT / "table.txt").read_text())
-    print(f"plot:    {OUTPUT / 'perplexity.png'}\nresults: {OUTPUT / 'results.json'} and results.csv\n"
-          f"patched checkpoint: {patched}")
+    print(
+        f"plot:    {OUTPUT / 'perplexity.png'}\nresults: {OUTPUT / 'results.json'} and results.csv\n"
+        f"patched checkpoint: {patched}"
+    )
     return 0 if same else 1
 
 

@@ -36,12 +36,16 @@ def comparisons(original: int, target: int, with_yarn: bool) -> list[tuple[str, 
     """(label, method mapping or None for the model as pretrained, lengths) scored before fine-tuning:
     the base at L, T and 2T; PI at T (x T/L) and at 2T (x 2T/L); optionally YaRN at the same scales."""
     s1, s2 = target / original, 2 * target / original
-    rows = [("none (base)", None, [original, target, 2 * target]),
-            (f"PI x{s1:g}", {"method": "linear", "factor": s1}, [target]),
-            (f"PI x{s2:g}", {"method": "linear", "factor": s2}, [2 * target])]
+    rows = [
+        ("none (base)", None, [original, target, 2 * target]),
+        (f"PI x{s1:g}", {"method": "linear", "factor": s1}, [target]),
+        (f"PI x{s2:g}", {"method": "linear", "factor": s2}, [2 * target]),
+    ]
     if with_yarn:
-        rows += [(f"YaRN x{s1:g}", {"method": "yarn", "factor": s1}, [target]),
-                 (f"YaRN x{s2:g}", {"method": "yarn", "factor": s2}, [2 * target])]
+        rows += [
+            (f"YaRN x{s1:g}", {"method": "yarn", "factor": s1}, [target]),
+            (f"YaRN x{s2:g}", {"method": "yarn", "factor": s2}, [2 * target]),
+        ]
     return rows
 
 
@@ -77,23 +81,36 @@ def evaluate_before(recipe, with_yarn: bool, progress: bool) -> list[dict]:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
             scores = run_perplexity(model, documents, plans, [method], bos)
         for score in scores:
-            rows.append({"method": label, "length": score.length, "perplexity": score.perplexity,
-                         "tokens_scored": score.tokens, "windows": score.windows, "seconds": score.seconds})
+            rows.append(
+                {
+                    "method": label,
+                    "length": score.length,
+                    "perplexity": score.perplexity,
+                    "tokens_scored": score.tokens,
+                    "windows": score.windows,
+                    "seconds": score.seconds,
+                }
+            )
             if progress:
-                print(f"  {label:<12} @ {score.length:>5}: perplexity {score.perplexity:9.2f}  "
-                      f"({score.tokens} tokens, {time.perf_counter() - started:.0f} s)", flush=True)
+                print(
+                    f"  {label:<12} @ {score.length:>5}: perplexity {score.perplexity:9.2f}  "
+                    f"({score.tokens} tokens, {time.perf_counter() - started:.0f} s)",
+                    flush=True,
+                )
     return rows
 
 
 def model_description(settings, record, checkpoint: Path) -> str:
     if settings is None or record is None:
         return str(checkpoint)
-    return (f"LLaMA, {settings.num_layers} layers, hidden {settings.hidden_size}, {settings.num_heads} heads of "
-            f"{settings.hidden_size // settings.num_heads}, vocabulary {settings.vocab_size} (its own byte-level BPE), "
-            f"context {settings.context}, RoPE base {settings.rope_theta:g}; pretrained for {settings.steps} steps "
-            f"of {settings.batch_size} x {settings.context} tokens (lr {settings.lr:g}, cosine to "
-            f"{settings.min_lr:g}) on {record['training_tokens']} tokens of {len(record['training_texts'])} texts, "
-            f"in {record['seconds'] / 60:.1f} min")
+    return (
+        f"LLaMA, {settings.num_layers} layers, hidden {settings.hidden_size}, {settings.num_heads} heads of "
+        f"{settings.hidden_size // settings.num_heads}, vocabulary {settings.vocab_size} (its own byte-level BPE), "
+        f"context {settings.context}, RoPE base {settings.rope_theta:g}; pretrained for {settings.steps} steps "
+        f"of {settings.batch_size} x {settings.context} tokens (lr {settings.lr:g}, cosine to "
+        f"{settings.min_lr:g}) on {record['training_tokens']} tokens of {len(record['training_texts'])} texts, "
+        f"in {record['seconds'] / 60:.1f} min"
+    )
 
 
 def choose_threads(setting: str) -> int:
@@ -113,8 +130,9 @@ def fmt(value: float) -> str:
     return f"{value:.2f}" if value < 1e4 else f"{value:.3g}"
 
 
-def shape_checks(base: float, curve: dict[int, float], before: dict, original: int,
-                 target: int) -> list[tuple[str, bool, str]]:
+def shape_checks(
+    base: float, curve: dict[int, float], before: dict, original: int, target: int
+) -> list[tuple[str, bool, str]]:
     """The expected shape (the issue's 'Must show'), each with what was measured."""
     steps = sorted(curve)
     at200 = curve.get(200)
@@ -124,14 +142,22 @@ def shape_checks(base: float, curve: dict[int, float], before: dict, original: i
         (f"at step 0, PI is worse than the base at {original}", curve[0] > base, f"{fmt(curve[0])} vs {fmt(base)}"),
     ]
     if at200 is not None:
-        checks.append((f"by step 200, within 10% of the base at {original}", at200 <= 1.10 * base,
-                       f"{fmt(at200)} = {at200 / base:.3f} x base"))
-        checks.append((f"step {steps[-1]} is no worse than step 200", last <= at200,
-                       f"{fmt(last)} vs {fmt(at200)}"))
+        checks.append(
+            (
+                f"by step 200, within 10% of the base at {original}",
+                at200 <= 1.10 * base,
+                f"{fmt(at200)} = {at200 / base:.3f} x base",
+            )
+        )
+        checks.append((f"step {steps[-1]} is no worse than step 200", last <= at200, f"{fmt(last)} vs {fmt(at200)}"))
     if none_long is not None:
-        checks.append((f"direct extrapolation (no scaling) at {target} is far worse than the base",
-                       none_long > 1.5 * base,
-                       f"{fmt(none_long)} = {none_long / base:.1f} x base"))
+        checks.append(
+            (
+                f"direct extrapolation (no scaling) at {target} is far worse than the base",
+                none_long > 1.5 * base,
+                f"{fmt(none_long)} = {none_long / base:.1f} x base",
+            )
+        )
     return checks
 
 
@@ -170,16 +196,32 @@ def plot(path: Path, result: dict) -> None:
     for window, curve in ft["perplexity"].items():
         steps = sorted(int(s) for s in curve)
         style = "-o" if int(window) == ft["target"] else ":s"
-        ax.plot(steps, [curve[str(s)] for s in steps], style,
-                label=f"{ft['label']} + LoRA, scored at {window}")
-    ax.axhline(result["base_at_original"], color="black", ls="--", lw=1,
-               label=f"base model at {ft['original']} (no fine-tuning): {fmt(result['base_at_original'])}")
-    none_long = [r for r in result["before_fine_tuning"] if r["method"] == "none (base)" and r["length"] == ft["target"]]
+        ax.plot(steps, [curve[str(s)] for s in steps], style, label=f"{ft['label']} + LoRA, scored at {window}")
+    ax.axhline(
+        result["base_at_original"],
+        color="black",
+        ls="--",
+        lw=1,
+        label=f"base model at {ft['original']} (no fine-tuning): {fmt(result['base_at_original'])}",
+    )
+    none_long = [
+        r for r in result["before_fine_tuning"] if r["method"] == "none (base)" and r["length"] == ft["target"]
+    ]
     if none_long:
-        ax.axhline(none_long[0]["perplexity"], color="tab:red", ls=":", lw=1,
-                   label=f"no scaling at {ft['target']} (direct extrapolation): {fmt(none_long[0]['perplexity'])}")
-    save_step_plot(fig, ax, path, "held-out perplexity (Othello + Macbeth)",
-                   f"Position Interpolation in miniature: tiny LLaMA, {ft['original']} -> {ft['target']}")
+        ax.axhline(
+            none_long[0]["perplexity"],
+            color="tab:red",
+            ls=":",
+            lw=1,
+            label=f"no scaling at {ft['target']} (direct extrapolation): {fmt(none_long[0]['perplexity'])}",
+        )
+    save_step_plot(
+        fig,
+        ax,
+        path,
+        "held-out perplexity (Othello + Macbeth)",
+        f"Position Interpolation in miniature: tiny LLaMA, {ft['original']} -> {ft['target']}",
+    )
 
 
 def markdown(result: dict) -> str:
@@ -229,8 +271,11 @@ def markdown(result: dict) -> str:
     ]
     by = {(r["method"], r["length"]): r["perplexity"] for r in result["before_fine_tuning"]}
     for method in dict.fromkeys(r["method"] for r in result["before_fine_tuning"]):
-        lines.append(f"| {method} | " + " | ".join(fmt(by[(method, n)]) if (method, n) in by else "-"
-                                                 for n in result["lengths"]) + " |")
+        lines.append(
+            f"| {method} | "
+            + " | ".join(fmt(by[(method, n)]) if (method, n) in by else "-" for n in result["lengths"])
+            + " |"
+        )
     lines += ["", "## The expected shape", ""]
     for text, ok, measured in result["checks"]:
         lines.append(f"- [{'x' if ok else ' '}] {text}: {measured}")
@@ -261,13 +306,17 @@ def end_to_end_lines(timing: dict) -> list[str]:
     """When the pretrained model came from the cache: the whole experiment's time, pretraining included."""
     if "total_minutes_with_pretraining" not in timing:
         return []
-    lines = [f"With the pretraining (built earlier by the same code, {timing['pretrain_minutes_when_built']:.1f} min "
-             f"wall): **{timing['total_minutes_with_pretraining']:.1f} min** wall, end to end."]
+    lines = [
+        f"With the pretraining (built earlier by the same code, {timing['pretrain_minutes_when_built']:.1f} min "
+        f"wall): **{timing['total_minutes_with_pretraining']:.1f} min** wall, end to end."
+    ]
     if "pretrain_cpu_minutes" in timing:
         cpu = timing["pretrain_cpu_minutes"] + timing["cpu_minutes"]
-        lines[0] += (f" CPU time, end to end: **{cpu:.1f} CPU-minutes** ({timing['pretrain_cpu_minutes']:.1f} "
-                     f"pretraining + {timing['cpu_minutes']:.1f} the rest), all on one thread: on an idle machine "
-                     f"the wall time on one thread is about the CPU time, and less on two")
+        lines[0] += (
+            f" CPU time, end to end: **{cpu:.1f} CPU-minutes** ({timing['pretrain_cpu_minutes']:.1f} "
+            f"pretraining + {timing['cpu_minutes']:.1f} the rest), all on one thread: on an idle machine "
+            f"the wall time on one thread is about the CPU time, and less on two"
+        )
         if timing.get("pretrain_cpu_minutes_source"):
             lines[0] += f" ({timing['pretrain_cpu_minutes_source']})"
         lines[0] += "."
@@ -277,8 +326,10 @@ def end_to_end_lines(timing: dict) -> list[str]:
 def timing_text(timing: dict) -> str:
     parts = []
     keys = [("pretrain_minutes", "pretraining")] if not timing.get("pretrain_cached") else []
-    for key, label in keys + [("before_minutes", "evaluation before fine-tuning"),
-                       ("finetune_minutes", "fine-tuning with evaluations")]:
+    for key, label in keys + [
+        ("before_minutes", "evaluation before fine-tuning"),
+        ("finetune_minutes", "fine-tuning with evaluations"),
+    ]:
         if key in timing:
             parts.append(f"{label} {timing[key]:.1f} min")
     if timing.get("pretrain_cached"):
@@ -289,13 +340,20 @@ def timing_text(timing: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny-cpu")
-    parser.add_argument("--work-dir", default=None, help="where the fine-tuning run goes (default: "
-                        "outputs/reproduce-pi-<preset>-<time>); must not exist")
+    parser.add_argument(
+        "--work-dir",
+        default=None,
+        help="where the fine-tuning run goes (default: outputs/reproduce-pi-<preset>-<time>); must not exist",
+    )
     parser.add_argument("--docs-dir", default="docs", help="where the table and the plot go (default docs/)")
     parser.add_argument("--with-yarn", action="store_true", help="also score YaRN x4 / x8 before fine-tuning")
-    parser.add_argument("--threads", default="auto", help="torch CPU threads: a number, or auto (all cores on an idle "
-                        "machine, 1 when other jobs already keep the cores busy: 2 threads fighting other "
-                        "processes for 2 cores run 2-3x slower than 1 thread here)")
+    parser.add_argument(
+        "--threads",
+        default="auto",
+        help="torch CPU threads: a number, or auto (all cores on an idle "
+        "machine, 1 when other jobs already keep the cores busy: 2 threads fighting other "
+        "processes for 2 cores run 2-3x slower than 1 thread here)",
+    )
     parser.add_argument("--render", metavar="JSON", help="only re-write the .md/.png/.csv from a pi_reproduction.json")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. train.max_steps=200")
     args = parser.parse_args(argv)
@@ -355,8 +413,10 @@ def main(argv=None) -> int:
     before = evaluate_before(recipe, args.with_yarn, progress=True)
     timing["before_minutes"] = (time.perf_counter() - t0) / 60
 
-    print(f"3. LoRA fine-tuning with {recipe.method.label} at {recipe.seq_len} for {recipe.train.max_steps} steps",
-          flush=True)
+    print(
+        f"3. LoRA fine-tuning with {recipe.method.label} at {recipe.seq_len} for {recipe.train.max_steps} steps",
+        flush=True,
+    )
     t0 = time.perf_counter()
     setup, records = finetune(recipe, resume=False, progress=True)
     timing["finetune_minutes"] = (time.perf_counter() - t0) / 60
@@ -377,15 +437,21 @@ def main(argv=None) -> int:
     notes = []
     step0_pi = before_by.get((f"PI x{recipe.seq_len / setup.original_length:g}", recipe.seq_len))
     if step0_pi is not None:
-        notes.append(f"Consistency: {recipe.method.label} at {recipe.seq_len} before fine-tuning is {fmt(step0_pi)} in the evaluator "
-                     f"run and {fmt(target_curve[0])} at step 0 of the fine-tuning run (LoRA starts as a no-op).")
+        notes.append(
+            f"Consistency: {recipe.method.label} at {recipe.seq_len} before fine-tuning is {fmt(step0_pi)} in the evaluator "
+            f"run and {fmt(target_curve[0])} at step 0 of the fine-tuning run (LoRA starts as a no-op)."
+        )
     train_records = [r for r in records if r["kind"] == "train"]
     if train_records:
         speeds = [r["tokens_per_second"] for r in train_records]
-        notes.append(f"Fine-tuning speed: median {sorted(speeds)[len(speeds) // 2]:.0f} tokens/s "
-                     f"({recipe.train.global_batch_size} x {recipe.seq_len} tokens per step).")
-    notes.append("Wall time depends on what else runs: this machine's 2 cores are shared, and the load average "
-                 "above shows how busy they were. On an idle machine the same run is faster.")
+        notes.append(
+            f"Fine-tuning speed: median {sorted(speeds)[len(speeds) // 2]:.0f} tokens/s "
+            f"({recipe.train.global_batch_size} x {recipe.seq_len} tokens per step)."
+        )
+    notes.append(
+        "Wall time depends on what else runs: this machine's 2 cores are shared, and the load average "
+        "above shows how busy they were. On an idle machine the same run is faster."
+    )
     command = "python scripts/reproduce_pi.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     result = {
         "command": command.strip(),
@@ -396,23 +462,38 @@ def main(argv=None) -> int:
         "lengths": sorted({r["length"] for r in before}),
         "before_fine_tuning": before,
         "base_at_original": base["perplexity"],
-        "fine_tuning": {"label": recipe.method.label, "target": recipe.seq_len, "original": setup.original_length,
-                        "perplexity": curve, "output_dir": str(setup.output)},
+        "fine_tuning": {
+            "label": recipe.method.label,
+            "target": recipe.seq_len,
+            "original": setup.original_length,
+            "perplexity": curve,
+            "output_dir": str(setup.output),
+        },
         "checks": checks,
-        "model": {"path": str(checkpoint), "settings": pretrain_record and pretrain_record["settings"],
-                  "description": model_description(settings, pretrain_record, checkpoint)},
-        "held_out": {"documents": run["eval"]["documents"], "tokens": sum(run["eval"]["document_tokens"]),
-                     "max_tokens_per_doc": recipe.eval.max_tokens_per_doc},
+        "model": {
+            "path": str(checkpoint),
+            "settings": pretrain_record and pretrain_record["settings"],
+            "description": model_description(settings, pretrain_record, checkpoint),
+        },
+        "held_out": {
+            "documents": run["eval"]["documents"],
+            "tokens": sum(run["eval"]["document_tokens"]),
+            "max_tokens_per_doc": recipe.eval.max_tokens_per_doc,
+        },
         "stride": recipe.eval.stride,
         "precision": run["precision"],
-        "recipe_summary": (f"{recipe_path}: LoRA r={recipe.lora.r} (alpha {recipe.lora.alpha:g}, dropout "
-                           f"{recipe.lora.dropout:g}) on {', '.join(recipe.lora.target_modules)}, embeddings and "
-                           f"norms trained; AdamW {tuple(recipe.optim.betas)}, lr {recipe.optim.lr:g}, "
-                           f"{recipe.optim.warmup_steps} warm-up steps from {recipe.optim.warmup_start_factor:g} "
-                           f"of lr, {recipe.train.max_steps} steps of {recipe.train.global_batch_size} x "
-                           f"{recipe.seq_len} tokens; {run['parameters']['trainable']} trainable parameters"),
-        "data": (f"{run['data'].get('documents')} Shakespeare texts, {run['data'].get('tokens')} tokens, packed into "
-                 f"{recipe.seq_len}-token sequences ({run['data'].get('epochs')} epochs over the run)"),
+        "recipe_summary": (
+            f"{recipe_path}: LoRA r={recipe.lora.r} (alpha {recipe.lora.alpha:g}, dropout "
+            f"{recipe.lora.dropout:g}) on {', '.join(recipe.lora.target_modules)}, embeddings and "
+            f"norms trained; AdamW {tuple(recipe.optim.betas)}, lr {recipe.optim.lr:g}, "
+            f"{recipe.optim.warmup_steps} warm-up steps from {recipe.optim.warmup_start_factor:g} "
+            f"of lr, {recipe.train.max_steps} steps of {recipe.train.global_batch_size} x "
+            f"{recipe.seq_len} tokens; {run['parameters']['trainable']} trainable parameters"
+        ),
+        "data": (
+            f"{run['data'].get('documents')} Shakespeare texts, {run['data'].get('tokens')} tokens, packed into "
+            f"{recipe.seq_len}-token sequences ({run['data'].get('epochs')} epochs over the run)"
+        ),
         "notes": notes,
     }
     write_report(REPO / args.docs_dir, result)

@@ -29,9 +29,17 @@ FAMILIES = {
 def tiny_config(family: str, **overrides):
     config_cls, _ = FAMILIES[family]
     values = dict(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rope_theta=10000.0,
-        tie_word_embeddings=False, attn_implementation="sdpa",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
     )
     if family == "mistral":
         values["sliding_window"] = None

@@ -75,9 +75,11 @@ def python_without_pip(tmp_path, monkeypatch):
 def test_download_without_pip_runs_pip_through_uv(python_without_pip):
     fake_uv = python_without_pip / "uv"
     # Records its arguments and writes an (empty) wheel where `pip download -d DIR NAME==VERSION` would.
-    fake_uv.write_text('#!/bin/sh\necho "$@" > "${0%/*}/uv-args"\n'  # shell built-ins only: PATH has no tools
-                       'while [ "$1" != "-d" ]; do shift; done\n'
-                       ': > "$2/${3%%==*}-${3##*==}-py3-none-any.whl"\n')
+    fake_uv.write_text(
+        '#!/bin/sh\necho "$@" > "${0%/*}/uv-args"\n'  # shell built-ins only: PATH has no tools
+        'while [ "$1" != "-d" ]; do shift; done\n'
+        ': > "$2/${3%%==*}-${3##*==}-py3-none-any.whl"\n'
+    )
     fake_uv.chmod(0o755)
     path = assets.download_package("somepkg==1.2")
     assert path == assets.cache_dir() / "downloads" / "somepkg-1.2-py3-none-any.whl" and path.is_file()

@@ -58,7 +58,7 @@ def test_far_rotations_give_the_relative_position_rule(window, k):
 
 # ----------------------------------------------------------------------------------- kernel oracle
 def _rotate_half(x):
-    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+    return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)
 
 
 def _rotate(x, positions, inv_freq):
@@ -86,14 +86,26 @@ def kernel_inputs(q, k, window, leak, q_start):
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, q.shape[-1], 2).double() / q.shape[-1]))
     q_pos = torch.arange(q_start, q_start + q.shape[2])
     k_pos = torch.arange(k.shape[2])
-    return (_rotate(q, q_pos, inv_freq), _rotate(q, far_query_positions(q_pos, window, leak), inv_freq),
-            _rotate(k, k_pos, inv_freq), _rotate(k, far_key_positions(k_pos, leak), inv_freq))
+    return (
+        _rotate(q, q_pos, inv_freq),
+        _rotate(q, far_query_positions(q_pos, window, leak), inv_freq),
+        _rotate(k, k_pos, inv_freq),
+        _rotate(k, far_key_positions(k_pos, leak), inv_freq),
+    )
 
 
 @pytest.mark.parametrize("kernel", ["lse", "concat", "naive"])
-@pytest.mark.parametrize("window,k,q_len,block", [
-    (1, None, 23, 4), (4, None, 23, 1), (7, 3.0, 23, 5), (30, None, 23, 64), (5, 16.0, 3, 2), (6, 2.0, 1, 512),
-])
+@pytest.mark.parametrize(
+    "window,k,q_len,block",
+    [
+        (1, None, 23, 4),
+        (4, None, 23, 1),
+        (7, 3.0, 23, 5),
+        (30, None, 23, 64),
+        (5, 16.0, 3, 2),
+        (6, 2.0, 1, 512),
+    ],
+)
 def test_kernels_match_per_cell_relative_rotation(kernel, window, k, q_len, block):
     torch.manual_seed(window)
     batch, heads, kv_heads, k_len, dim = 2, 4, 2, 23, 8
@@ -104,8 +116,15 @@ def test_kernels_match_per_cell_relative_rotation(kernel, window, k, q_len, bloc
     # Row 1 is left-padded by 3 tokens: a padding mask on top of ReRoPE's own structure.
     allowed = torch.ones(batch, 1, q_len, k_len, dtype=torch.bool)
     allowed[1, :, :, :3] = False
-    out = rerope_attention(*kernel_inputs(q, key, window, leak, start), value, window, dim**-0.5,
-                           allowed=allowed, query_block=block, kernel=kernel)
+    out = rerope_attention(
+        *kernel_inputs(q, key, window, leak, start),
+        value,
+        window,
+        dim**-0.5,
+        allowed=allowed,
+        query_block=block,
+        kernel=kernel,
+    )
     expected = per_cell_oracle(q, key, value, window, leak, dim**-0.5, start, allowed)
     assert torch.allclose(out.double(), expected, atol=1e-5), (out.double() - expected).abs().max()
 
@@ -199,9 +218,21 @@ DECODE_CASES = {
 FAMILY_NAMES = list(FAMILIES)
 # ReRoPE and Leaky ReRoPE+log-n on every family; every other case on one family each, in turn.
 DECODE_RUNS = [(family, case) for case in ("rerope", "leaky_rerope+logn") for family in FAMILY_NAMES] + [
-    (FAMILY_NAMES[i % 4], case) for i, case in enumerate(
-        ["leaky_rerope", "rerope+logn", "logn", "yarn+logn", "ntk_mixed+logn", "logn", "yarn+logn", "ntk_mixed+logn",
-         "rerope crossing w", "rerope crossing w"])
+    (FAMILY_NAMES[i % 4], case)
+    for i, case in enumerate(
+        [
+            "leaky_rerope",
+            "rerope+logn",
+            "logn",
+            "yarn+logn",
+            "ntk_mixed+logn",
+            "logn",
+            "yarn+logn",
+            "ntk_mixed+logn",
+            "rerope crossing w",
+            "rerope crossing w",
+        ]
+    )
 ]
 
 
@@ -211,22 +242,25 @@ def test_cached_decoding_equals_full_forward(family, case):
     model = ctxext.patch(tiny_model(family, max_position_embeddings=L_SHORT), method, logn=logn, **params)
     prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        generated = model.generate(prompt, max_new_tokens=32, do_sample=False, output_logits=True,
-                                   return_dict_in_generate=True, pad_token_id=0)
+        generated = model.generate(
+            prompt, max_new_tokens=32, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0
+        )
         decoded = torch.stack(generated.logits, dim=1)
         assert decoded.shape[1] == 32
-        full = model(generated.sequences).logits[:, prompt.shape[1] - 1: -1]
+        full = model(generated.sequences).logits[:, prompt.shape[1] - 1 : -1]
     assert torch.allclose(decoded, full, atol=1e-4), (decoded - full).abs().max()
 
 
 def test_left_padded_batch_decodes_like_each_row_alone():
-    model = ctxext.patch(tiny_model("qwen3", max_position_embeddings=L_SHORT), "leaky_rerope", window=5, k=3.0,
-                         logn=True)
+    model = ctxext.patch(
+        tiny_model("qwen3", max_position_embeddings=L_SHORT), "leaky_rerope", window=5, k=3.0, logn=True
+    )
     long_row, short_row = torch.randint(1, 256, (1, 14)), torch.randint(1, 256, (1, 9))
     batch = torch.cat([long_row, torch.cat([torch.zeros(1, 5, dtype=torch.long), short_row], dim=1)])
     mask = (torch.arange(14)[None] >= torch.tensor([[0], [5]])).long()
-    settings = dict(max_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                    pad_token_id=0)
+    settings = dict(
+        max_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0
+    )
     with torch.no_grad():
         together = torch.stack(model.generate(batch, attention_mask=mask, **settings).logits, dim=1)
         alone = torch.stack(model.generate(short_row, **settings).logits, dim=1)
@@ -247,10 +281,16 @@ def test_rerope_equals_plain_rope_up_to_the_window(family, method, params):
         assert not torch.allclose(model(tokens).logits, plain, atol=1e-5)
 
 
-@pytest.mark.parametrize("family,method,params", [
-    ("llama", "none", {}), ("mistral", "yarn", {"factor": 4.0}), ("qwen2", "ntk_mixed", {"factor": 2.0}),
-    ("qwen3", "none", {}), ("qwen3", "yarn", {"factor": 2.0}),
-])
+@pytest.mark.parametrize(
+    "family,method,params",
+    [
+        ("llama", "none", {}),
+        ("mistral", "yarn", {"factor": 4.0}),
+        ("qwen2", "ntk_mixed", {"factor": 2.0}),
+        ("qwen3", "none", {}),
+        ("qwen3", "yarn", {"factor": 2.0}),
+    ],
+)
 def test_logn_changes_nothing_up_to_the_original_length(family, method, params):
     tokens = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(5))  # tiny L = 64
     longer = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(5))
@@ -264,11 +304,16 @@ def test_logn_changes_nothing_up_to_the_original_length(family, method, params):
     assert not torch.allclose(with_logn_longer, without_longer)  # past L it does act
 
 
-@pytest.mark.parametrize("family,method,params,logn", [
-    ("llama", "rerope", {"window": 5}, False), ("mistral", "leaky_rerope", {"window": 5, "k": 8.0}, True),
-    ("qwen2", "yarn", {"factor": 4.0}, True), ("qwen3", "leaky_rerope", {"window": 5, "k": 8.0}, True),
-    ("qwen3", "rerope", {"window": 3}, True),
-])
+@pytest.mark.parametrize(
+    "family,method,params,logn",
+    [
+        ("llama", "rerope", {"window": 5}, False),
+        ("mistral", "leaky_rerope", {"window": 5, "k": 8.0}, True),
+        ("qwen2", "yarn", {"factor": 4.0}, True),
+        ("qwen3", "leaky_rerope", {"window": 5, "k": 8.0}, True),
+        ("qwen3", "rerope", {"window": 3}, True),
+    ],
+)
 def test_unpatch_restores_logits_and_config_bit_for_bit(family, method, params, logn):
     tokens = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(6))
     model = tiny_model(family, max_position_embeddings=L_SHORT)
@@ -299,15 +344,18 @@ def test_sliding_window_shorter_than_the_model_is_refused_at_patch_time():
 
 
 # ------------------------------------------------------------------------------------------ bad input
-@pytest.mark.parametrize("method,params,message", [
-    ("rerope", {"window": 0}, "'window' must be >= 1"),
-    ("rerope", {"window": -4}, "'window' must be >= 1"),
-    ("rerope", {"window": 2.5}, "whole number"),
-    ("leaky_rerope", {"k": 1}, "'k' must be > 1"),
-    ("leaky_rerope", {"k": 0.5}, "'k' must be > 1"),
-    ("none", {"logn": True, "original_max_position_embeddings": 1}, "L >= 2"),
-    ("yarn", {"factor": 2.0, "logn": "yes"}, "'logn' must be true or false"),
-])
+@pytest.mark.parametrize(
+    "method,params,message",
+    [
+        ("rerope", {"window": 0}, "'window' must be >= 1"),
+        ("rerope", {"window": -4}, "'window' must be >= 1"),
+        ("rerope", {"window": 2.5}, "whole number"),
+        ("leaky_rerope", {"k": 1}, "'k' must be > 1"),
+        ("leaky_rerope", {"k": 0.5}, "'k' must be > 1"),
+        ("none", {"logn": True, "original_max_position_embeddings": 1}, "L >= 2"),
+        ("yarn", {"factor": 2.0, "logn": "yes"}, "'logn' must be true or false"),
+    ],
+)
 def test_api_rejects_bad_parameters_with_a_value_error(method, params, message):
     model = tiny_model("llama")
     with pytest.raises(ValueError, match=message):
@@ -324,15 +372,20 @@ def test_logn_without_an_original_length_is_a_value_error():
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("src") / "tiny", tiny_model("qwen2", max_position_embeddings=L_SHORT))
+    return save_tiny_checkpoint(
+        tmp_path_factory.mktemp("src") / "tiny", tiny_model("qwen2", max_position_embeddings=L_SHORT)
+    )
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--method", "rerope", "--window", "0"], "'window' must be >= 1"),
-    (["--method", "leaky_rerope", "--k", "1"], "'k' must be > 1"),
-    (["--method", "none", "--logn", "--original-max-position-embeddings", "1"], "L >= 2"),
-    (["--config", "configs/methods/leaky_rerope.yaml", "--k", "0.9"], "'k' must be > 1"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--method", "rerope", "--window", "0"], "'window' must be >= 1"),
+        (["--method", "leaky_rerope", "--k", "1"], "'k' must be > 1"),
+        (["--method", "none", "--logn", "--original-max-position-embeddings", "1"], "L >= 2"),
+        (["--config", "configs/methods/leaky_rerope.yaml", "--k", "0.9"], "'k' must be > 1"),
+    ],
+)
 def test_cli_rejects_bad_input_with_one_line_and_exit_2(checkpoint, tmp_path, capsys, flags, message):
     out = tmp_path / "out"
     code = main(["patch", str(checkpoint), "-o", str(out), *flags])
@@ -401,17 +454,22 @@ def test_cli_patched_checkpoints_reload_after_import_ctxext(checkpoint, tmp_path
     tokens = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(7))
     torch.save(tokens, tmp_path / "tokens.pt")
     runs = {
-        "rerope": (["--method", "leaky_rerope", "--window", "6", "--k", "4", "--logn"],
-                   ("leaky_rerope", {"window": 6, "k": 4.0, "logn": True})),
-        "ntk_mixed_logn": (["--config", "configs/methods/ntk_mixed_logn.yaml"],
-                           ("ntk_mixed", {"factor": 4, "beta": 0.625, "logn": True})),
+        "rerope": (
+            ["--method", "leaky_rerope", "--window", "6", "--k", "4", "--logn"],
+            ("leaky_rerope", {"window": 6, "k": 4.0, "logn": True}),
+        ),
+        "ntk_mixed_logn": (
+            ["--config", "configs/methods/ntk_mixed_logn.yaml"],
+            ("ntk_mixed", {"factor": 4, "beta": 0.625, "logn": True}),
+        ),
     }
     expected = {}
     for name, (flags, (method, params)) in runs.items():
         assert main(["patch", str(checkpoint), "-o", str(tmp_path / name), *flags]) == 0
         # ntk_mixed's frequencies are written natively (longrope); log-n still needs ctxext
-        assert ("need `import ctxext` first" if name == "ntk_mixed_logn" else "after `import ctxext`") in \
-            capsys.readouterr().out
+        assert (
+            "need `import ctxext` first" if name == "ntk_mixed_logn" else "after `import ctxext`"
+        ) in capsys.readouterr().out
         saved = json.loads((tmp_path / name / "config.json").read_text())["ctxext_attention"]
         assert saved["logn"] is True and saved["original_max_position_embeddings"] == L_SHORT
         model = ctxext.patch(AutoModelForCausalLM.from_pretrained(checkpoint), method, **params)
@@ -419,23 +477,32 @@ def test_cli_patched_checkpoints_reload_after_import_ctxext(checkpoint, tmp_path
             expected[name] = model(tokens).logits
     result = subprocess.run(
         [sys.executable, "-c", RELOAD, str(tmp_path / "tokens.pt"), *(str(tmp_path / name) for name in runs)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     reloaded = json.loads(result.stdout.strip().splitlines()[-1])
     assert reloaded["plain_load"] != "loaded"
-    assert reloaded[str(tmp_path / "rerope")] == {"logn": True, "method": "leaky_rerope", "window": 6, "k": 4.0,
-                                                   "original_max_position_embeddings": L_SHORT}
+    assert reloaded[str(tmp_path / "rerope")] == {
+        "logn": True,
+        "method": "leaky_rerope",
+        "window": 6,
+        "k": 4.0,
+        "original_max_position_embeddings": L_SHORT,
+    }
     for name in runs:
         # Float32 rounding only: across processes a matmul's last bits can follow memory alignment.
-        torch.testing.assert_close(torch.load(tmp_path / name / "reloaded.pt"), expected[name], rtol=1e-5, atol=1e-6,
-                                   msg=name)
+        torch.testing.assert_close(
+            torch.load(tmp_path / name / "reloaded.pt"), expected[name], rtol=1e-5, atol=1e-6, msg=name
+        )
 
 
 def test_repatching_a_reloaded_rerope_checkpoint_and_unpatching_brings_it_back(tmp_path):
     tokens = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(8))
-    ctxext.patch(tiny_model("mistral", max_position_embeddings=L_SHORT), "rerope", window=5,
-                 logn=True).save_pretrained(tmp_path / "rerope")
+    ctxext.patch(tiny_model("mistral", max_position_embeddings=L_SHORT), "rerope", window=5, logn=True).save_pretrained(
+        tmp_path / "rerope"
+    )
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "rerope").eval()  # the load hook patches it
     yarn_only = ctxext.patch(tiny_model("mistral", max_position_embeddings=L_SHORT), "yarn", factor=2.0)
     with torch.no_grad():
@@ -461,10 +528,11 @@ def test_smollm2_cached_blocked_decoding_matches_naive_full_forward(smollm2_path
     ctxext.patch(model, "leaky_rerope", window=24, k=8.0, logn=True, original_max_position_embeddings=32)
     set_attention_tuning(model, query_block=32)
     with torch.no_grad():
-        generated = model.generate(prompt, max_new_tokens=4, do_sample=False, output_logits=True,
-                                   return_dict_in_generate=True)
+        generated = model.generate(
+            prompt, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
         set_attention_tuning(model, kernel="naive")
-        full = model(generated.sequences).logits[:, prompt.shape[1] - 1: -1]
+        full = model(generated.sequences).logits[:, prompt.shape[1] - 1 : -1]
     decoded = torch.stack(generated.logits, dim=1)
     print("max |decoded - naive full|:", (decoded - full).abs().max().item())
     assert torch.allclose(decoded, full, atol=2e-4), (decoded - full).abs().max()

@@ -21,7 +21,7 @@ from ctxext.patching import remap_kernel
 from ctxext.patching.attention import set_attention_tuning
 from ctxext.patching.remap_kernel import band_and_far_ranges, pick_backend, remapped_attention
 from tests.conftest import FAMILIES, tiny_model
-from tests.test_remapping import L, RELATIVE, naive_forward, reference_model
+from tests.test_remapping import RELATIVE, L, naive_forward, reference_model
 
 SEQ = 56
 FAMILY_NAMES = list(FAMILIES)
@@ -65,18 +65,19 @@ def tokens(length=SEQ, seed=3, batch=1):
 
 
 def patched_model(family, method, params, logn=False, **overrides):
-    return sharpen(ctxext.patch(tiny_model(family, max_position_embeddings=L, **overrides), method, logn=logn,
-                                **params))
+    return sharpen(
+        ctxext.patch(tiny_model(family, max_position_embeddings=L, **overrides), method, logn=logn, **params)
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def oracle_logits(family, method, logn, seed=3):
     """The per-cell oracle's logits on `tokens(seed=seed)` with METHODS[method] (shared by tests 1 and 2)."""
     with torch.no_grad():
         return reference(family, method, METHODS[method], logn)(tokens(seed=seed), use_cache=False).logits
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def unpatched_logits(family, implementation, seed=3):
     with torch.no_grad():
         model = sharpen(tiny_model(family, max_position_embeddings=L, attn_implementation=implementation))
@@ -102,8 +103,12 @@ def counting(monkeypatch, name):
 
 # ------------------------------------------------------------------ 1. full forward, every implementation
 # The family cycles with (method, log-n), so each oracle serves all three implementations.
-FORWARD_RUNS = [(FAMILY_NAMES[(2 * n + logn) % 4], method, implementation, logn)
-                for n, method in enumerate(METHODS) for logn in (False, True) for implementation in IMPLEMENTATIONS]
+FORWARD_RUNS = [
+    (FAMILY_NAMES[(2 * n + logn) % 4], method, implementation, logn)
+    for n, method in enumerate(METHODS)
+    for logn in (False, True)
+    for implementation in IMPLEMENTATIONS
+]
 
 
 @pytest.mark.parametrize("family,method,implementation,logn", FORWARD_RUNS)
@@ -145,8 +150,10 @@ DECODE = {
     "dual_chunk": ({"chunk_size": 16, "local_window": 3}, False),
     "string": ({"shifted_offset": 14, "local_value": 3, "attention_factor": 1.1}, True),
 }
-DECODE_RUNS = [(FAMILY_NAMES[n % 4], method, implementation)
-               for n, (method, implementation) in enumerate((m, i) for m in DECODE for i in IMPLEMENTATIONS)]
+DECODE_RUNS = [
+    (FAMILY_NAMES[n % 4], method, implementation)
+    for n, (method, implementation) in enumerate((m, i) for m in DECODE for i in IMPLEMENTATIONS)
+]
 
 
 @pytest.mark.parametrize("family,method,implementation", DECODE_RUNS)
@@ -155,14 +162,15 @@ def test_cached_decoding_equals_full_forward_and_oracle(family, method, implemen
     model = patched_model(family, method, params, logn, attn_implementation=implementation)
     prompt = tokens(12, seed=5)
     with torch.no_grad():
-        generated = model.generate(prompt, max_new_tokens=32, do_sample=False, output_logits=True,
-                                   return_dict_in_generate=True, pad_token_id=0)
+        generated = model.generate(
+            prompt, max_new_tokens=32, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0
+        )
         decoded = torch.stack(generated.logits, dim=1)
-        full = model(generated.sequences).logits[:, prompt.shape[1] - 1: -1]
+        full = model(generated.sequences).logits[:, prompt.shape[1] - 1 : -1]
         expected = reference(family, method, params, logn)(generated.sequences, use_cache=False).logits
     assert decoded.shape[1] == 32
     assert torch.allclose(decoded, full, atol=1e-4), max_error(decoded, full)
-    expected = expected[:, prompt.shape[1] - 1: -1]
+    expected = expected[:, prompt.shape[1] - 1 : -1]
     assert torch.allclose(decoded, expected, atol=1e-4), max_error(decoded, expected)
 
 
@@ -200,8 +208,17 @@ def test_kernel_gradients_match_autograd_through_naive(monkeypatch, backend, lay
 
     def gradients(kernel):
         inputs = [t.clone().requires_grad_(True) for t in (*queries, *keys, value)]
-        out = remapped_attention(inputs[:regions], inputs[regions:2 * regions], inputs[-1], lo, hi, scale=0.4,
-                                 allowed=allowed, query_block=4, kernel=kernel)
+        out = remapped_attention(
+            inputs[:regions],
+            inputs[regions : 2 * regions],
+            inputs[-1],
+            lo,
+            hi,
+            scale=0.4,
+            allowed=allowed,
+            query_block=4,
+            kernel=kernel,
+        )
         (out * weights).sum().backward()
         return out.detach(), [t.grad for t in inputs]
 
@@ -268,8 +285,13 @@ def test_pose_gapped_positions_match_the_oracle_at_the_real_positions(family, me
     mask = torch.ones_like(inputs)  # as the training loop does: no mask would read the gap as packed sequences
     model = patched_model(family, method, params, logn)
     oracle = sharpen(tiny_model(family, max_position_embeddings=L))
-    forward = naive_forward(lambda i, j: RELATIVE[method](i, j, **params), oracle.model.rotary_emb.inv_freq, 1.0,
-                            L if logn else None, positions=POSE_POSITIONS)
+    forward = naive_forward(
+        lambda i, j: RELATIVE[method](i, j, **params),
+        oracle.model.rotary_emb.inv_freq,
+        1.0,
+        L if logn else None,
+        positions=POSE_POSITIONS,
+    )
     for layer in oracle.model.layers:
         layer.self_attn.forward = types.MethodType(forward, layer.self_attn)
     with torch.no_grad():
@@ -280,10 +302,13 @@ def test_pose_gapped_positions_match_the_oracle_at_the_real_positions(family, me
     assert max_error(got, consecutive) > 1e-4  # the gap really changes the positions used
 
 
-@pytest.mark.parametrize("positions", [
-    torch.cat((torch.arange(0, 20), torch.arange(10, 30))),  # goes back
-    torch.cat((torch.arange(0, 20), torch.arange(19, 39))),  # repeats one
-])
+@pytest.mark.parametrize(
+    "positions",
+    [
+        torch.cat((torch.arange(0, 20), torch.arange(10, 30))),  # goes back
+        torch.cat((torch.arange(0, 20), torch.arange(19, 39))),  # repeats one
+    ],
+)
 def test_pose_positions_that_do_not_increase_are_refused(positions):
     model = patched_model("llama", "self_extend", METHODS["self_extend"])
     inputs = tokens(len(positions), seed=19)
@@ -292,10 +317,13 @@ def test_pose_positions_that_do_not_increase_are_refused(positions):
 
 
 # ------------------------------------------------------------------ 7. flex_attention, left-padded batch
-@pytest.mark.parametrize("family,method,params", [
-    ("mistral", "self_extend", {"group_size": 2, "window": 4}),  # not shift-invariant: one plan per row
-    ("llama", "leaky_rerope", {"window": 5, "k": 3.0}),
-])
+@pytest.mark.parametrize(
+    "family,method,params",
+    [
+        ("mistral", "self_extend", {"group_size": 2, "window": 4}),  # not shift-invariant: one plan per row
+        ("llama", "leaky_rerope", {"window": 5, "k": 3.0}),
+    ],
+)
 def test_flex_attention_left_padded_batch_equals_each_row_alone(family, method, params):
     """Key padding read from flex_attention's BlockMask: each row of a left-padded batch equals the row alone,
     in a full forward and in cached decoding."""
@@ -313,8 +341,7 @@ def test_flex_attention_left_padded_batch_equals_each_row_alone(family, method, 
     assert torch.allclose(together[0], alone[0], atol=1e-4), max_error(together[0], alone[0])
     assert torch.allclose(together[1, pad:], alone[1], atol=1e-4), max_error(together[1, pad:], alone[1])
     # The same batch decoded with a cache: each step's BlockMask (with its offsets) carries row 1's padding.
-    settings = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                    pad_token_id=0)
+    settings = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     with torch.no_grad():
         together = torch.stack(model.generate(batch, attention_mask=mask, **settings).logits, dim=1)
         alone = [torch.stack(model.generate(row, **settings).logits, dim=1)[0] for row in (long_row, short_row)]

@@ -24,13 +24,17 @@ def run_check(capsys, *flags):
 
 
 def test_every_method_agrees_under_every_cpu_implementation(tiny_shape, tmp_path, capsys):
-    code, out, _ = run_check(capsys, "--model", str(tiny_shape), "--lengths", "256", "--json",
-                             str(tmp_path / "check.json"))
+    code, out, _ = run_check(
+        capsys, "--model", str(tiny_shape), "--lengths", "256", "--json", str(tmp_path / "check.json")
+    )
     assert code == 0, out
     result = json.loads((tmp_path / "check.json").read_text())
     cases = {(row["implementation"], row["method"]) for row in result["agreement"]}
-    assert cases == {(i, m) for i in ("eager", "sdpa", "flex_attention")
-                     for m in ("rerope", "leaky_rerope", "self_extend", "dual_chunk", "string", "dpe", "logn")}
+    assert cases == {
+        (i, m)
+        for i in ("eager", "sdpa", "flex_attention")
+        for m in ("rerope", "leaky_rerope", "self_extend", "dual_chunk", "string", "dpe", "logn")
+    }
     for row in result["agreement"]:
         assert row["ok"] and row["forward_error"] < 1e-4
         if row["method"] != "logn":  # the remapping ones run ctxext's backends: lse to infer, blockwise to train
@@ -47,20 +51,24 @@ def test_a_wrong_backend_is_caught(tiny_shape, capsys, monkeypatch):
         return remap_kernel.naive_backend(queries, keys, value, plan, scale)
 
     monkeypatch.setitem(remap_kernel.REMAP_BACKENDS, "lse", drops_the_last_region)
-    code, out, _ = run_check(capsys, "--model", str(tiny_shape), "--lengths", "", "--methods", "dual_chunk,logn",
-                             "--implementations", "sdpa")
+    code, out, _ = run_check(
+        capsys, "--model", str(tiny_shape), "--lengths", "", "--methods", "dual_chunk,logn", "--implementations", "sdpa"
+    )
     assert code == 1
     assert "DISAGREEMENT: dual_chunk under sdpa" in out
     assert "logn" not in out.split("DISAGREEMENT")[1]  # log-n does not use the backend
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--methods", "yarn"], "unknown method(s) yarn for ctxext check"),
-    (["--implementations", "flash_attention_2"], "not available on cpu"),
-    (["--lengths", "100"], "at least 256 tokens"),
-    (["--layers", "0"], "--layers and --repeats must be >= 1"),
-    (["--model", "/nonexistent/model"], "/nonexistent/model"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--methods", "yarn"], "unknown method(s) yarn for ctxext check"),
+        (["--implementations", "flash_attention_2"], "not available on cpu"),
+        (["--lengths", "100"], "at least 256 tokens"),
+        (["--layers", "0"], "--layers and --repeats must be >= 1"),
+        (["--model", "/nonexistent/model"], "/nonexistent/model"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(tiny_shape, capsys, flags, message):
     code, out, err = run_check(capsys, "--model", str(tiny_shape), *flags)
     assert code == 2
@@ -76,7 +84,16 @@ def test_a_model_without_rope_is_refused(tmp_path, capsys):
 
 
 def test_smollm2_shape_passes(smollm2_path, capsys):
-    code, out, _ = run_check(capsys, "--model", str(smollm2_path), "--lengths", "", "--methods",
-                             "dual_chunk,leaky_rerope", "--implementations", "sdpa")
+    code, out, _ = run_check(
+        capsys,
+        "--model",
+        str(smollm2_path),
+        "--lengths",
+        "",
+        "--methods",
+        "dual_chunk,leaky_rerope",
+        "--implementations",
+        "sdpa",
+    )
     assert code == 0, out
     assert "'head_dim': 64" in out and "'num_attention_heads': 9" in out

@@ -63,8 +63,13 @@ def test_flags_override_yaml_keys(source, tmp_path, capsys):
     code, _, err = run_cli(capsys, "patch", source, "--config", config, "--factor", "2", "--beta", "0.5", "-o", out)
     assert code == 0, err
     record = yaml.safe_load((out / "ctxext.yaml").read_text())
-    assert record["rope_parameters"] == {"rope_type": "ctxext_ntk_mixed", "rope_theta": 10000.0, "factor": 2,
-                                         "beta": 0.5, "original_max_position_embeddings": 64}
+    assert record["rope_parameters"] == {
+        "rope_type": "ctxext_ntk_mixed",
+        "rope_theta": 10000.0,
+        "factor": 2,
+        "beta": 0.5,
+        "original_max_position_embeddings": 64,
+    }
 
 
 def test_every_method_yaml_is_valid_and_names_its_source():
@@ -87,7 +92,10 @@ BAD_INPUT = [
     (["--method", "yran"], "unknown method 'yran' (did you mean 'yarn'?)"),
     (["--method", "yarn", "--factor", "0.5"], "'factor' must be >= 1"),
     (["--method", "yarn", "--factor", "abc"], "'factor' must be a number"),
-    (["--method", "yarn", "--factor", "2", "--original-max-position-embeddings", "0"], "'original_max_position_embeddings' must be >= 1"),
+    (
+        ["--method", "yarn", "--factor", "2", "--original-max-position-embeddings", "0"],
+        "'original_max_position_embeddings' must be >= 1",
+    ),
     (["--method", "yarn", "--factor", "2", "--original-max-position-embeddings", "-4096"], "must be >= 1, got -4096"),
     (["--config", "@typo.yaml"], "unknown key 'beta_fsat' for method 'yarn' (did you mean 'beta_fast'?)"),
     (["--config", "@list.yaml"], "must be a YAML mapping"),
@@ -142,8 +150,21 @@ def test_overwrite_replaces_an_existing_output(source, tmp_path, capsys):
 
 
 def test_console_entry_point_exit_code_and_one_line_error(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "ctxext", "patch", str(tmp_path / "none"), "--method", "yarn",
-                             "-o", str(tmp_path / "o")], capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ctxext",
+            "patch",
+            str(tmp_path / "none"),
+            "--method",
+            "yarn",
+            "-o",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"ctxext patch: error: model path '{tmp_path / 'none'}' does not exist"
@@ -168,8 +189,24 @@ def test_methods_default_listing_names_each_methods_parameters(capsys):
 
 def test_plot_freqs_draws_each_method(tmp_path, capsys):
     png = tmp_path / "freqs.png"
-    code, out, _ = run_cli(capsys, "plot-freqs", "--method", "linear", "--method", "yarn", "--method", "ntk_mixed",
-                           "--factor", "4", "--head-dim", "128", "--base", "10000", "-o", png)
+    code, out, _ = run_cli(
+        capsys,
+        "plot-freqs",
+        "--method",
+        "linear",
+        "--method",
+        "yarn",
+        "--method",
+        "ntk_mixed",
+        "--factor",
+        "4",
+        "--head-dim",
+        "128",
+        "--base",
+        "10000",
+        "-o",
+        png,
+    )
     assert code == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = {line.split()[0]: line for line in out.splitlines() if "pairs" in line}
@@ -186,8 +223,11 @@ def test_plot_freqs_reads_the_method_from_config(tmp_path, capsys):
     d, b, L, beta_fast, beta_slow = 128, 10000.0, 2048, 16, 1
     corr = lambda beta: d * math.log(L / (2 * math.pi * beta)) / (2 * math.log(b))  # noqa: E731
     kept, interpolated = math.floor(corr(beta_fast)) + 1, d // 2 - math.ceil(corr(beta_slow))
-    config = write(tmp_path, "yarn16.yaml", f"method: yarn\nfactor: 4\nbeta_fast: {beta_fast}\n"
-                                            f"original_max_position_embeddings: {L}\n")
+    config = write(
+        tmp_path,
+        "yarn16.yaml",
+        f"method: yarn\nfactor: 4\nbeta_fast: {beta_fast}\noriginal_max_position_embeddings: {L}\n",
+    )
     code, out, err = run_cli(capsys, "plot-freqs", "--config", config, "--head-dim", d, "-o", tmp_path / "f.png")
     assert code == 0, err
     assert f"{'yarn x4':<16} kept {kept:3d}, interpolated by s {interpolated:3d}" in out, out

@@ -1,7 +1,6 @@
 """The command line starts fast: --help of ctxext and of every command imports neither torch nor transformers,
 and the method parameter flags, which are not argparse options any more, still parse and still fail clearly."""
 
-import argparse
 import dataclasses
 import importlib
 import subprocess
@@ -17,8 +16,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 def imported_modules(*argv: str) -> set[str]:
     """Top-level names of the modules `python -X importtime -m ctxext ARGV` imports (in a fresh process)."""
-    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "ctxext", *argv], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "ctxext", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     names = set()
     for line in result.stderr.splitlines():
@@ -28,8 +32,9 @@ def imported_modules(*argv: str) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("argv", [["--help"], *[[name, "--help"] for name in COMMANDS]],
-                         ids=lambda argv: " ".join(argv))
+@pytest.mark.parametrize(
+    "argv", [["--help"], *[[name, "--help"] for name in COMMANDS]], ids=lambda argv: " ".join(argv)
+)
 def test_help_imports_neither_torch_nor_transformers(argv):
     names = imported_modules(*argv)
     assert not {"torch", "transformers"} & names
@@ -46,15 +51,19 @@ def test_import_ctxext_is_light_and_registers_once_transformers_is_imported():
 def test_command_table_help_is_each_modules_help():
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
-        assert module.HELP == help_text, name
+        assert help_text == module.HELP, name
         assert callable(module.add_arguments) and callable(module.run) and module.DESCRIPTION
 
 
 def method_parameter_flags() -> set[str]:
     from ctxext.methods import METHODS
 
-    return {f"--{f.name.replace('_', '-')}" for method in METHODS.values()
-            for f in dataclasses.fields(method.params_cls) if f.name != "factor"}
+    return {
+        f"--{f.name.replace('_', '-')}"
+        for method in METHODS.values()
+        for f in dataclasses.fields(method.params_cls)
+        if f.name != "factor"
+    }
 
 
 def test_no_method_parameter_is_taken_for_an_option():
@@ -69,10 +78,13 @@ def test_no_method_parameter_is_taken_for_an_option():
             assert not [o for o in options if o.startswith(flag)], (name, flag)
 
 
-@pytest.mark.parametrize("argv", [
-    ["patch", "MODEL", "--beta-fast", "16", "--beta-slow=2", "-o", "OUT", "--method", "yarn"],
-    ["patch", "--beta-fast", "16", "MODEL", "--beta-slow", "2", "--method", "yarn", "-o", "OUT"],  # before MODEL
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["patch", "MODEL", "--beta-fast", "16", "--beta-slow=2", "-o", "OUT", "--method", "yarn"],
+        ["patch", "--beta-fast", "16", "MODEL", "--beta-slow", "2", "--method", "yarn", "-o", "OUT"],  # before MODEL
+    ],
+)
 def test_method_parameter_flags_become_parameters(argv):
     args = parse_args(argv)
     assert (args.model, args.output, args.method) == ("MODEL", "OUT", "yarn")
@@ -80,8 +92,9 @@ def test_method_parameter_flags_become_parameters(argv):
 
 
 def test_method_parameter_values_read_like_yaml():
-    args = parse_args(["eval", "M", "-o", "O", "--method", "theta", "--new-base", "1e6", "--dynamic", "true",
-                       "--beta", "-0.5"])
+    args = parse_args(
+        ["eval", "M", "-o", "O", "--method", "theta", "--new-base", "1e6", "--dynamic", "true", "--beta", "-0.5"]
+    )
     assert (args.param_new_base, args.param_dynamic, args.param_beta) == (1e6, True, -0.5)
     assert isinstance(args.param_new_base, float)
 
@@ -105,4 +118,3 @@ def test_options_still_abbreviate():
     args = parse_args(["patch", "MODEL", "--meth", "yarn", "--fact", "2", "-o", "OUT"])
     assert (args.method, args.factor) == ("yarn", 2)
     assert not [k for k in vars(args) if k.startswith("param_")]
-

@@ -16,8 +16,13 @@ tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
 REPO = Path(__file__).resolve().parents[1]
 # Modules of optional features, and the extra that installs them.
-OPTIONAL_IMPORTS = {"lm_eval": "tasks", "evaluate": "tasks", "optuna": "search", "cma": "search",
-                    "llama_cpp": "llamacpp"}
+OPTIONAL_IMPORTS = {
+    "lm_eval": "tasks",
+    "evaluate": "tasks",
+    "optuna": "search",
+    "cma": "search",
+    "llama_cpp": "llamacpp",
+}
 # Optional modules the test extra does not install (llama-cpp-python compiles llama.cpp): module -> distribution.
 NOT_INSTALLED_BY_TESTS = {"llama_cpp": "llama-cpp-python"}
 # Needed with no import statement in ctxext: distribution -> why.
@@ -43,8 +48,10 @@ def imported_distributions(paths) -> dict[str, set[str]]:
     for path in paths:
         if path.suffix == ".ipynb":
             cells = [c["source"] for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
-            sources = ["\n".join(line for line in "".join(cell).splitlines() if not line.lstrip().startswith("%"))
-                       for cell in cells]
+            sources = [
+                "\n".join(line for line in "".join(cell).splitlines() if not line.lstrip().startswith("%"))
+                for cell in cells
+            ]
         else:
             sources = [path.read_text()]
         for source in sources:

@@ -10,7 +10,7 @@ import torch
 import ctxext
 from ctxext.patching.attention import set_attention_tuning
 from tests.conftest import FAMILIES, save_tiny_checkpoint, tiny_model
-from tests.test_remapping import L, SEQ, naive_forward
+from tests.test_remapping import SEQ, L, naive_forward
 
 PAIRS = 8  # the tiny models' head_dim 16
 LAYERS = 2
@@ -37,8 +37,12 @@ def reference_model(family, params, logn):
     model = tiny_model(family, max_position_embeddings=L)
     for index, layer in enumerate(model.model.layers):
         scales = pair_scales_of(params["group_scales"], params.get("selected_pairs"), index)
-        forward = naive_forward(lambda i, j, scales=scales: dpe_relative(i, j, params["window"], scales),
-                                model.model.rotary_emb.inv_freq, 1.0, L if logn else None)
+        forward = naive_forward(
+            lambda i, j, scales=scales: dpe_relative(i, j, params["window"], scales),
+            model.model.rotary_emb.inv_freq,
+            1.0,
+            L if logn else None,
+        )
         layer.self_attn.forward = types.MethodType(forward, layer.self_attn)
     return model
 
@@ -70,8 +74,7 @@ def test_equal_scales_are_self_extend_and_scales_of_one_are_plain_rope(family):
     tokens = torch.randint(0, 256, (1, SEQ), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         dpe = ctxext.patch(tiny_model(family, max_position_embeddings=L), "dpe", window=8, group_scales=[3] * 4)
-        self_extend = ctxext.patch(tiny_model(family, max_position_embeddings=L), "self_extend", window=8,
-                                   group_size=3)
+        self_extend = ctxext.patch(tiny_model(family, max_position_embeddings=L), "self_extend", window=8, group_size=3)
         assert torch.equal(dpe(tokens).logits, self_extend(tokens).logits)
         ones = ctxext.patch(tiny_model(family, max_position_embeddings=L), "dpe", window=8, group_scales=[1, 1])
         plain = tiny_model(family, max_position_embeddings=L)
@@ -81,8 +84,9 @@ def test_equal_scales_are_self_extend_and_scales_of_one_are_plain_rope(family):
 def test_defaults_follow_the_original_length_and_the_checkpoint_records_them(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model = ctxext.patch(tiny_model("llama", max_position_embeddings=L), "dpe", factor=4,
-                         selected_pairs=[[0, 1], [2, 3, 4]])
+    model = ctxext.patch(
+        tiny_model("llama", max_position_embeddings=L), "dpe", factor=4, selected_pairs=[[0, 1], [2, 3, 4]]
+    )
     saved = model.config.ctxext_attention
     assert (saved["window"], saved["group_scales"]) == (L // 8, [4] * 8)
     model.save_pretrained(tmp_path / "dpe")
@@ -92,15 +96,18 @@ def test_defaults_follow_the_original_length_and_the_checkpoint_records_them(tmp
         torch.testing.assert_close(reloaded(tokens).logits, model(tokens).logits, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--group-scales", "[2, 0]"], "'group_scales' must be >= 1"),
-    (["--group-scales", "[2, 1.5]"], "whole number"),
-    (["--group-scales", "[2, 4, 8]"], "3 groups (group_scales) do not divide this model's 8 rotary pairs"),
-    (["--selected-pairs", "[0, 8]"], "selected pairs [8] are out of range; this model has pairs 0-7"),
-    (["--selected-pairs", "[[0], [1], [2]]"], "'selected_pairs' has 3 lists; this model has 2 layers"),
-    (["--select-pairs", "/nonexistent/text.txt", "--top-pairs", "2"], "text file '/nonexistent/text.txt' does not"),
-    (["--top-pairs", "2"], "--select-pairs TEXT and --top-pairs K go together"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--group-scales", "[2, 0]"], "'group_scales' must be >= 1"),
+        (["--group-scales", "[2, 1.5]"], "whole number"),
+        (["--group-scales", "[2, 4, 8]"], "3 groups (group_scales) do not divide this model's 8 rotary pairs"),
+        (["--selected-pairs", "[0, 8]"], "selected pairs [8] are out of range; this model has pairs 0-7"),
+        (["--selected-pairs", "[[0], [1], [2]]"], "'selected_pairs' has 3 lists; this model has 2 layers"),
+        (["--select-pairs", "/nonexistent/text.txt", "--top-pairs", "2"], "text file '/nonexistent/text.txt' does not"),
+        (["--top-pairs", "2"], "--select-pairs TEXT and --top-pairs K go together"),
+    ],
+)
 def test_bad_dpe_parameters_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, flags, message):
     from ctxext.cli import main
 
@@ -130,7 +137,7 @@ def test_pair_selection_ranks_pairs_by_mean_q_k_norm_product_and_is_recorded(tmp
         x = model.model.layers[0].input_layernorm(model.model.embed_tokens(words[None]))
         q = attention.q_norm(attention.q_proj(x).view(1, 200, -1, 16))
         k = attention.k_norm(attention.k_proj(x).view(1, 200, -1, 16)).repeat_interleave(2, dim=2)
-        expected = ((q[..., :8] ** 2 + q[..., 8:] ** 2).sqrt() * (k[..., :8] ** 2 + k[..., 8:] ** 2).sqrt())
+        expected = (q[..., :8] ** 2 + q[..., 8:] ** 2).sqrt() * (k[..., :8] ** 2 + k[..., 8:] ** 2).sqrt()
         expected = expected.mean(dim=(0, 1, 2))
         got = pair_contributions(model, words[None])
     torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-7)
@@ -139,14 +146,42 @@ def test_pair_selection_ranks_pairs_by_mean_q_k_norm_product_and_is_recorded(tmp
     text = tmp_path / "calibration.txt"
     text.write_text(" ".join(f"w{int(w)}" for w in words))
     capsys.readouterr()
-    assert main(["patch", str(source), "-o", str(tmp_path / "out"), "--method", "dpe", "--window", "8",
-                 "--group-scales", "[2, 8]", "--select-pairs", str(text), "--top-pairs", "3"]) == 0
+    assert (
+        main(
+            [
+                "patch",
+                str(source),
+                "-o",
+                str(tmp_path / "out"),
+                "--method",
+                "dpe",
+                "--window",
+                "8",
+                "--group-scales",
+                "[2, 8]",
+                "--select-pairs",
+                str(text),
+                "--top-pairs",
+                "3",
+            ]
+        )
+        == 0
+    )
     chosen = [sorted(torch.topk(row, 3).indices.tolist()) for row in pair_contributions(model, words[None, :L])]
     saved = json.loads((tmp_path / "out" / "config.json").read_text())["ctxext_attention"]
     assert saved["selected_pairs"] == chosen
     tokens = torch.randint(0, 256, (1, SEQ), generator=torch.Generator().manual_seed(6))
-    reference = ctxext.patch(tiny_model("qwen3", seed=3, max_position_embeddings=L), "dpe", window=8,
-                             group_scales=[2, 8], selected_pairs=chosen)
+    reference = ctxext.patch(
+        tiny_model("qwen3", seed=3, max_position_embeddings=L),
+        "dpe",
+        window=8,
+        group_scales=[2, 8],
+        selected_pairs=chosen,
+    )
     with torch.no_grad():
-        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path / "out")(tokens).logits,
-                                   reference(tokens).logits, rtol=0, atol=0)
+        torch.testing.assert_close(
+            AutoModelForCausalLM.from_pretrained(tmp_path / "out")(tokens).logits,
+            reference(tokens).logits,
+            rtol=0,
+            atol=0,
+        )

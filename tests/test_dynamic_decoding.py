@@ -50,9 +50,9 @@ def naive_logits(model, tokens, lengths, method, params):
     config = model.config
     head_dim, heads, kv_heads = config.head_dim, config.num_attention_heads, config.num_key_value_heads
     base = config.rope_parameters["rope_theta"]
-    per_length = {l: compute_inv_freq(method, params, head_dim, base, L, seq_len=l) for l in set(lengths)}
-    inv_freq = torch.stack([per_length[l][0] for l in lengths])
-    factor = torch.tensor([per_length[l][1] for l in lengths], dtype=torch.float64)
+    per_length = {n: compute_inv_freq(method, params, head_dim, base, L, seq_len=n) for n in set(lengths)}
+    inv_freq = torch.stack([per_length[n][0] for n in lengths])
+    factor = torch.tensor([per_length[n][1] for n in lengths], dtype=torch.float64)
     positions = torch.arange(len(tokens))
     causal = torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril()
 
@@ -79,16 +79,18 @@ def naive_logits(model, tokens, lengths, method, params):
         return model.lm_head(model.model.norm(x))
 
 
-@pytest.mark.parametrize("name,values", DYNAMIC, ids=[f"{n}-{'dynamic' if v.get('dynamic') else 'native'}"
-                                                      for n, v in DYNAMIC])
+@pytest.mark.parametrize(
+    "name,values", DYNAMIC, ids=[f"{n}-{'dynamic' if v.get('dynamic') else 'native'}" for n, v in DYNAMIC]
+)
 def test_cached_decode_differs_from_full_forward_only_by_stale_cached_rotations(family, name, values):
     model = tiny_model(family)
     ctxext.patch(model, name, **values)
     method = get_method(name)
     params = method.make_params(**values)
     prompt = torch.randint(0, 256, (1, PROMPT), generator=torch.Generator().manual_seed(3))
-    out = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True)
+    out = model.generate(
+        prompt, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
     step_logits = torch.cat(out.logits)  # step s predicts position PROMPT + s
     tokens = out.sequences[0, : PROMPT + NEW_TOKENS - 1]  # the last generated token is never fed back
     total = len(tokens)
@@ -97,12 +99,13 @@ def test_cached_decode_differs_from_full_forward_only_by_stale_cached_rotations(
     with torch.no_grad():
         for length in (PROMPT, L, L + 1, total):
             full = model(tokens[None, :length]).logits[0]
-            torch.testing.assert_close(naive_logits(model, tokens[:length], [length] * length, method, params),
-                                       full, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                naive_logits(model, tokens[:length], [length] * length, method, params), full, rtol=1e-5, atol=1e-5
+            )
 
     # With each token at the length it was computed at, the oracle is the cached decode, step by step.
     stale_lengths = [PROMPT] * PROMPT + [t + 1 for t in range(PROMPT, total)]
-    stale = naive_logits(model, tokens, stale_lengths, method, params)[PROMPT - 1:]
+    stale = naive_logits(model, tokens, stale_lengths, method, params)[PROMPT - 1 :]
     torch.testing.assert_close(step_logits, stale, rtol=1e-5, atol=1e-5)
 
     # Recomputed from scratch, each step's sequence shares the scale of its current length: the same as

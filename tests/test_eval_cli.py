@@ -20,9 +20,18 @@ def tiny_checkpoint(tmp_path_factory, smollm2_path):
     """A random 2-layer LLaMA (L=256) with SmolLM2's real tokenizer, saved like any checkpoint."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                         rope_theta=10000.0, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
     path = tmp_path_factory.mktemp("tiny")
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -46,9 +55,27 @@ def run_cli(*argv):
 
 def test_eval_matches_naive_loop_for_every_method(tiny_checkpoint, texts, tmp_path):
     out = tmp_path / "out"
-    code = run_cli("eval", tiny_checkpoint, "--method", "linear", "--method", "yarn", "--factor", "2",
-                   "--lengths", "256,1024", "--stride", "256", "--text-file", texts, "--dtype", "fp32",
-                   "--no-progress", "-o", out)
+    code = run_cli(
+        "eval",
+        tiny_checkpoint,
+        "--method",
+        "linear",
+        "--method",
+        "yarn",
+        "--factor",
+        "2",
+        "--lengths",
+        "256,1024",
+        "--stride",
+        "256",
+        "--text-file",
+        texts,
+        "--dtype",
+        "fp32",
+        "--no-progress",
+        "-o",
+        out,
+    )
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     assert [m["label"] for m in results["methods"]] == ["none", "linear x2", "yarn x2"]
@@ -60,13 +87,15 @@ def test_eval_matches_naive_loop_for_every_method(tiny_checkpoint, texts, tmp_pa
     assert (rows[("none", 256)]["stride"], rows[("none", 1024)]["stride"]) == (128, 256)
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
-    docs = [torch.tensor(tokenizer((texts / name).read_text(), add_special_tokens=False).input_ids)
-            for name in ("a.txt", "b.txt")]
+    docs = [
+        torch.tensor(tokenizer((texts / name).read_text(), add_special_tokens=False).input_ids)
+        for name in ("a.txt", "b.txt")
+    ]
     for label, method in (("none", None), ("linear x2", "linear"), ("yarn x2", "yarn")):
         model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
         if method:
             patch(model, method, factor=2)
-        for length in ((256,) if method == "linear" else (256, 1024)):  # the naive loop is the slow part
+        for length in (256,) if method == "linear" else (256, 1024):  # the naive loop is the slow part
             long_enough = [d for d in docs if len(d) >= length]
             # --stride 256 slides at 1024; the 256 window is not longer than it, so it slides by 128 (not one pass).
             ref = [naive_nll(model, d, length, 128 if length == 256 else 256) for d in long_enough]
@@ -92,15 +121,36 @@ def test_stride_window_is_one_pass_and_sweep_yaml(tiny_checkpoint, texts, tmp_pa
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(yaml.safe_dump({"factor": 4, "methods": ["ntk", {"method": "yarn", "beta_fast": 16}]}))
     out = tmp_path / "out"
-    assert run_cli("eval", tiny_checkpoint, "--config", sweep, "--lengths", "256,1k", "--stride", "window",
-                   "--text-file", texts / "a.txt", "--dtype", "fp32", "--no-progress", "-o", out) == 0
+    assert (
+        run_cli(
+            "eval",
+            tiny_checkpoint,
+            "--config",
+            sweep,
+            "--lengths",
+            "256,1k",
+            "--stride",
+            "window",
+            "--text-file",
+            texts / "a.txt",
+            "--dtype",
+            "fp32",
+            "--no-progress",
+            "-o",
+            out,
+        )
+        == 0
+    )
     results = json.loads((out / "results.json").read_text())
     assert [m["label"] for m in results["methods"]] == ["none", "ntk x4", "yarn x4"]
     assert results["methods"][2]["beta_fast"] == 16
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
     patch(model, "yarn", factor=4, beta_fast=16)
-    ids = torch.tensor(AutoTokenizer.from_pretrained(tiny_checkpoint)((texts / "a.txt").read_text(),
-                                                                      add_special_tokens=False).input_ids)
+    ids = torch.tensor(
+        AutoTokenizer.from_pretrained(tiny_checkpoint)(
+            (texts / "a.txt").read_text(), add_special_tokens=False
+        ).input_ids
+    )
     row = next(r for r in results["results"] if r["method"] == "yarn x4" and r["length"] == 1024)
     nll, count = naive_nll(model, ids, 1024, 1024)
     assert (row["windows"], row["tokens_scored"]) == (1, 1023) and count == 1023
@@ -109,14 +159,35 @@ def test_stride_window_is_one_pass_and_sweep_yaml(tiny_checkpoint, texts, tmp_pa
 
 def test_bos_yes_starts_every_window_with_bos_and_never_scores_it(tiny_checkpoint, texts, tmp_path):
     out = tmp_path / "out"
-    assert run_cli("eval", tiny_checkpoint, "--bos", "yes", "--lengths", "256", "--stride", "200", "--text-file",
-                   texts / "b.txt", "--dtype", "fp32", "--no-progress", "-o", out) == 0
+    assert (
+        run_cli(
+            "eval",
+            tiny_checkpoint,
+            "--bos",
+            "yes",
+            "--lengths",
+            "256",
+            "--stride",
+            "200",
+            "--text-file",
+            texts / "b.txt",
+            "--dtype",
+            "fp32",
+            "--no-progress",
+            "-o",
+            out,
+        )
+        == 0
+    )
     results = json.loads((out / "results.json").read_text())
     bos = results["protocol"]["bos"]
     assert bos["windows_start_with_bos"] and bos["bos_token_id"] == 1 and not bos["bos_scored"]
     (row,) = results["results"]
-    ids = torch.tensor(AutoTokenizer.from_pretrained(tiny_checkpoint)((texts / "b.txt").read_text(),
-                                                                      add_special_tokens=False).input_ids)
+    ids = torch.tensor(
+        AutoTokenizer.from_pretrained(tiny_checkpoint)(
+            (texts / "b.txt").read_text(), add_special_tokens=False
+        ).input_ids
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
     nll, count = naive_nll(model, ids, 256, 200, bos_token_id=1)
     assert row["tokens_scored"] == count == len(ids)  # every text token, BOS none
@@ -128,13 +199,48 @@ def test_patched_checkpoint_evaluates_as_loaded(tiny_checkpoint, texts, tmp_path
     patched = tmp_path / "patched"
     assert run_cli("patch", tiny_checkpoint, "--method", "yarn", "--factor", "2", "-o", patched) == 0
     out = tmp_path / "out"
-    assert run_cli("eval", patched, "--lengths", "512", "--stride", "256", "--text-file", texts / "a.txt",
-                   "--dtype", "fp32", "--no-progress", "-o", out) == 0
+    assert (
+        run_cli(
+            "eval",
+            patched,
+            "--lengths",
+            "512",
+            "--stride",
+            "256",
+            "--text-file",
+            texts / "a.txt",
+            "--dtype",
+            "fp32",
+            "--no-progress",
+            "-o",
+            out,
+        )
+        == 0
+    )
     rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())["results"]}
     out2 = tmp_path / "out2"
-    assert run_cli("eval", tiny_checkpoint, "--method", "yarn", "--factor", "2", "--lengths", "512",
-                   "--stride", "256", "--text-file", texts / "a.txt", "--dtype", "fp32", "--no-progress",
-                   "-o", out2) == 0
+    assert (
+        run_cli(
+            "eval",
+            tiny_checkpoint,
+            "--method",
+            "yarn",
+            "--factor",
+            "2",
+            "--lengths",
+            "512",
+            "--stride",
+            "256",
+            "--text-file",
+            texts / "a.txt",
+            "--dtype",
+            "fp32",
+            "--no-progress",
+            "-o",
+            out2,
+        )
+        == 0
+    )
     direct = {r["method"]: r for r in json.loads((out2 / "results.json").read_text())["results"]}
     assert set(rows) == {"none", "as loaded (yarn x2)"}
     assert rows["as loaded (yarn x2)"]["nll_sum"] == pytest.approx(direct["yarn x2"]["nll_sum"], rel=1e-6)
@@ -164,8 +270,12 @@ def bad_input_files(tmp_path):
     (tmp_path / "empty.txt").write_text("  \n")
     (tmp_path / "text.txt").write_text("To be, or not to be, that is the question. " * 40)
     datasets.Dataset.from_dict({"body": ["some text " * 50]}).save_to_disk(str(tmp_path / "nofield"))
-    return {"MISSING": tmp_path / "missing.txt", "EMPTY": tmp_path / "empty.txt", "TEXT": tmp_path / "text.txt",
-            "NOFIELD": tmp_path / "nofield"}
+    return {
+        "MISSING": tmp_path / "missing.txt",
+        "EMPTY": tmp_path / "empty.txt",
+        "TEXT": tmp_path / "text.txt",
+        "NOFIELD": tmp_path / "nofield",
+    }
 
 
 def _argv(checkpoint, out, args, files):
@@ -176,8 +286,9 @@ def _argv(checkpoint, out, args, files):
 
 
 @pytest.mark.parametrize("args,message", BAD_INPUTS)
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny_checkpoint, tmp_path, bad_input_files, capsys,
-                                                         args, message):
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(
+    tiny_checkpoint, tmp_path, bad_input_files, capsys, args, message
+):
     out = tmp_path / "out"
     assert main(_argv(tiny_checkpoint, out, args, bad_input_files)) == 2
     err = capsys.readouterr().err

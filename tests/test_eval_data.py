@@ -29,9 +29,11 @@ def test_text_files_and_folders(tokenizer, tmp_path):
     single.write_text("a single file " * 20)
     docs = load_documents(tokenizer, text_files=[str(tmp_path / "docs"), str(single)])
     assert [d.name.split("/")[-1] for d in docs.documents] == ["b.txt", "a.txt", "single.txt"]
-    assert [len(d) for d in docs.documents] == [token_count(tokenizer, ("second document " * 30)),
-                                                 token_count(tokenizer, "first document " * 10),
-                                                 token_count(tokenizer, "a single file " * 20)]
+    assert [len(d) for d in docs.documents] == [
+        token_count(tokenizer, ("second document " * 30)),
+        token_count(tokenizer, "first document " * 10),
+        token_count(tokenizer, "a single file " * 20),
+    ]
     kept = load_documents(tokenizer, text_files=[str(tmp_path / "docs")], min_doc_tokens=40, max_docs=5)
     assert [d.name.split("/")[-1] for d in kept.documents] == ["b.txt"] and kept.dropped_short == 1
     assert load_documents(tokenizer, text_files=[str(tmp_path / "docs")], max_docs=1).describe()["documents"] == 1
@@ -59,14 +61,18 @@ def test_in_process_dataset_goes_through_the_preset_path():
 
 
 def test_local_dataset_folder_and_json_file(tokenizer, tmp_path):
-    splits = datasets.DatasetDict({
-        "train": datasets.Dataset.from_dict({"text": ["train text " * 5]}),
-        "test": datasets.Dataset.from_dict({"text": ["test text " * 7, "more test text " * 3]}),
-    })
+    splits = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": ["train text " * 5]}),
+            "test": datasets.Dataset.from_dict({"text": ["test text " * 7, "more test text " * 3]}),
+        }
+    )
     splits.save_to_disk(str(tmp_path / "saved"))
     docs = load_documents(tokenizer, dataset=str(tmp_path / "saved"))
-    assert [len(d) for d in docs.documents] == [token_count(tokenizer, "test text " * 7),
-                                                 token_count(tokenizer, "more test text " * 3)]
+    assert [len(d) for d in docs.documents] == [
+        token_count(tokenizer, "test text " * 7),
+        token_count(tokenizer, "more test text " * 3),
+    ]
     assert docs.source["split"] == "test"
     train = load_documents(tokenizer, dataset=str(tmp_path / "saved"), split="train")
     assert len(train.documents) == 1

@@ -53,10 +53,35 @@ def texts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def results(checkpoint, texts, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval") / "out"
-    code = main(["eval", str(checkpoint), "--method", "dynamic_ntk", "--method", "dynamic_yarn", "--method", "yarn",
-                 "--dynamic", "true", "--factor", str(FACTOR), "--lengths", ",".join(map(str, LENGTHS)),
-                 "--stride", str(STRIDE), "--short-docs", "truncate", "--text-file", str(texts), "--dtype", "fp32",
-                 "--no-progress", "-o", str(out)])
+    code = main(
+        [
+            "eval",
+            str(checkpoint),
+            "--method",
+            "dynamic_ntk",
+            "--method",
+            "dynamic_yarn",
+            "--method",
+            "yarn",
+            "--dynamic",
+            "true",
+            "--factor",
+            str(FACTOR),
+            "--lengths",
+            ",".join(map(str, LENGTHS)),
+            "--stride",
+            str(STRIDE),
+            "--short-docs",
+            "truncate",
+            "--text-file",
+            str(texts),
+            "--dtype",
+            "fp32",
+            "--no-progress",
+            "-o",
+            str(out),
+        ]
+    )
     assert code == 0
     return json.loads((out / "results.json").read_text())
 
@@ -95,8 +120,11 @@ def oracle(docs, window, model_for_length):
 
 def transformers_dynamic_ntk(checkpoint):
     config = AutoConfig.from_pretrained(checkpoint)
-    config.rope_parameters = {"rope_type": "dynamic", "factor": FACTOR,
-                              "rope_theta": config.rope_parameters["rope_theta"]}
+    config.rope_parameters = {
+        "rope_type": "dynamic",
+        "factor": FACTOR,
+        "rope_theta": config.rope_parameters["rope_theta"],
+    }
     template = AutoModelForCausalLM.from_pretrained(checkpoint, config=config, dtype=torch.float32).eval()
     return lambda length: copy.deepcopy(template)
 
@@ -105,8 +133,10 @@ def static_yarn_at_window_length(checkpoint):
     plain = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
     def model_for_length(length):
-        return ctxext.patch(copy.deepcopy(plain), "yarn", factor=max(1.0, length / L),
-                            original_max_position_embeddings=L)
+        return ctxext.patch(
+            copy.deepcopy(plain), "yarn", factor=max(1.0, length / L), original_max_position_embeddings=L
+        )
+
     return model_for_length
 
 
@@ -117,8 +147,10 @@ def test_dynamic_methods_in_eval_match_per_window_oracles(results, checkpoint, t
     rows = {(r["method"], r["length"]): r for r in results["results"]}
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    docs = [torch.tensor(tokenizer((texts / name).read_text(), add_special_tokens=False).input_ids)
-            for name in sorted(DOC_TOKENS)]
+    docs = [
+        torch.tensor(tokenizer((texts / name).read_text(), add_special_tokens=False).input_ids)
+        for name in sorted(DOC_TOKENS)
+    ]
     assert [len(d) for d in docs] == [DOC_TOKENS[name] for name in sorted(DOC_TOKENS)]
 
     ntk = transformers_dynamic_ntk(checkpoint)
@@ -145,8 +177,10 @@ def test_the_oracle_tells_window_lengths_apart(checkpoint, texts):
     """The truncated short document and the last window are checked at their own length: scoring them at the
     cell's length (s = 160/L) would be off by far more than the tolerance above."""
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    docs = [torch.tensor(tokenizer((texts / name).read_text(), add_special_tokens=False).input_ids)
-            for name in sorted(DOC_TOKENS)]
+    docs = [
+        torch.tensor(tokenizer((texts / name).read_text(), add_special_tokens=False).input_ids)
+        for name in sorted(DOC_TOKENS)
+    ]
     yarn = static_yarn_at_window_length(checkpoint)
     own, _ = oracle(docs, 160, yarn)
     at_cell_length, _ = oracle(docs, 160, lambda length: yarn(160))
@@ -160,9 +194,29 @@ def test_a_saved_dynamic_checkpoint_scores_what_the_method_scores(method, result
     patched = tmp_path / "patched"
     assert main(["patch", str(checkpoint), "--method", method, "--factor", str(FACTOR), "-o", str(patched)]) == 0
     out = tmp_path / "out"
-    assert main(["eval", str(patched), "--lengths", ",".join(map(str, LENGTHS)), "--stride", str(STRIDE),
-                 "--short-docs", "truncate", "--text-file", str(texts), "--dtype", "fp32", "--no-baseline",
-                 "--no-progress", "-o", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(patched),
+                "--lengths",
+                ",".join(map(str, LENGTHS)),
+                "--stride",
+                str(STRIDE),
+                "--short-docs",
+                "truncate",
+                "--text-file",
+                str(texts),
+                "--dtype",
+                "fp32",
+                "--no-baseline",
+                "--no-progress",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     loaded = json.loads((out / "results.json").read_text())["results"]
     expected = {r["length"]: r for r in results["results"] if r["method"] == f"{method} x4"}
     for row in loaded:

@@ -4,11 +4,11 @@ import math
 
 import pytest
 import torch
-from tests.conftest import tiny_model
 
 from ctxext import patch
 from ctxext.errors import CtxextError
 from ctxext.eval.perplexity import plan_windows, sliding_window_nll
+from tests.conftest import tiny_model
 
 
 def naive_nll(model, ids, window, stride, bos_token_id=None, per_window=None):

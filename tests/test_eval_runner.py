@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from ctxext.cli.common import parse_lengths, parse_stride
 from ctxext.config import MethodConfig
 from ctxext.errors import CtxextError
-from ctxext.cli.common import parse_lengths, parse_stride
 from ctxext.eval.data import Document
 from ctxext.eval.runner import EvalMethod, plan_lengths, run_perplexity
 from tests.conftest import tiny_model

@@ -18,7 +18,7 @@ def smollm2(smollm2_path):
 def hamlet_ids(smollm2_path):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
     text = assets.shakespeare_text(assets.HAMLET_RICHARD3)
-    return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids[:2048 + 256])
+    return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids[: 2048 + 256])
 
 
 def test_smollm2_2k_matches_naive_loop_for_stride_256_and_stride_window(smollm2, hamlet_ids):

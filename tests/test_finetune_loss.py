@@ -50,12 +50,22 @@ def run(tmp_path_factory):
     held_out.write_text(as_text(markov_words(4 * SEQ_LEN, seed=1)))
     output = folder / "run"
     recipe = {
-        "model": str(checkpoint), "method": {"method": "linear", "factor": FACTOR}, "seq_len": SEQ_LEN,
-        "output_dir": str(output), "seed": 0,
+        "model": str(checkpoint),
+        "method": {"method": "linear", "factor": FACTOR},
+        "seq_len": SEQ_LEN,
+        "output_dir": str(output),
+        "seed": 0,
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
         "optim": {"lr": 1e-2, "warmup_steps": 2},
-        "train": {"max_steps": STEPS, "global_batch_size": 4, "micro_batch_size": 4, "precision": "fp32",
-                  "gradient_checkpointing": False, "checkpoint_every": 0, "log_every": 1},
+        "train": {
+            "max_steps": STEPS,
+            "global_batch_size": 4,
+            "micro_batch_size": 4,
+            "precision": "fp32",
+            "gradient_checkpointing": False,
+            "checkpoint_every": 0,
+            "log_every": 1,
+        },
         "data": {"text_files": [str(train)]},
         "eval": {"every": 0, "dataset": None, "text_files": [str(held_out)]},
     }
@@ -87,8 +97,9 @@ def test_merged_checkpoint_has_a_lower_held_out_loss_than_the_patched_base(run):
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     ids = torch.tensor(tokenizer(held_out.read_text(), add_special_tokens=False).input_ids)
     assert len(ids) == 4 * SEQ_LEN
-    base = ctxext.patch(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32), "linear",
-                        factor=FACTOR).eval()
+    base = ctxext.patch(
+        AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32), "linear", factor=FACTOR
+    ).eval()
     merged = AutoModelForCausalLM.from_pretrained(output / "merged", dtype=torch.float32).eval()
     assert merged.config.rope_parameters["rope_type"] == "linear"  # the merged model carries the method
     before, after = held_out_loss(base, ids), held_out_loss(merged, ids)

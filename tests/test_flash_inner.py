@@ -31,8 +31,19 @@ def fake_flash_attention(monkeypatch):
 
     calls = []
 
-    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                        softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    def flash_attn_func(
+        q,
+        k,
+        v,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=False,
+        window_size=(-1, -1),
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=False,
+        return_attn_probs=False,
+    ):
         calls.append(tuple(q.shape))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q_len, k_len = q.shape[2], k.shape[2]
@@ -72,8 +83,9 @@ def test_the_wrapper_name_is_not_taken_for_a_flash_kernel():
     assert wrapper_name("sdpa") == "ctxext_sdpa"
 
 
-@pytest.mark.parametrize("method,params", [("dual_chunk", {"chunk_size": 24, "local_window": 4}),
-                                           ("leaky_rerope", {"window": 7, "k": 3.0})])
+@pytest.mark.parametrize(
+    "method,params", [("dual_chunk", {"chunk_size": 24, "local_window": 4}), ("leaky_rerope", {"window": 7, "k": 3.0})]
+)
 def test_patching_a_flash_model_runs_and_matches_sdpa(fake_flash_attention, method, params):
     model = flash_model()
     assert model.config._attn_implementation == "flash_attention_2"
@@ -104,8 +116,9 @@ def test_logn_alone_hands_every_forward_to_flash_attention(fake_flash_attention)
 
 
 def test_a_saved_checkpoint_loads_under_flash_attention(fake_flash_attention, tmp_path):
-    patched = ctxext.patch(tiny_model("qwen2", max_position_embeddings=L), "self_extend", factor=2, group_size=3,
-                           window=8)
+    patched = ctxext.patch(
+        tiny_model("qwen2", max_position_embeddings=L), "self_extend", factor=2, group_size=3, window=8
+    )
     save_tiny_checkpoint(tmp_path / "ckpt", patched)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", attn_implementation="flash_attention_2").eval()
     assert loaded.config._attn_implementation == "ctxext_fa2"

@@ -112,8 +112,9 @@ def model_logits(model, ids):
 def test_reference_equals_the_unpatched_model(family):
     model = sharp_model(family)
     ids = tokens()
-    torch.testing.assert_close(model_logits(model, ids), reference_logits(model, ids, plain_inv_freq(model.config)),
-                               rtol=TOL, atol=TOL)
+    torch.testing.assert_close(
+        model_logits(model, ids), reference_logits(model, ids, plain_inv_freq(model.config)), rtol=TOL, atol=TOL
+    )
 
 
 def test_logn_equals_the_reference(family):
@@ -134,8 +135,9 @@ def test_logn_with_yarn_equals_the_reference(family):
     model = sharp_model(family)
     ids = tokens(2)
     method = get_method("yarn")
-    inv_freq, attention_factor = compute_inv_freq(method, method.make_params(factor=4.0), model.config.head_dim,
-                                                  model.config.rope_parameters["rope_theta"], L)
+    inv_freq, attention_factor = compute_inv_freq(
+        method, method.make_params(factor=4.0), model.config.head_dim, model.config.rope_parameters["rope_theta"], L
+    )
     assert attention_factor > 1
     expected = reference_logits(model, ids, inv_freq, attention_factor, logn_length=L)
     ctxext.patch(model, "yarn", factor=4.0, logn=True, original_max_position_embeddings=L)

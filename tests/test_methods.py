@@ -40,12 +40,33 @@ def transformers_inv_freq(family, rope_parameters, seq_len=None, **config_overri
 NATIVE_CASES = [
     ("linear", {"factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
     ("yarn", {"factor": 4.0}, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
-    ("yarn", {"factor": 8.0, "beta_fast": 16.0, "beta_slow": 2.0},
-     {"rope_type": "yarn", "factor": 8.0, "beta_fast": 16.0, "beta_slow": 2.0, "original_max_position_embeddings": 64}),
-    ("yarn", {"factor": 4.0, "mscale": 0.707, "mscale_all_dim": 1.0},
-     {"rope_type": "yarn", "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 1.0, "original_max_position_embeddings": 64}),
-    ("yarn", {"factor": 4.0, "attention_factor": 1.3},
-     {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.3, "original_max_position_embeddings": 64}),
+    (
+        "yarn",
+        {"factor": 8.0, "beta_fast": 16.0, "beta_slow": 2.0},
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    (
+        "yarn",
+        {"factor": 4.0, "mscale": 0.707, "mscale_all_dim": 1.0},
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    (
+        "yarn",
+        {"factor": 4.0, "attention_factor": 1.3},
+        {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.3, "original_max_position_embeddings": 64},
+    ),
 ]
 
 
@@ -69,8 +90,9 @@ def test_dynamic_ntk_equals_transformers_dynamic(seq_len, factor):
 
 def test_partial_rotary_factor_matches_transformers_yarn():
     config, expected, _ = transformers_inv_freq(
-        "qwen3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                  "partial_rotary_factor": 0.5}, head_dim=32,
+        "qwen3",
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "partial_rotary_factor": 0.5},
+        head_dim=32,
     )
     from ctxext.patching import rotary_dim
 
@@ -178,17 +200,20 @@ def test_factor_one_is_plain_rope(name):
 
 
 # --------------------------------------------------------------------------------------- validation
-@pytest.mark.parametrize("name,params,message", [
-    ("yarn", {"factor": 0.5}, "'factor' must be >= 1"),
-    ("yarn", {"factor": "four"}, "'factor' must be a number"),
-    ("yarn", {"factor": float("nan")}, "'factor' must be a number"),
-    ("yarn", {"factor": 2.0, "beta_fast": 1.0, "beta_slow": 2.0}, "must be greater than"),
-    ("yarn", {"factor": 2.0, "beat_fast": 3}, "did you mean 'beta_fast'"),
-    ("ntk", {"factor": 2.0, "alpha": 0.5}, "'alpha' must be >= 1"),
-    ("theta", {"factor": 2.0}, "needs 'new_base'"),
-    ("ntk_by_parts", {"factor": 2.0, "ramp": "linear"}, "'ramp' must be"),
-    ("dynamic_yarn", {"factor": 2.0, "dynamic": False}, "always has dynamic=True"),
-])
+@pytest.mark.parametrize(
+    "name,params,message",
+    [
+        ("yarn", {"factor": 0.5}, "'factor' must be >= 1"),
+        ("yarn", {"factor": "four"}, "'factor' must be a number"),
+        ("yarn", {"factor": float("nan")}, "'factor' must be a number"),
+        ("yarn", {"factor": 2.0, "beta_fast": 1.0, "beta_slow": 2.0}, "must be greater than"),
+        ("yarn", {"factor": 2.0, "beat_fast": 3}, "did you mean 'beta_fast'"),
+        ("ntk", {"factor": 2.0, "alpha": 0.5}, "'alpha' must be >= 1"),
+        ("theta", {"factor": 2.0}, "needs 'new_base'"),
+        ("ntk_by_parts", {"factor": 2.0, "ramp": "linear"}, "'ramp' must be"),
+        ("dynamic_yarn", {"factor": 2.0, "dynamic": False}, "always has dynamic=True"),
+    ],
+)
 def test_bad_parameters_are_rejected_with_a_clear_message(name, params, message):
     with pytest.raises(CtxextError, match=message):
         get_method(name).make_params(**params)

@@ -73,8 +73,9 @@ LLAMA3_CASES = [
 def test_llama3_formula(rotary_dim, base, original, factor, low, high):
     reference = llama3_reference(rotary_dim, base, original, factor, low, high)
     for seq_len in (None, original, 3 * original):  # llama3 does not depend on the current length
-        inv_freq, attention = ours("llama3", rotary_dim, base, original, seq_len, factor=factor,
-                                   low_freq_factor=low, high_freq_factor=high)
+        inv_freq, attention = ours(
+            "llama3", rotary_dim, base, original, seq_len, factor=factor, low_freq_factor=low, high_freq_factor=high
+        )
         assert_close_rel(inv_freq, [theta for theta, _ in reference])
         assert attention == pytest.approx(1.0, abs=TOL)
 
@@ -94,8 +95,7 @@ def test_llama3_smooth_band_is_strictly_between():
 
 
 # ----------------------------------------------------------------------------------------------- longrope
-def longrope_reference(rotary_dim, base, original, factor, short_factor, long_factor, seq_len,
-                       attention_factor=None):
+def longrope_reference(rotary_dim, base, original, factor, short_factor, long_factor, seq_len, attention_factor=None):
     rescale = long_factor if seq_len is not None and seq_len > original else short_factor
     inv_freq = [theta / lam for theta, lam in zip(rope_theta(rotary_dim, base), rescale)]
     if attention_factor is None:
@@ -123,10 +123,20 @@ LONGROPE_CASES = [
 def test_longrope_formula(rotary_dim, base, original, factor, short, long, attention):
     extra = {} if attention is None else {"attention_factor": attention}
     for seq_len in (None, 1, original - 1, original, original + 1, 5 * original):
-        expected, expected_attention = longrope_reference(rotary_dim, base, original, factor, short, long,
-                                                          seq_len, attention)
-        inv_freq, attention_factor = ours("longrope", rotary_dim, base, original, seq_len, factor=factor,
-                                          short_factor=short, long_factor=long, **extra)
+        expected, expected_attention = longrope_reference(
+            rotary_dim, base, original, factor, short, long, seq_len, attention
+        )
+        inv_freq, attention_factor = ours(
+            "longrope",
+            rotary_dim,
+            base,
+            original,
+            seq_len,
+            factor=factor,
+            short_factor=short,
+            long_factor=long,
+            **extra,
+        )
         assert_close_rel(inv_freq, expected)
         assert attention_factor == pytest.approx(expected_attention, rel=TOL)
 
@@ -135,8 +145,9 @@ def test_longrope_defaults():
     """ctxext's documented defaults: short_factor all 1 (plain RoPE up to L), long_factor all equal to s."""
     rotary_dim, base, original, factor = 64, 10000.0, 4096, 8.0
     for seq_len in (None, original, original + 1):
-        expected, expected_attention = longrope_reference(rotary_dim, base, original, factor, [1.0] * 32,
-                                                          [factor] * 32, seq_len)
+        expected, expected_attention = longrope_reference(
+            rotary_dim, base, original, factor, [1.0] * 32, [factor] * 32, seq_len
+        )
         inv_freq, attention = ours("longrope", rotary_dim, base, original, seq_len, factor=factor)
         assert_close_rel(inv_freq, expected)
         assert attention == pytest.approx(expected_attention, rel=TOL)
@@ -149,8 +160,14 @@ def test_longrope_in_a_patched_model_switches_at_the_current_length():
     import ctxext
 
     rotary_dim, base, original, factor, short, long, _ = LONGROPE_CASES[3]
-    model = ctxext.patch(tiny_model("llama"), "longrope", factor=factor, short_factor=short, long_factor=long,
-                         original_max_position_embeddings=original)
+    model = ctxext.patch(
+        tiny_model("llama"),
+        "longrope",
+        factor=factor,
+        short_factor=short,
+        long_factor=long,
+        original_max_position_embeddings=original,
+    )
     rotary = model.model.rotary_emb
     x = torch.zeros(1, 1, 16)
     for length in (original, original + 1, 3 * original):

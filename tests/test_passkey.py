@@ -8,23 +8,36 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ctxext.cli import main
-from ctxext.eval.passkey import (FILLER, QUESTION, TASK, accuracy_rows, build_prompt, first_integer, is_correct,
-                                 key_line, plan_trials, run_passkey)
+from ctxext.eval.passkey import (
+    FILLER,
+    QUESTION,
+    TASK,
+    accuracy_rows,
+    build_prompt,
+    first_integer,
+    is_correct,
+    key_line,
+    plan_trials,
+    run_passkey,
+)
 from ctxext.eval.runner import EvalMethod
 
 
-@pytest.mark.parametrize("output,key,correct", [
-    (" 12345. Remember it.", 12345, True),
-    ("12345", 12345, True),
-    (" 1234", 12345, False),            # a prefix of the key is not the key
-    (" 123456", 12345, False),
-    (" 12,345", 12345, False),          # the first integer is 12
-    (" the key is 4242 and", 4242, True),
-    (" 7 and then 4242", 4242, False),  # only the first integer counts
-    (" no number here", 4242, False),
-    ("", 1, False),
-    (" 00042", 42, True),                # an integer, not a string
-])
+@pytest.mark.parametrize(
+    "output,key,correct",
+    [
+        (" 12345. Remember it.", 12345, True),
+        ("12345", 12345, True),
+        (" 1234", 12345, False),  # a prefix of the key is not the key
+        (" 123456", 12345, False),
+        (" 12,345", 12345, False),  # the first integer is 12
+        (" the key is 4242 and", 4242, True),
+        (" 7 and then 4242", 4242, False),  # only the first integer counts
+        (" no number here", 4242, False),
+        ("", 1, False),
+        (" 00042", 42, True),  # an integer, not a string
+    ],
+)
 def test_scorer_on_crafted_outputs(output, key, correct):
     assert is_correct(output, key) is correct
 
@@ -59,8 +72,10 @@ def test_trials_are_seeded_and_in_range():
 
 
 def test_accuracy_rows():
-    records = [{"method": "m", "length": 10, "depth": d, "correct": c}
-               for d, c in [(0, True), (0, False), (1, True), (1, True)]]
+    records = [
+        {"method": "m", "length": 10, "depth": d, "correct": c}
+        for d, c in [(0, True), (0, False), (1, True), (1, True)]
+    ]
     by_depth, by_length = accuracy_rows(records)
     assert by_length == [{"method": "m", "length": 10, "trials": 4, "correct": 3, "accuracy": 0.75}]
     assert {(r["depth"], r["accuracy"]) for r in by_depth} == {(0, 0.5), (1, 1.0)}
@@ -95,22 +110,46 @@ def test_smollm2_finds_the_key_and_a_scrambled_copy_does_not(smollm2_path, token
 
 def test_passkey_cli_writes_table_json_and_heatmap(smollm2_path, tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(["passkey", str(smollm2_path), "--lengths", "512", "--depths", "0,1", "--trials", "1",
-                 "--method", "yarn", "--factor", "2", "--no-progress", "-o", str(out)]) == 0
+    assert (
+        main(
+            [
+                "passkey",
+                str(smollm2_path),
+                "--lengths",
+                "512",
+                "--depths",
+                "0,1",
+                "--trials",
+                "1",
+                "--method",
+                "yarn",
+                "--factor",
+                "2",
+                "--no-progress",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     results = json.loads((out / "results.json").read_text())
     assert [m["label"] for m in results["methods"]] == ["none", "yarn x2"]
     assert len(results["trials"]) == 4 and all(r["prompt_tokens"] <= 512 for r in results["trials"])
-    assert {r["key"] for r in results["trials"] if r["method"] == "none"} == \
-           {r["key"] for r in results["trials"] if r["method"] == "yarn x2"}
+    assert {r["key"] for r in results["trials"] if r["method"] == "none"} == {
+        r["key"] for r in results["trials"] if r["method"] == "yarn x2"
+    }
     assert (out / "passkey.png").stat().st_size > 1000 and (out / "results.csv").is_file()
     assert "passkey accuracy" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--lengths", "1k", "--trials", "0"], "--trials"),
-    (["--lengths", "1k", "--depths", "0,2"], "--depths"),
-    (["--lengths", "x"], "--lengths"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--lengths", "1k", "--trials", "0"], "--trials"),
+        (["--lengths", "1k", "--depths", "0,2"], "--depths"),
+        (["--lengths", "x"], "--lengths"),
+    ],
+)
 def test_passkey_bad_input(smollm2_path, tmp_path, capsys, args, message):
     assert main(["passkey", str(smollm2_path), *args, "-o", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

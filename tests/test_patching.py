@@ -32,16 +32,49 @@ def native_twin(model, rope_parameters, max_position_embeddings):
 NATIVE = [
     ("linear", {"factor": 4.0}, {"rope_type": "linear", "factor": 4.0}, 4 * L),
     ("yarn", {"factor": 4.0}, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L}, 4 * L),
-    ("yarn", {"factor": 4.0, "mscale": 0.707, "mscale_all_dim": 1.0},
-     {"rope_type": "yarn", "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 1.0,
-      "original_max_position_embeddings": L}, 4 * L),
-    ("yarn", {"factor": 2.0, "attention_factor": 1.2},
-     {"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.2, "original_max_position_embeddings": L}, 2 * L),
+    (
+        "yarn",
+        {"factor": 4.0, "mscale": 0.707, "mscale_all_dim": 1.0},
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": L,
+        },
+        4 * L,
+    ),
+    (
+        "yarn",
+        {"factor": 2.0, "attention_factor": 1.2},
+        {"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.2, "original_max_position_embeddings": L},
+        2 * L,
+    ),
     ("dynamic_ntk", {"factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0}, L),
-    ("llama3", {"factor": 8.0}, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": L}, 8 * L),
-    ("longrope", {"factor": 4.0}, {"rope_type": "longrope", "factor": 4.0, "short_factor": [1.0] * 8,
-                                   "long_factor": [4.0] * 8, "original_max_position_embeddings": L}, 4 * L),
+    (
+        "llama3",
+        {"factor": 8.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": L,
+        },
+        8 * L,
+    ),
+    (
+        "longrope",
+        {"factor": 4.0},
+        {
+            "rope_type": "longrope",
+            "factor": 4.0,
+            "short_factor": [1.0] * 8,
+            "long_factor": [4.0] * 8,
+            "original_max_position_embeddings": L,
+        },
+        4 * L,
+    ),
 ]
 
 
@@ -68,8 +101,16 @@ def test_factor_one_is_bit_identical(family, method):
     assert torch.equal(logits(model), before)
 
 
-@pytest.mark.parametrize("method,params", [("none", {}), ("yarn", {"factor": 4.0}), ("ntk_mixed", {"factor": 4.0}),
-                                           ("dynamic_yarn", {"factor": 2.0}), ("theta", {"new_base": 1e6})])
+@pytest.mark.parametrize(
+    "method,params",
+    [
+        ("none", {}),
+        ("yarn", {"factor": 4.0}),
+        ("ntk_mixed", {"factor": 4.0}),
+        ("dynamic_yarn", {"factor": 2.0}),
+        ("theta", {"new_base": 1e6}),
+    ],
+)
 def test_unpatch_restores_bit_identical_logits_and_config(family, method, params):
     model = tiny_model(family)
     before, config_before = logits(model), model.config.to_dict()
@@ -98,13 +139,17 @@ def test_patching_twice_replaces(family):
 def test_bare_base_model_and_head_dim(family):
     # head_dim 32 with hidden 64 and 4 heads: the rotary dim must come from head_dim, not hidden/heads.
     model = tiny_model(family, head_dim=32).model
-    twin = native_twin(tiny_model(family, head_dim=32), {"rope_type": "yarn", "factor": 4.0,
-                                                         "original_max_position_embeddings": L}, 4 * L).model
+    twin = native_twin(
+        tiny_model(family, head_dim=32),
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L},
+        4 * L,
+    ).model
     ctxext.patch(model, "yarn", factor=4.0)
     assert model.rotary_emb.inv_freq.shape == (16,)
     with torch.no_grad():
-        torch.testing.assert_close(model(TOKENS).last_hidden_state, twin(TOKENS).last_hidden_state,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            model(TOKENS).last_hidden_state, twin(TOKENS).last_hidden_state, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_original_length_defaults_to_the_model_and_can_be_given(family):
@@ -152,7 +197,7 @@ def test_dynamic_decode_differs_from_full_forward_only_by_stale_cached_keys(fami
     recomputed = torch.stack([logits(model, sequence[:, : start + t])[:, -1] for t in range(24)], 1)
     inside = L - start + 1  # steps whose sequence still fits in L
     torch.testing.assert_close(step_logits[:, :inside], recomputed[:, :inside], rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(step_logits[:, inside + 1:], recomputed[:, inside + 1:], atol=1e-4)
+    assert not torch.allclose(step_logits[:, inside + 1 :], recomputed[:, inside + 1 :], atol=1e-4)
 
 
 def test_model_without_rope_is_rejected_naming_the_families():
@@ -164,8 +209,9 @@ def test_model_without_rope_is_rejected_naming_the_families():
 def test_unsupported_rope_family_is_rejected():
     from transformers import PhiConfig, PhiForCausalLM
 
-    phi = PhiForCausalLM(PhiConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64,
-                                   intermediate_size=64))
+    phi = PhiForCausalLM(
+        PhiConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64, intermediate_size=64)
+    )
     with pytest.raises(CtxextError, match="'phi' is not a supported RoPE family"):
         ctxext.patch(phi, "yarn", factor=2.0)
 

@@ -48,8 +48,13 @@ def rerope_relative(i, j, window, k=None):
     return torch.where(r < window, r, window + (r - window) / k if k else torch.full_like(r, window))
 
 
-RELATIVE = {"self_extend": self_extend_relative, "dual_chunk": dual_chunk_relative, "string": string_relative,
-            "rerope": rerope_relative, "leaky_rerope": rerope_relative}
+RELATIVE = {
+    "self_extend": self_extend_relative,
+    "dual_chunk": dual_chunk_relative,
+    "string": string_relative,
+    "rerope": rerope_relative,
+    "leaky_rerope": rerope_relative,
+}
 
 
 def naive_forward(relative_fn, inv_freq, attention_factor, logn_length, positions=None):
@@ -68,8 +73,12 @@ def naive_forward(relative_fn, inv_freq, attention_factor, logn_length, position
         n = q.shape[2]
         at = torch.arange(n) if positions is None else positions
         if logn_length:
-            q = q * torch.tensor([max(1.0, math.log(p + 1) / math.log(logn_length)) for p in at.tolist()],
-                                 dtype=torch.float64)[None, None, :, None]
+            q = (
+                q
+                * torch.tensor(
+                    [max(1.0, math.log(p + 1) / math.log(logn_length)) for p in at.tolist()], dtype=torch.float64
+                )[None, None, :, None]
+            )
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         i, j = torch.arange(n)[:, None], torch.arange(n)[None]
@@ -79,7 +88,7 @@ def naive_forward(relative_fn, inv_freq, attention_factor, logn_length, position
         half = q.shape[-1] // 2
         q_half = torch.cat((-q[..., half:], q[..., :half]), -1)
         q_turned = q[:, :, :, None] * cos + q_half[:, :, :, None] * sin  # (b, h, n, n, d)
-        scores = (q_turned * k[:, :, None]).sum(-1) * self.scaling * attention_factor ** 2
+        scores = (q_turned * k[:, :, None]).sum(-1) * self.scaling * attention_factor**2
         probs = torch.softmax(scores.masked_fill(j > i, float("-inf")), dim=-1)
         out = (probs @ v).to(hidden_states.dtype).transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)
         return self.o_proj(out), None
@@ -91,8 +100,12 @@ def reference_model(family, method, params, logn):
     model = tiny_model(family, max_position_embeddings=L)
     factor = params.get("attention_factor", 1.0) if method == "string" else 1.0
     formula_params = {k: v for k, v in params.items() if k != "attention_factor"}
-    forward = naive_forward(lambda i, j: RELATIVE[method](i, j, **formula_params), model.model.rotary_emb.inv_freq,
-                            factor, L if logn else None)
+    forward = naive_forward(
+        lambda i, j: RELATIVE[method](i, j, **formula_params),
+        model.model.rotary_emb.inv_freq,
+        factor,
+        L if logn else None,
+    )
     for layer in model.model.layers:
         layer.self_attn.forward = types.MethodType(forward, layer.self_attn)
     return model
@@ -111,8 +124,9 @@ CASES = [
     ("leaky_rerope", {"window": 7, "k": 3.0}),
 ]
 FAMILY_NAMES = list(FAMILIES)
-RUNS = [(FAMILY_NAMES[n % 4], method, params, logn) for n, (method, params) in enumerate(CASES)
-        for logn in (False, True)]
+RUNS = [
+    (FAMILY_NAMES[n % 4], method, params, logn) for n, (method, params) in enumerate(CASES) for logn in (False, True)
+]
 
 
 @pytest.mark.parametrize("family,method,params,logn", RUNS)
@@ -136,8 +150,9 @@ def test_patched_model_matches_the_per_cell_formula(family, method, params, logn
 def test_other_kernels_agree_on_cpu(kernel):
     """The GPU/autograd form (concat) and the O(T^2) form, forced on CPU, give the fused kernel's logits."""
     tokens = torch.randint(0, 256, (1, SEQ), generator=torch.Generator().manual_seed(4))
-    model = ctxext.patch(tiny_model("qwen3", max_position_embeddings=L), "dual_chunk", chunk_size=16,
-                         local_window=3, logn=True)
+    model = ctxext.patch(
+        tiny_model("qwen3", max_position_embeddings=L), "dual_chunk", chunk_size=16, local_window=3, logn=True
+    )
     with torch.no_grad():
         set_attention_tuning(model, query_block=7, kernel="lse")
         fused = model(tokens).logits
@@ -163,10 +178,11 @@ def test_cached_decoding_equals_full_forward(family, method, params, logn):
     model = ctxext.patch(tiny_model(family, max_position_embeddings=L), method, logn=logn, **params)
     prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        generated = model.generate(prompt, max_new_tokens=32, do_sample=False, output_logits=True,
-                                   return_dict_in_generate=True, pad_token_id=0)
+        generated = model.generate(
+            prompt, max_new_tokens=32, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0
+        )
         decoded = torch.stack(generated.logits, dim=1)
-        full = model(generated.sequences).logits[:, prompt.shape[1] - 1: -1]
+        full = model(generated.sequences).logits[:, prompt.shape[1] - 1 : -1]
     assert decoded.shape[1] == 32
     assert torch.allclose(decoded, full, atol=1e-4), (decoded - full).abs().max()
 
@@ -176,9 +192,14 @@ def test_the_layers_of_a_forward_share_one_rotary_computation(tuned):
     """Every layer asks for the same (cos, sin), so the rotary embedding runs once per forward and set of positions
     however deep the model is, in a prefill and in each decode step (per layer, it was a fifth of a decode step);
     also after `set_attention_tuning`, which rebuilds each layer's state."""
+
     def rotary_calls(layers: int) -> list[int]:
-        model = ctxext.patch(tiny_model("llama", max_position_embeddings=L, num_hidden_layers=layers), "dual_chunk",
-                             chunk_size=18, local_window=4)
+        model = ctxext.patch(
+            tiny_model("llama", max_position_embeddings=L, num_hidden_layers=layers),
+            "dual_chunk",
+            chunk_size=18,
+            local_window=4,
+        )
         if tuned:
             set_attention_tuning(model, query_block=16)
         calls = []
@@ -197,12 +218,15 @@ def test_the_layers_of_a_forward_share_one_rotary_computation(tuned):
 
 
 # ------------------------------------------------------------------------------ where nothing changes
-@pytest.mark.parametrize("family,method,params", [
-    ("llama", "self_extend", {"group_size": 4, "window": 30}),
-    ("mistral", "dual_chunk", {"chunk_size": 40, "local_window": 10}),  # chunks of 30
-    ("qwen2", "string", {"shifted_offset": 30, "local_value": 4, "attention_factor": 1.0}),
-    ("qwen3", "dual_chunk", {"chunk_size": 34, "local_window": 4}),
-])
+@pytest.mark.parametrize(
+    "family,method,params",
+    [
+        ("llama", "self_extend", {"group_size": 4, "window": 30}),
+        ("mistral", "dual_chunk", {"chunk_size": 40, "local_window": 10}),  # chunks of 30
+        ("qwen2", "string", {"shifted_offset": 30, "local_value": 4, "attention_factor": 1.0}),
+        ("qwen3", "dual_chunk", {"chunk_size": 34, "local_window": 4}),
+    ],
+)
 def test_first_region_covering_the_sequence_is_bit_identical(family, method, params):
     tokens = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(6))
     model = tiny_model(family)
@@ -220,8 +244,12 @@ def test_first_region_covering_the_sequence_is_bit_identical(family, method, par
 # ------------------------------------------------------------------------------------ defaults, round trip
 def test_defaults_follow_the_original_length():
     model = ctxext.patch(tiny_model("llama", max_position_embeddings=4096), "dual_chunk", factor=2)
-    assert ctxext.applied_method(model)["attention"] == {"logn": False, "method": "dual_chunk",
-                                                          "chunk_size": 3 * 4096 // 4, "local_window": 4096 // 16}
+    assert ctxext.applied_method(model)["attention"] == {
+        "logn": False,
+        "method": "dual_chunk",
+        "chunk_size": 3 * 4096 // 4,
+        "local_window": 4096 // 16,
+    }
     model = ctxext.patch(model, "string", factor=2)
     attention = ctxext.applied_method(model)["attention"]
     assert attention["shifted_offset"] == int(0.33 * 4096) and attention["local_value"] == 128
@@ -230,8 +258,9 @@ def test_defaults_follow_the_original_length():
 
 def test_saved_checkpoint_reloads_patched_after_import_ctxext(tmp_path):
     tokens = torch.randint(0, 256, (1, SEQ), generator=torch.Generator().manual_seed(7))
-    model = ctxext.patch(tiny_model("qwen2", max_position_embeddings=L), "self_extend", factor=2, group_size=2,
-                         window=8, logn=True)
+    model = ctxext.patch(
+        tiny_model("qwen2", max_position_embeddings=L), "self_extend", factor=2, group_size=2, window=8, logn=True
+    )
     save_tiny_checkpoint(tmp_path / "ckpt", model)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
     assert reloaded.config.ctxext_attention["method"] == "self_extend"
@@ -239,31 +268,35 @@ def test_saved_checkpoint_reloads_patched_after_import_ctxext(tmp_path):
         assert torch.allclose(reloaded(tokens).logits, model(tokens).logits, atol=1e-6)
 
 
-@pytest.mark.parametrize("method,params,message", [
-    ("self_extend", {"group_size": 0}, "'group_size' must be >= 1"),
-    ("self_extend", {"window": -8}, "'window' must be >= 1"),
-    ("self_extend", {"group_size": 2.5}, "whole number"),
-    ("dual_chunk", {"chunk_size": 8, "local_window": 8}, "must be larger than 'local_window'"),
-    ("dual_chunk", {"local_window": -1}, "'local_window' must be >= 0"),
-    ("string", {"shifted_offset": 8, "local_value": 8}, "must be larger than 'local_value'"),
-    ("string", {"shifted_offset": 10, "local_value": 1.5}, "whole number"),
-    ("string", {"local_value": 128}, "must be larger than 'local_value'"),  # default S = 0.33 * 32 = 10
-])
+@pytest.mark.parametrize(
+    "method,params,message",
+    [
+        ("self_extend", {"group_size": 0}, "'group_size' must be >= 1"),
+        ("self_extend", {"window": -8}, "'window' must be >= 1"),
+        ("self_extend", {"group_size": 2.5}, "whole number"),
+        ("dual_chunk", {"chunk_size": 8, "local_window": 8}, "must be larger than 'local_window'"),
+        ("dual_chunk", {"local_window": -1}, "'local_window' must be >= 0"),
+        ("string", {"shifted_offset": 8, "local_value": 8}, "must be larger than 'local_value'"),
+        ("string", {"shifted_offset": 10, "local_value": 1.5}, "whole number"),
+        ("string", {"local_value": 128}, "must be larger than 'local_value'"),  # default S = 0.33 * 32 = 10
+    ],
+)
 def test_impossible_parameters_are_value_errors(method, params, message):
     with pytest.raises(CtxextError, match=message):
         ctxext.patch(tiny_model("llama", max_position_embeddings=L), method, **params)
 
 
-@pytest.mark.parametrize("method,params", [("self_extend", {"group_size": 2, "window": 4}),
-                                           ("dual_chunk", {"chunk_size": 9, "local_window": 2})])
+@pytest.mark.parametrize(
+    "method,params",
+    [("self_extend", {"group_size": 2, "window": 4}), ("dual_chunk", {"chunk_size": 9, "local_window": 2})],
+)
 def test_left_padded_batch_decodes_like_each_row_alone(method, params):
     """Rules that are not shift-invariant see each row at its own positions (one region plan per row)."""
     model = ctxext.patch(tiny_model("llama", max_position_embeddings=L), method, **params)
     long_row, short_row = torch.randint(1, 256, (1, 14)), torch.randint(1, 256, (1, 9))
     batch = torch.cat([long_row, torch.cat([torch.zeros(1, 5, dtype=torch.long), short_row], dim=1)])
     mask = (torch.arange(14)[None] >= torch.tensor([[0], [5]])).long()
-    settings = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                    pad_token_id=0)
+    settings = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     with torch.no_grad():
         together = torch.stack(model.generate(batch, attention_mask=mask, **settings).logits, dim=1)
         alone = [torch.stack(model.generate(row, **settings).logits, dim=1) for row in (long_row, short_row)]
@@ -286,8 +319,10 @@ def test_compat_module_names_the_private_apis_it_wraps():
     assert torch.allclose(lse.reshape(1, 2, 5), torch.logsumexp(scores, -1), atol=1e-5)
     model = tiny_model("llama")
     assert compat.attention_implementation(model.config) == "sdpa"
-    assert compat.family_eager_attention(model.model.layers[0].self_attn) is \
-        sys.modules["transformers.models.llama.modeling_llama"].eager_attention_forward
+    assert (
+        compat.family_eager_attention(model.model.layers[0].self_attn)
+        is sys.modules["transformers.models.llama.modeling_llama"].eager_attention_forward
+    )
     assert hasattr(RotaryEmbeddingConfigMixin, "_validate_yarn_rope_parameters")  # the hook naming we extend
     assert callable(AcceleratorState._reset_state) and callable(GradientState._reset_state)
 
@@ -297,22 +332,35 @@ def test_a_static_cache_is_refused_before_any_forward():
     embedded = []
     model.model.embed_tokens.register_forward_hook(lambda *_: embedded.append(1))
     with torch.no_grad(), pytest.raises(CtxextError, match="StaticCache"):
-        model.generate(torch.randint(1, 256, (1, 10)), max_new_tokens=3, do_sample=False, pad_token_id=0,
-                       cache_implementation="static")
+        model.generate(
+            torch.randint(1, 256, (1, 10)),
+            max_new_tokens=3,
+            do_sample=False,
+            pad_token_id=0,
+            cache_implementation="static",
+        )
     assert embedded == []  # refused by the base model's pre-hook, before the first layer ran
     ctxext.unpatch(model)  # and the hook goes with the method
     with torch.no_grad():
-        model.generate(torch.randint(1, 256, (1, 10)), max_new_tokens=3, do_sample=False, pad_token_id=0,
-                       cache_implementation="static")
+        model.generate(
+            torch.randint(1, 256, (1, 10)),
+            max_new_tokens=3,
+            do_sample=False,
+            pad_token_id=0,
+            cache_implementation="static",
+        )
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--method", "self_extend", "--group-size", "0"], "'group_size' must be >= 1"),
-    (["--method", "self_extend", "--window", "1.5"], "whole number"),
-    (["--method", "dual_chunk", "--chunk-size", "8", "--local-window", "8"], "larger than 'local_window'"),
-    (["--method", "string", "--shifted-offset", "4", "--local-value", "8"], "larger than 'local_value'"),
-    (["--method", "string", "--local-value", "-1"], "'local_value' must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--method", "self_extend", "--group-size", "0"], "'group_size' must be >= 1"),
+        (["--method", "self_extend", "--window", "1.5"], "whole number"),
+        (["--method", "dual_chunk", "--chunk-size", "8", "--local-window", "8"], "larger than 'local_window'"),
+        (["--method", "string", "--shifted-offset", "4", "--local-value", "8"], "larger than 'local_value'"),
+        (["--method", "string", "--local-value", "-1"], "'local_value' must be >= 0"),
+    ],
+)
 def test_cli_rejects_impossible_parameters_with_one_line_and_exit_2(tmp_path, capsys, flags, message):
     from ctxext.cli import main
 

@@ -56,7 +56,9 @@ RELOAD = textwrap.dedent("""
 def reload_in_fresh_process(mode, tokens_path, checkpoints):
     result = subprocess.run(
         [sys.executable, "-c", RELOAD, mode, str(tokens_path), json.dumps(checkpoints)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout.strip().splitlines()[-1])

@@ -15,8 +15,14 @@ import pytest
 import torch
 
 from ctxext.errors import CtxextError
-from ctxext.runtime import (Processes, attention_implementation, cpu_processes, on_main_first, resolve_dtype,
-                            training_precision)
+from ctxext.runtime import (
+    Processes,
+    attention_implementation,
+    cpu_processes,
+    on_main_first,
+    resolve_dtype,
+    training_precision,
+)
 from tests.test_finetune import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,10 +57,26 @@ def test_an_error_on_the_main_process_stops_the_others(tmp_path):
     port = str(free_port())
     procs = []
     for rank in (0, 1):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(tmp_path)], cwd=REPO, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", RANK_SCRIPT, str(tmp_path)],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     try:
         for proc in procs:
             proc.wait(timeout=120)
@@ -63,8 +85,7 @@ def test_an_error_on_the_main_process_stops_the_others(tmp_path):
             proc.kill()
     errors = [proc.stderr.read()[-2000:] for proc in procs]
     assert (tmp_path / "rank0.txt").read_text() == "KeyError: 'boom'", errors  # its own error, re-raised
-    assert (tmp_path / "rank1.txt").read_text() == \
-        "CtxextError: the main process failed: KeyError: 'boom'", errors
+    assert (tmp_path / "rank1.txt").read_text() == "CtxextError: the main process failed: KeyError: 'boom'", errors
     assert (tmp_path / "rank1_done_first.txt").read_text() == "True"
 
 
@@ -104,8 +125,10 @@ def test_automatic_choices(monkeypatch):
 def test_machine_description_names_the_cpu_model_its_bf16_instructions_and_the_gpus():
     from ctxext.runtime import machine_description
 
-    cpuinfo = ("processor\t: 0\nmodel name\t: Example CPU 9000\nflags\t\t: fpu avx512f amx_tile amx_bf16\n\n"
-               "processor\t: 1\nmodel name\t: Example CPU 9000\nflags\t\t: fpu avx512f amx_tile amx_bf16\n")
+    cpuinfo = (
+        "processor\t: 0\nmodel name\t: Example CPU 9000\nflags\t\t: fpu avx512f amx_tile amx_bf16\n\n"
+        "processor\t: 1\nmodel name\t: Example CPU 9000\nflags\t\t: fpu avx512f amx_tile amx_bf16\n"
+    )
     assert machine_description(cpuinfo, gpus=[]) == f"Example CPU 9000, {os.cpu_count()} cores, bf16: amx_bf16, no GPU"
     older = cpuinfo.replace(" amx_tile amx_bf16", "")
     assert machine_description(older, gpus=["NVIDIA H100"]).endswith("bf16: none, NVIDIA H100")

@@ -66,8 +66,26 @@ def tiny(tmp_path_factory):
 def test_trial_0_is_the_defaults_and_scores_what_the_patched_model_scores(tiny, tmp_path, capsys):
     source, docs = tiny
     out = tmp_path / "out"
-    code, stdout, err = run_cli(capsys, "search", source, "--method", "yarn", "--factor", 4, "--length", 256,
-                                "--text-file", docs, "--trials", 3, "--dtype", "fp32", "--no-progress", "-o", out)
+    code, stdout, err = run_cli(
+        capsys,
+        "search",
+        source,
+        "--method",
+        "yarn",
+        "--factor",
+        4,
+        "--length",
+        256,
+        "--text-file",
+        docs,
+        "--trials",
+        3,
+        "--dtype",
+        "fp32",
+        "--no-progress",
+        "-o",
+        out,
+    )
     assert code == 0, err
     trials = read_trials(out)
     assert trials[0]["role"] == "defaults"
@@ -81,16 +99,44 @@ def test_trial_0_is_the_defaults_and_scores_what_the_patched_model_scores(tiny, 
     assert results["calibration"]["defaults"] == trials[0]["value"]
     assert results["calibration"]["best"] <= trials[0]["value"]
     assert results["held_out"]["documents"] == [str(docs / f"doc{i}.txt") for i in (1, 2, 3)]
-    assert {p.name for p in out.iterdir()} >= {"search.json", "trials.jsonl", "results.json", "objective.png",
-                                               "checkpoint"}
+    assert {p.name for p in out.iterdir()} >= {
+        "search.json",
+        "trials.jsonl",
+        "results.json",
+        "objective.png",
+        "checkpoint",
+    }
 
 
 def test_a_flag_for_a_searched_parameter_sets_trial_0_and_other_flags_stay_fixed(tiny, tmp_path, capsys):
     source, docs = tiny
     out = tmp_path / "out"
-    code, _, err = run_cli(capsys, "search", source, "--method", "yarn", "--factor", 4, "--length", 256,
-                           "--params", "beta_fast", "--beta-fast", 16, "--beta-slow", 2, "--text-file", docs,
-                           "--trials", 4, "--dtype", "fp32", "--no-progress", "-o", out)
+    code, _, err = run_cli(
+        capsys,
+        "search",
+        source,
+        "--method",
+        "yarn",
+        "--factor",
+        4,
+        "--length",
+        256,
+        "--params",
+        "beta_fast",
+        "--beta-fast",
+        16,
+        "--beta-slow",
+        2,
+        "--text-file",
+        docs,
+        "--trials",
+        4,
+        "--dtype",
+        "fp32",
+        "--no-progress",
+        "-o",
+        out,
+    )
     assert code == 0, err
     trials = read_trials(out)
     assert trials[0]["params"] == {"beta_fast": 16}
@@ -118,8 +164,18 @@ def planted(tmp_path_factory):
     with torch.no_grad():
         for _ in range(6):
             start = torch.randint(0, WORDS, (1, 1))
-            documents.append(teacher.generate(start, max_new_tokens=255, min_new_tokens=255, do_sample=True, top_k=0,
-                                              top_p=1.0, temperature=1.0, pad_token_id=0)[0])
+            documents.append(
+                teacher.generate(
+                    start,
+                    max_new_tokens=255,
+                    min_new_tokens=255,
+                    do_sample=True,
+                    top_k=0,
+                    top_p=1.0,
+                    temperature=1.0,
+                    pad_token_id=0,
+                )[0]
+            )
     ctxext.unpatch(teacher)
     return source, teacher, documents, write_documents(root / "docs", documents)
 
@@ -136,9 +192,30 @@ def test_the_search_finds_an_optimum_planted_in_a_tiny_model(planted, tmp_path, 
     assert planted_alpha == 10  # the plant took: the grid's optimum is where the text came from
 
     out = tmp_path / "out"
-    code, _, err = run_cli(capsys, "search", source, "--method", "ntk", "--factor", 4, "--length", 256,
-                           "--text-file", folder, "--calibration-docs", 6, "--held-out", 0, "--trials", 24,
-                           "--dtype", "fp32", "--no-progress", "-o", out)
+    code, _, err = run_cli(
+        capsys,
+        "search",
+        source,
+        "--method",
+        "ntk",
+        "--factor",
+        4,
+        "--length",
+        256,
+        "--text-file",
+        folder,
+        "--calibration-docs",
+        6,
+        "--held-out",
+        0,
+        "--trials",
+        24,
+        "--dtype",
+        "fp32",
+        "--no-progress",
+        "-o",
+        out,
+    )
     assert code == 0, err
     best = best_trial(read_trials(out))
     assert best["params"]["alpha"] == pytest.approx(10.0, rel=0.08)
@@ -152,8 +229,9 @@ def test_tpe_finds_a_planted_minimum_through_the_search_loop(tmp_path):
     def objective(params):
         return {"value": math.log(params["beta_fast"] / 20) ** 2 + math.log(params["beta_slow"] / 1.5) ** 2}
 
-    history = scalar_search(space, {"beta_fast": 32.0, "beta_slow": 1.0}, objective, TrialLog(tmp_path / "t.jsonl"),
-                            trials=40, seed=0)
+    history = scalar_search(
+        space, {"beta_fast": 32.0, "beta_slow": 1.0}, objective, TrialLog(tmp_path / "t.jsonl"), trials=40, seed=0
+    )
     best = best_trial(history)
     # The minimum is 0 at (20, 1.5); trial 0 (32, 1) scores 0.39.
     assert best["value"] < 0.05
@@ -186,8 +264,21 @@ def test_a_resumed_search_continues_the_log_and_matches_an_uninterrupted_one(tmp
 
 def test_resume_from_the_command_line(tiny, tmp_path, capsys):
     source, docs = tiny
-    common = ["search", source, "--method", "leaky_rerope", "--length", 256, "--text-file", docs, "--dtype", "fp32",
-              "--no-progress", "--held-out", 1]
+    common = [
+        "search",
+        source,
+        "--method",
+        "leaky_rerope",
+        "--length",
+        256,
+        "--text-file",
+        docs,
+        "--dtype",
+        "fp32",
+        "--no-progress",
+        "--held-out",
+        1,
+    ]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert run_cli(capsys, *common, "--trials", 7, "-o", whole)[0] == 0
     assert run_cli(capsys, *common, "--trials", 3, "-o", parts)[0] == 0
@@ -216,8 +307,26 @@ def test_a_remapping_method_is_searched_like_any_other(tiny, tmp_path, capsys, m
 
     source, docs = tiny
     out = tmp_path / "out"
-    code, _, err = run_cli(capsys, "search", source, "--method", method, "--length", 256, "--text-file", docs,
-                           "--trials", 4, "--held-out", 1, "--dtype", "fp32", "--no-progress", "-o", out)
+    code, _, err = run_cli(
+        capsys,
+        "search",
+        source,
+        "--method",
+        method,
+        "--length",
+        256,
+        "--text-file",
+        docs,
+        "--trials",
+        4,
+        "--held-out",
+        1,
+        "--dtype",
+        "fp32",
+        "--no-progress",
+        "-o",
+        out,
+    )
     assert code == 0, err
     trials = [t for t in read_trials(out) if t["state"] == "complete"]
     assert len(trials) >= 3 and len({t["value"] for t in trials}) > 1  # the parameters reach the attention
@@ -242,11 +351,11 @@ def test_invalid_combinations_are_logged_and_avoided(tmp_path):
             raise InvalidParams("chunk_size must be larger than local_window")
         return {"value": float(params["chunk_size"])}
 
-    history = scalar_search(space, {"chunk_size": 48, "local_window": 4}, objective, TrialLog(tmp_path / "t.jsonl"),
-                            trials=12, seed=0)
+    history = scalar_search(
+        space, {"chunk_size": 48, "local_window": 4}, objective, TrialLog(tmp_path / "t.jsonl"), trials=12, seed=0
+    )
     assert all(t["state"] in ("complete", "invalid") for t in history)
-    assert all((t["state"] == "invalid") == (t["params"]["chunk_size"] <= t["params"]["local_window"])
-               for t in history)
+    assert all((t["state"] == "invalid") == (t["params"]["chunk_size"] <= t["params"]["local_window"]) for t in history)
 
 
 # ------------------------------------------------------------------------------------------------ ranges
@@ -279,26 +388,41 @@ def test_every_declared_range_resolves_to_a_non_empty_range():
 
 
 # --------------------------------------------------------------------------------------------- bad input
-@pytest.mark.parametrize("extra, message", [
-    (["--method", "yarn", "--params", "beta_fst"], "did you mean 'beta_fast'"),
-    (["--method", "yarn", "--params", "ramp"], "declares no search range"),
-    (["--method", "linear"], "no parameter to search"),
-    (["--method", "yarn", "--space", "EMPTY"], "is empty"),
-    (["--method", "yarn", "--length", 64], "not above the original length L = 64"),
-    (["--method", "yarn", "--original-max-position-embeddings", 512], "not above the original length L = 512"),
-    (["--method", "longrope", "--params", "long_factor"], "do not apply"),
-    (["--method", "longrope", "--longrope-knots", 99], "--longrope-knots"),
-    (["--method", "theta"], "needs 'new_base'"),
-    (["--method", "yarn", "--calibration-docs", 9], "--calibration-docs wants 9"),
-    (["--method", "yarn", "--resume"], "holds no search to resume"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--method", "yarn", "--params", "beta_fst"], "did you mean 'beta_fast'"),
+        (["--method", "yarn", "--params", "ramp"], "declares no search range"),
+        (["--method", "linear"], "no parameter to search"),
+        (["--method", "yarn", "--space", "EMPTY"], "is empty"),
+        (["--method", "yarn", "--length", 64], "not above the original length L = 64"),
+        (["--method", "yarn", "--original-max-position-embeddings", 512], "not above the original length L = 512"),
+        (["--method", "longrope", "--params", "long_factor"], "do not apply"),
+        (["--method", "longrope", "--longrope-knots", 99], "--longrope-knots"),
+        (["--method", "theta"], "needs 'new_base'"),
+        (["--method", "yarn", "--calibration-docs", 9], "--calibration-docs wants 9"),
+        (["--method", "yarn", "--resume"], "holds no search to resume"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny, tmp_path, capsys, extra, message):
     source, docs = tiny
     space = tmp_path / "space.yaml"
     space.write_text("beta_fast: {low: 64, high: 8}\n")
     extra = [str(space) if e == "EMPTY" else e for e in extra]
-    argv = ["search", source, "--length", 256, "--text-file", docs, "--dtype", "fp32", "--no-progress",
-            "-o", tmp_path / "out", *extra]
+    argv = [
+        "search",
+        source,
+        "--length",
+        256,
+        "--text-file",
+        docs,
+        "--dtype",
+        "fp32",
+        "--no-progress",
+        "-o",
+        tmp_path / "out",
+        *extra,
+    ]
     code, stdout, err = run_cli(capsys, *argv)
     assert code == 2
     assert message in err and len(err.strip().splitlines()) == 1, err
@@ -308,8 +432,21 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny, tmp_path, capsys,
 def test_without_optuna_the_command_says_how_to_install(tiny, tmp_path, capsys, monkeypatch):
     source, docs = tiny
     monkeypatch.setitem(sys.modules, "optuna", None)  # import optuna now raises ImportError
-    code, _, err = run_cli(capsys, "search", source, "--method", "yarn", "--factor", 4, "--length", 256,
-                           "--text-file", docs, "-o", tmp_path / "out")
+    code, _, err = run_cli(
+        capsys,
+        "search",
+        source,
+        "--method",
+        "yarn",
+        "--factor",
+        4,
+        "--length",
+        256,
+        "--text-file",
+        docs,
+        "-o",
+        tmp_path / "out",
+    )
     assert code == 2 and "pip install 'ctxext[search]'" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
 
@@ -331,13 +468,40 @@ def test_dpe_searches_one_power_of_two_scale_per_group(tiny, tmp_path, capsys):
     every proposal is a power of two in 1-64, and the checkpoint holds the best trial's list."""
     source, docs = tiny
     out = tmp_path / "out"
-    code, _, err = run_cli(capsys, "search", source, "--method", "dpe", "--factor", 4, "--length", 256,
-                           "--params", "group_scales", "--group-scales", "[2, 8, 2, 8]", "--window", 8,
-                           "--text-file", docs, "--trials", 4, "--dtype", "fp32", "--no-progress", "-o", out)
+    code, _, err = run_cli(
+        capsys,
+        "search",
+        source,
+        "--method",
+        "dpe",
+        "--factor",
+        4,
+        "--length",
+        256,
+        "--params",
+        "group_scales",
+        "--group-scales",
+        "[2, 8, 2, 8]",
+        "--window",
+        8,
+        "--text-file",
+        docs,
+        "--trials",
+        4,
+        "--dtype",
+        "fp32",
+        "--no-progress",
+        "-o",
+        out,
+    )
     assert code == 0, err
     trials = read_trials(out)
-    assert trials[0]["params"] == {"group_scales[0]": 2, "group_scales[1]": 8, "group_scales[2]": 2,
-                                   "group_scales[3]": 8}
+    assert trials[0]["params"] == {
+        "group_scales[0]": 2,
+        "group_scales[1]": 8,
+        "group_scales[2]": 2,
+        "group_scales[3]": 8,
+    }
     assert all(v in (1, 2, 4, 8, 16, 32, 64) for t in trials for v in t["params"].values())
     best = min((t for t in trials if t["state"] == "complete"), key=lambda t: t["value"])
     saved = json.loads((out / "checkpoint" / "config.json").read_text())["ctxext_attention"]

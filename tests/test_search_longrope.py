@@ -29,12 +29,38 @@ def searched(tmp_path_factory):
     g = torch.Generator().manual_seed(0)
     (root / "docs").mkdir()
     for index in range(2):
-        (root / "docs" / f"doc{index}.txt").write_text(" ".join(f"w{int(i)}" for i in torch.randint(0, 256, (300,),
-                                                                                                     generator=g)))
+        (root / "docs" / f"doc{index}.txt").write_text(
+            " ".join(f"w{int(i)}" for i in torch.randint(0, 256, (300,), generator=g))
+        )
     out = root / "out"
-    code = main([str(a) for a in ["search", source, "--method", "longrope", "--factor", 4, "--length", 256,
-                                  "--text-file", root / "docs", "--trials", 6, "--longrope-knots", 4,
-                                  "--longrope-popsize", 4, "--dtype", "fp32", "--no-progress", "-o", out]])
+    code = main(
+        [
+            str(a)
+            for a in [
+                "search",
+                source,
+                "--method",
+                "longrope",
+                "--factor",
+                4,
+                "--length",
+                256,
+                "--text-file",
+                root / "docs",
+                "--trials",
+                6,
+                "--longrope-knots",
+                4,
+                "--longrope-popsize",
+                4,
+                "--dtype",
+                "fp32",
+                "--no-progress",
+                "-o",
+                out,
+            ]
+        ]
+    )
     assert code == 0
     trials = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
     return source, out, trials
@@ -45,8 +71,12 @@ def yarn_divisors(factor, head_dim, base, L):
     config = PretrainedConfig()
     config.head_dim, config.hidden_size, config.num_attention_heads = head_dim, head_dim, 1
     config.max_position_embeddings = int(L * factor)
-    config.rope_parameters = {"rope_type": "yarn", "rope_theta": base, "factor": factor,
-                              "original_max_position_embeddings": L}
+    config.rope_parameters = {
+        "rope_type": "yarn",
+        "rope_theta": base,
+        "factor": factor,
+        "original_max_position_embeddings": L,
+    }
     scaled, _ = ROPE_INIT_FUNCTIONS["yarn"](config, None)
     plain = 1.0 / base ** (torch.arange(0, head_dim, 2).double() / head_dim)
     return (plain / scaled.double()).numpy()
@@ -81,15 +111,14 @@ def test_the_checkpoint_loads_in_plain_transformers_with_the_patched_models_logi
     script = textwrap.dedent(f"""
         import sys, torch
         from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained({str(out / 'checkpoint')!r}).eval()
-        tokens = torch.load({str(tmp_path / 'tokens.pt')!r})
+        model = AutoModelForCausalLM.from_pretrained({str(out / "checkpoint")!r}).eval()
+        tokens = torch.load({str(tmp_path / "tokens.pt")!r})
         with torch.no_grad():
             torch.save({{"long": model(tokens).logits, "short": model(tokens[:, :50]).logits}},
-                       {str(tmp_path / 'logits.pt')!r})
+                       {str(tmp_path / "logits.pt")!r})
         assert not any(name == "ctxext" or name.startswith("ctxext.") for name in sys.modules)
     """)
-    subprocess.run([sys.executable, "-c", script], check=True, env={"HF_HUB_OFFLINE": "1", "PATH": ""},
-                   cwd=tmp_path)
+    subprocess.run([sys.executable, "-c", script], check=True, env={"HF_HUB_OFFLINE": "1", "PATH": ""}, cwd=tmp_path)
     plain = torch.load(tmp_path / "logits.pt")
     reference = ctxext.patch(tiny_model("llama"), "longrope", factor=4.0, long_factor=best["params"]["long_factor"])
     with torch.no_grad():
@@ -109,13 +138,13 @@ def test_factors_from_is_monotone_starts_exactly_at_the_start_and_stays_in_bound
 
 
 def test_start_factors_of_ctxext_yarn_match_transformers_yarn():
-    np.testing.assert_allclose(start_factors("yarn", 4.0, 64, 1e5, 2048), yarn_divisors(4.0, 64, 1e5, 2048),
-                               rtol=1e-6)
+    np.testing.assert_allclose(start_factors("yarn", 4.0, 64, 1e5, 2048), yarn_divisors(4.0, 64, 1e5, 2048), rtol=1e-6)
 
 
 def target_objective(target):
     def objective(params):
         return {"value": float(np.sum((np.log(params["long_factor"]) - np.log(target)) ** 2))}
+
     return objective
 
 
@@ -123,8 +152,9 @@ def test_cma_es_finds_the_planted_curve_and_resumes_exactly(tmp_path):
     start = np.maximum.accumulate(yarn_divisors(4.0, 64, 1e5, 2048))
     target = factors_from(np.array([0.3, 0.5, 0.0, -0.4, 0.2, 0.6]), start, knot_positions(32, 6), 8.0)
     objective = target_objective(target)
-    whole = longrope_search(start, [4.0] * 32, objective, TrialLog(tmp_path / "whole.jsonl"), trials=90, seed=0,
-                            knots=6, upper=8.0)
+    whole = longrope_search(
+        start, [4.0] * 32, objective, TrialLog(tmp_path / "whole.jsonl"), trials=90, seed=0, knots=6, upper=8.0
+    )
     # 90 trials are 10 generations of 9: not convergence, but 4x closer than the start for any seed tried (the
     # squared log distance fell to 0.03-0.22 of the start's), and 25x for this one.
     assert best_trial(whole)["value"] < 0.25 * whole[1]["value"]

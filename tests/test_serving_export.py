@@ -32,8 +32,12 @@ def test_a_native_checkpoint_is_exact_everywhere_and_checked_in_plain_transforme
     model = patched(tmp_path, "llama", "ntk_mixed", "ntk_mixed", factor=4.0)
     code, rows, _, err = table(tmp_path, capsys, model, "--check", "--tokens", 100)
     assert code == 0, err
-    assert {e: r["level"] for e, r in rows.items()} == {"transformers": "exact", "vllm": "exact", "sglang": "exact",
-                                                        "llama.cpp": "exact"}
+    assert {e: r["level"] for e, r in rows.items()} == {
+        "transformers": "exact",
+        "vllm": "exact",
+        "sglang": "exact",
+        "llama.cpp": "exact",
+    }
     assert "max |logit diff|" in rows["transformers"]["checked"] and "DISAGREES" not in rows["transformers"]["checked"]
     assert "rope_freqs" in rows["llama.cpp"]["how"]
 
@@ -49,19 +53,38 @@ def test_the_parity_check_fails_when_the_written_config_is_wrong(tmp_path, capsy
     assert code == 1 and rows["transformers"]["checked"].endswith("DISAGREES")
 
 
-@pytest.mark.parametrize("method,params,family,expected", [
-    ("ntk_mixed", {"factor": 4.0, "format": "ctxext"}, "llama",
-     {"transformers": "no", "vllm": "no", "sglang": "no", "llama.cpp": "exact"}),
-    ("dynamic_yarn", {"factor": 4.0}, "mistral",
-     {"transformers": "no", "vllm": "no", "sglang": "no", "llama.cpp": "no"}),
-    ("dynamic_ntk", {"factor": 2.0}, "llama",
-     {"transformers": "exact", "vllm": "approximate", "sglang": "approximate", "llama.cpp": "no"}),
-    ("ntk_by_parts", {"factor": 4.0}, "qwen3", {"transformers": "exact", "vllm": "exact", "sglang": "exact",
-                                                "llama.cpp": "no"}),
-    ("self_extend", {}, "llama", {"transformers": "no", "vllm": "no", "sglang": "no", "llama.cpp": "approximate"}),
-    ("dual_chunk", {}, "qwen2", {"transformers": "no", "vllm": "no", "sglang": "approximate", "llama.cpp": "no"}),
-    ("rerope", {}, "llama", {"transformers": "no", "vllm": "no", "sglang": "no", "llama.cpp": "no"}),
-])
+@pytest.mark.parametrize(
+    "method,params,family,expected",
+    [
+        (
+            "ntk_mixed",
+            {"factor": 4.0, "format": "ctxext"},
+            "llama",
+            {"transformers": "no", "vllm": "no", "sglang": "no", "llama.cpp": "exact"},
+        ),
+        (
+            "dynamic_yarn",
+            {"factor": 4.0},
+            "mistral",
+            {"transformers": "no", "vllm": "no", "sglang": "no", "llama.cpp": "no"},
+        ),
+        (
+            "dynamic_ntk",
+            {"factor": 2.0},
+            "llama",
+            {"transformers": "exact", "vllm": "approximate", "sglang": "approximate", "llama.cpp": "no"},
+        ),
+        (
+            "ntk_by_parts",
+            {"factor": 4.0},
+            "qwen3",
+            {"transformers": "exact", "vllm": "exact", "sglang": "exact", "llama.cpp": "no"},
+        ),
+        ("self_extend", {}, "llama", {"transformers": "no", "vllm": "no", "sglang": "no", "llama.cpp": "approximate"}),
+        ("dual_chunk", {}, "qwen2", {"transformers": "no", "vllm": "no", "sglang": "approximate", "llama.cpp": "no"}),
+        ("rerope", {}, "llama", {"transformers": "no", "vllm": "no", "sglang": "no", "llama.cpp": "no"}),
+    ],
+)
 def test_the_table_says_which_engine_serves_what(tmp_path, capsys, method, params, family, expected):
     params = dict(params)
     model = patched(tmp_path, family, method, method, format=params.pop("format", "native"), **params)
@@ -95,21 +118,27 @@ def test_engine_sglang_writes_the_dual_chunk_config_for_qwen2(tmp_path, capsys):
     code, rows, _, err = table(tmp_path, capsys, model, "--engine", "sglang", "-o", out)
     assert code == 0, err
     config = json.loads((out / "config.json").read_text())
-    assert config["dual_chunk_attention_config"] == {"chunk_size": 48, "local_size": 8,
-                                                     "original_max_position_embeddings": 64}
+    assert config["dual_chunk_attention_config"] == {
+        "chunk_size": 48,
+        "local_size": 8,
+        "original_max_position_embeddings": 64,
+    }
     assert config["rope_parameters"]["rope_type"] == "default" and config["rope_scaling"] is None
     assert rows["sglang"]["level"] == "approximate" and "0.1 ln(len/L) + 1" in rows["sglang"]["how"]
     assert yaml.safe_load((out / "ctxext.yaml").read_text())["exported_for"] == "sglang"
 
 
-@pytest.mark.parametrize("case,message", [
-    ("no_exact_form", "vllm cannot serve dual_chunk exactly: .*possible: --engine sglang on a Qwen2-family model"),
-    ("logn", "no serving engine runs log-n scaling"),
-    ("engine_without_output", "--engine and -o go together"),
-    ("llama_cpp_from_a_checkpoint", "convert_hf_to_gguf.py"),
-    ("over_input", "overlaps the input"),
-    ("not_a_model", "neither a checkpoint directory"),
-])
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("no_exact_form", "vllm cannot serve dual_chunk exactly: .*possible: --engine sglang on a Qwen2-family model"),
+        ("logn", "no serving engine runs log-n scaling"),
+        ("engine_without_output", "--engine and -o go together"),
+        ("llama_cpp_from_a_checkpoint", "convert_hf_to_gguf.py"),
+        ("over_input", "overlaps the input"),
+        ("not_a_model", "neither a checkpoint directory"),
+    ],
+)
 def test_bad_export_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, case, message):
     import re
 
@@ -118,9 +147,11 @@ def test_bad_export_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys
         params["logn"] = True
     model = patched(tmp_path, "qwen2", "model", method, **params)
     out = tmp_path / "out"
-    flags = {"engine_without_output": ["--engine", "vllm"],
-             "llama_cpp_from_a_checkpoint": ["--engine", "llama.cpp", "-o", out],
-             "over_input": ["--engine", "vllm", "-o", model]}.get(case, ["--engine", "vllm", "-o", out])
+    flags = {
+        "engine_without_output": ["--engine", "vllm"],
+        "llama_cpp_from_a_checkpoint": ["--engine", "llama.cpp", "-o", out],
+        "over_input": ["--engine", "vllm", "-o", model],
+    }.get(case, ["--engine", "vllm", "-o", out])
     target = tmp_path / "nothing-here" if case == "not_a_model" else model
     before = sorted(p.name for p in tmp_path.iterdir())
     capsys.readouterr()  # what building the model printed

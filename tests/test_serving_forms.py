@@ -52,8 +52,12 @@ LOAD_PLAIN = textwrap.dedent("""
 def load_in_plain_transformers(tmp_path, checkpoints):
     tokens = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(5))
     torch.save(tokens, tmp_path / "tokens.pt")
-    result = subprocess.run([sys.executable, "-c", LOAD_PLAIN, str(tmp_path / "tokens.pt"),
-                             json.dumps([str(c) for c in checkpoints])], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_PLAIN, str(tmp_path / "tokens.pt"), json.dumps([str(c) for c in checkpoints])],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"ctxext_imported": False}
     return tokens
@@ -72,8 +76,9 @@ def assert_same_logits(path, model, tokens, case):
     plain = torch.load(path / "plain.pt")
     with torch.no_grad():
         for n, logits in plain.items():
-            torch.testing.assert_close(logits, model(tokens[:, :n]).logits, rtol=1e-5, atol=1e-5,
-                                       msg=f"{case} at {n} tokens")
+            torch.testing.assert_close(
+                logits, model(tokens[:, :n]).logits, rtol=1e-5, atol=1e-5, msg=f"{case} at {n} tokens"
+            )
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -100,8 +105,26 @@ def test_a_search_result_is_written_in_its_native_form(tmp_path, capsys):
     g = torch.Generator().manual_seed(0)
     docs = write_documents(tmp_path / "docs", [torch.randint(0, 256, (300,), generator=g) for _ in range(3)])
     out = tmp_path / "search"
-    code, _, err = run_cli(capsys, "search", source, "--method", "ntk_by_parts", "--factor", 4, "--length", 256,
-                           "--text-file", docs, "--trials", 3, "--dtype", "fp32", "--no-progress", "-o", out)
+    code, _, err = run_cli(
+        capsys,
+        "search",
+        source,
+        "--method",
+        "ntk_by_parts",
+        "--factor",
+        4,
+        "--length",
+        256,
+        "--text-file",
+        docs,
+        "--trials",
+        3,
+        "--dtype",
+        "fp32",
+        "--no-progress",
+        "-o",
+        out,
+    )
     assert code == 0, err
     best = json.loads((out / "results.json").read_text())["best"]["params"]
     checkpoint = out / "checkpoint"
@@ -120,12 +143,15 @@ def test_per_pair_factors_are_the_ratio_of_the_frequencies():
     assert factors == pytest.approx(expected, rel=1e-6)
 
 
-@pytest.mark.parametrize("method,params,reason", [
-    ("dynamic_yarn", {"factor": 4.0}, "current length"),
-    ("ntk_by_parts", {"factor": 4.0, "dynamic": True}, "current length"),
-    ("self_extend", {}, "inside attention"),
-    ("string", {}, "inside attention"),
-])
+@pytest.mark.parametrize(
+    "method,params,reason",
+    [
+        ("dynamic_yarn", {"factor": 4.0}, "current length"),
+        ("ntk_by_parts", {"factor": 4.0, "dynamic": True}, "current length"),
+        ("self_extend", {}, "inside attention"),
+        ("string", {}, "inside attention"),
+    ],
+)
 def test_methods_without_a_native_form_keep_ctxext_types_and_say_why(method, params, reason):
     spec = get_method(method)
     form = rope_form(spec, spec.make_params(**params), 64, 1e4, 64)

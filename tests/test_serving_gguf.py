@@ -26,8 +26,11 @@ def smollm2_gguf():
 
 def fields(reader):
     """name -> the key's bytes as stored (name, type, value) for every key but the GGUF.* counters."""
-    return {f.name: b"".join(bytes(part) for part in f.parts) for f in reader.fields.values()
-            if not f.name.startswith("GGUF.")}
+    return {
+        f.name: b"".join(bytes(part) for part in f.parts)
+        for f in reader.fields.values()
+        if not f.name.startswith("GGUF.")
+    }
 
 
 def tensors(reader):
@@ -42,24 +45,42 @@ def transformers_yarn_factors(factor, L=8192, base=1e5, dim=64):
     config = PretrainedConfig()
     config.head_dim, config.hidden_size, config.num_attention_heads = dim, dim, 1
     config.max_position_embeddings = int(L * factor)
-    config.rope_parameters = {"rope_type": "yarn", "rope_theta": base, "factor": factor,
-                              "original_max_position_embeddings": L}
+    config.rope_parameters = {
+        "rope_type": "yarn",
+        "rope_theta": base,
+        "factor": factor,
+        "original_max_position_embeddings": L,
+    }
     scaled, _ = ROPE_INIT_FUNCTIONS["yarn"](config, None)
     plain = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     return (plain.double() / scaled.double()).numpy()
 
 
-@pytest.mark.parametrize("method,flags,expected_keys", [
-    ("yarn", ["--factor", "4"], {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
-                                 "llama.rope.scaling.original_context_length": 8192}),
-    ("yarn", ["--factor", "4", "--attention-factor", "1.3"],
-     {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.attn_factor": 1.3 / (0.1 * math.log(4) + 1)}),
-    ("linear", ["--factor", "2"], {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}),
-    ("ntk", ["--factor", "2"], {"llama.rope.freq_base": 1e5 * 2 ** (64 / 62)}),
-    ("ntk_by_parts", ["--factor", "4"], {}),
-])
-def test_patched_gguf_has_the_rope_keys_and_copies_everything_else(smollm2_gguf, tmp_path, capsys, method, flags,
-                                                                     expected_keys):
+@pytest.mark.parametrize(
+    "method,flags,expected_keys",
+    [
+        (
+            "yarn",
+            ["--factor", "4"],
+            {
+                "llama.rope.scaling.type": "yarn",
+                "llama.rope.scaling.factor": 4.0,
+                "llama.rope.scaling.original_context_length": 8192,
+            },
+        ),
+        (
+            "yarn",
+            ["--factor", "4", "--attention-factor", "1.3"],
+            {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.attn_factor": 1.3 / (0.1 * math.log(4) + 1)},
+        ),
+        ("linear", ["--factor", "2"], {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}),
+        ("ntk", ["--factor", "2"], {"llama.rope.freq_base": 1e5 * 2 ** (64 / 62)}),
+        ("ntk_by_parts", ["--factor", "4"], {}),
+    ],
+)
+def test_patched_gguf_has_the_rope_keys_and_copies_everything_else(
+    smollm2_gguf, tmp_path, capsys, method, flags, expected_keys
+):
     out = tmp_path / "out.gguf"
     code, stdout, err = run_cli(capsys, "patch", smollm2_gguf, "--method", method, *flags, "-o", out)
     assert code == 0, err
@@ -75,16 +96,14 @@ def test_patched_gguf_has_the_rope_keys_and_copies_everything_else(smollm2_gguf,
     # Everything else: byte-identical keys and tensors.
     before, after = fields(source), fields(patched)
     changed = {k for k in after if k.startswith("llama.rope.") or k in ("llama.context_length", "ctxext.patch")}
-    assert {k: v for k, v in after.items() if k not in changed} == \
-        {k: v for k, v in before.items() if k not in changed}
+    assert {k: v for k, v in after.items() if k not in changed} == {k: v for k, v in before.items() if k not in changed}
     assert before["llama.rope.freq_base"] == after["llama.rope.freq_base"] or method == "ntk"
     source_tensors, patched_tensors = tensors(source), tensors(patched)
     assert {k: v for k, v in patched_tensors.items() if k != ROPE_FREQS} == source_tensors
     if method == "ntk_by_parts":
         freqs = patched_tensors[ROPE_FREQS]
         assert freqs[0] == gguf.GGMLQuantizationType.F32 and freqs[1] == [32]
-        np.testing.assert_allclose(np.frombuffer(freqs[2], dtype=np.float32), transformers_yarn_factors(4.0),
-                                   rtol=1e-6)
+        np.testing.assert_allclose(np.frombuffer(freqs[2], dtype=np.float32), transformers_yarn_factors(4.0), rtol=1e-6)
     else:
         assert ROPE_FREQS not in patched_tensors
 
@@ -92,8 +111,9 @@ def test_patched_gguf_has_the_rope_keys_and_copies_everything_else(smollm2_gguf,
 @pytest.mark.parametrize("outtype,dtype,rtol", [("f32", np.float32, 0), ("f16", np.float16, 1e-3)])
 def test_outtype_dequantises_every_tensor(smollm2_gguf, tmp_path, capsys, outtype, dtype, rtol):
     out = tmp_path / f"{outtype}.gguf"
-    code, _, err = run_cli(capsys, "patch", smollm2_gguf, "--method", "linear", "--factor", "2", "--outtype", outtype,
-                           "-o", out)
+    code, _, err = run_cli(
+        capsys, "patch", smollm2_gguf, "--method", "linear", "--factor", "2", "--outtype", outtype, "-o", out
+    )
     assert code == 0, err
     source = {t.name: t for t in gguf.GGUFReader(smollm2_gguf).tensors}
     patched = gguf.GGUFReader(out)
@@ -125,15 +145,18 @@ def write_gguf(path, arch):
     writer.close()
 
 
-@pytest.mark.parametrize("case,message", [
-    ("dynamic", "no dynamic scaling; the nearest it can express is static 'ntk'"),
-    ("rerope", "cannot run rerope .*nearest it can express is static 'yarn'"),
-    ("gemma", "is a 'gemma' model; ctxext supports the GGUF architectures llama, qwen2, qwen3"),
-    ("truncated", "not a readable GGUF file"),
-    ("not_gguf", "is not a GGUF file"),
-    ("over_input", "is the input file"),
-    ("outtype_on_a_folder", "--outtype applies to GGUF files"),
-])
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("dynamic", "no dynamic scaling; the nearest it can express is static 'ntk'"),
+        ("rerope", "cannot run rerope .*nearest it can express is static 'yarn'"),
+        ("gemma", "is a 'gemma' model; ctxext supports the GGUF architectures llama, qwen2, qwen3"),
+        ("truncated", "not a readable GGUF file"),
+        ("not_gguf", "is not a GGUF file"),
+        ("over_input", "is the input file"),
+        ("outtype_on_a_folder", "--outtype applies to GGUF files"),
+    ],
+)
 def test_bad_gguf_input_is_one_line_exit_2_and_writes_nothing(smollm2_gguf, tmp_path, capsys, case, message):
     source, out, flags = smollm2_gguf, tmp_path / "out.gguf", ["--method", "yarn", "--factor", "2"]
     if case == "dynamic":
@@ -192,8 +215,7 @@ def test_llama_cpp_scores_the_patched_gguf_as_ctxext_scores_the_method(smollm2_g
     model = config.apply(AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval())
     with torch.no_grad():
         x = torch.tensor([ids])
-        expected = float(torch.nn.functional.cross_entropy(model(x).logits[0, :-1].double(), x[0, 1:],
-                                                           reduction="sum"))
+        expected = float(torch.nn.functional.cross_entropy(model(x).logits[0, :-1].double(), x[0, 1:], reduction="sum"))
     assert math.exp(patched_nll / n) == pytest.approx(math.exp(expected / n), rel=1e-3)
     assert abs(math.exp((patched_nll - plain_nll) / n) - 1) > 0.01  # the keys took effect
     ctxext.unpatch(model)

@@ -4,14 +4,24 @@ with its weights loaded as Llama, as Mistral and as Qwen2."""
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
-from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from transformers import (
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 import ctxext
 from ctxext import assets
 
-CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-           "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+CLASSES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+}
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +60,13 @@ def build(family, config_dict, state, rope_parameters=None, max_position_embeddi
 @pytest.mark.parametrize("family", list(CLASSES))
 def test_smollm2_yarn_x2_equals_native_yarn(weights_and_tokens, family):
     config, state, tokens = weights_and_tokens
-    native = build(family, config, state, {"rope_type": "yarn", "factor": 2.0, "rope_theta": 100000.0,
-                                           "original_max_position_embeddings": 8192}, 16384)
+    native = build(
+        family,
+        config,
+        state,
+        {"rope_type": "yarn", "factor": 2.0, "rope_theta": 100000.0, "original_max_position_embeddings": 8192},
+        16384,
+    )
     with torch.no_grad():
         expected = native(tokens).logits
     del native

@@ -29,10 +29,20 @@ def ruler_checkpoint(tmp_path_factory, smollm2_path):
 
     path = tmp_path_factory.mktemp("ruler-tiny")
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-                         rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -63,22 +73,42 @@ def lm_eval_reference(checkpoint, method: str | None, task_manager) -> dict:
 
 
 def tasks_args(checkpoint, tmp_path, *extra):
-    return ["tasks", str(checkpoint), "--method", "yarn", "--factor", "2", "--tasks", "niah_single_1",
-            "--lengths", str(LENGTH), "--limit", str(LIMIT), "--dtype", "fp32", "--no-progress",
-            "--cache-dir", str(tmp_path / "cells"), *extra]
+    return [
+        "tasks",
+        str(checkpoint),
+        "--method",
+        "yarn",
+        "--factor",
+        "2",
+        "--tasks",
+        "niah_single_1",
+        "--lengths",
+        str(LENGTH),
+        "--limit",
+        str(LIMIT),
+        "--dtype",
+        "fp32",
+        "--no-progress",
+        "--cache-dir",
+        str(tmp_path / "cells"),
+        *extra,
+    ]
 
 
 def test_same_results_and_answers_as_lm_eval_then_resumes_from_the_cache(ruler_checkpoint, tmp_path, monkeypatch):
     assert main(tasks_args(ruler_checkpoint, tmp_path, "-o", str(tmp_path / "out"))) == 0
     ours = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert [(c["method"], c["task"], c["length"]) for c in ours["cells"]] == \
-        [("none", "niah_single_1", LENGTH), ("yarn x2", "niah_single_1", LENGTH)]
+    assert [(c["method"], c["task"], c["length"]) for c in ours["cells"]] == [
+        ("none", "niah_single_1", LENGTH),
+        ("yarn x2", "niah_single_1", LENGTH),
+    ]
 
     from lm_eval.tasks import TaskManager
 
     # What simple_evaluate(metadata=...) builds itself, built once for both calls (indexing takes seconds).
-    task_manager = TaskManager(metadata={"max_seq_lengths": [LENGTH], "tokenizer": str(ruler_checkpoint),
-                                         "pretrained": str(ruler_checkpoint)})
+    task_manager = TaskManager(
+        metadata={"max_seq_lengths": [LENGTH], "tokenizer": str(ruler_checkpoint), "pretrained": str(ruler_checkpoint)}
+    )
     answers = {}
     for cell, method in zip(ours["cells"], [None, "yarn"]):
         reference = lm_eval_reference(ruler_checkpoint, method, task_manager)
@@ -87,8 +117,11 @@ def test_same_results_and_answers_as_lm_eval_then_resumes_from_the_cache(ruler_c
         expected = reference["samples"]["niah_single_1"]
         assert len(samples) == len(expected) == LIMIT
         for got, want in zip(samples, expected):
-            assert (got["doc_id"], got["doc_hash"], got["prompt_hash"]) == \
-                   (want["doc_id"], want["doc_hash"], want["prompt_hash"])  # the same prompts
+            assert (got["doc_id"], got["doc_hash"], got["prompt_hash"]) == (
+                want["doc_id"],
+                want["doc_hash"],
+                want["prompt_hash"],
+            )  # the same prompts
             assert got["response"] == want["filtered_resps"][0]
             assert got["metrics"] == {str(LENGTH): want[str(LENGTH)]}
         # The table's number is the mean of lm-eval's per-sample scores.
@@ -97,7 +130,7 @@ def test_same_results_and_answers_as_lm_eval_then_resumes_from_the_cache(ruler_c
         answers[cell["method"]] = [s["response"] for s in samples]
     assert answers["none"] != answers["yarn x2"]  # the patch reached the model lm-eval ran
     # The random model scores 0 at the shortest length: no effective length, and the reason is given.
-    panel, = ours["effective_length"]["panels"]
+    (panel,) = ours["effective_length"]["panels"]
     assert panel["threshold"] is None and "no positive score of 'none' at 4096" in panel["note"]
     assert (tmp_path / "out" / "tasks.png").stat().st_size > 0
     csv_lines = (tmp_path / "out" / "results.csv").read_text().splitlines()
@@ -121,19 +154,38 @@ def test_same_results_and_answers_as_lm_eval_then_resumes_from_the_cache(ruler_c
     assert table[-1].startswith("effective length: - (no positive score of 'none' at 4096")
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--tasks", "niah_singel_1"], "unknown lm-eval task 'niah_singel_1' (did you mean 'niah_single_1'?)"),
-    (["--tasks", "niah_single_1", "--lengths", "0"], "--lengths values must be at least 2 tokens"),
-    (["--tasks", "niah_single_1", "--lengths", "512"], "RULER tasks (niah_single_1) need --lengths of at least 1024"),
-    (["--tasks", "niah_single_1", "--limit", "0"], "--limit must be at least 1"),
-    (["--tasks", "niah_single_2"], "needs data that could not be fetched: Couldn't reach 'baber/paul_graham_essays'"),
-    (["--tasks", "ruler_qa_squad"], "needs data that could not be fetched: https://rajpurkar.github.io/"),
-    (["--tasks", "niah_single_1", "--method", "yarn", "--fator", "2"], "did you mean 'factor'"),
-    (["--tasks", "niah_single_1"], 'install it with: pip install "ctxext[tasks]"'),
-], ids=["unknown task", "length below 1", "RULER length too short", "limit 0", "essay haystack offline",
-        "SQuAD offline", "method flag typo", "lm-eval missing"])
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(extra, message, ruler_checkpoint, tmp_path, monkeypatch,
-                                                         capsys, request):
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--tasks", "niah_singel_1"], "unknown lm-eval task 'niah_singel_1' (did you mean 'niah_single_1'?)"),
+        (["--tasks", "niah_single_1", "--lengths", "0"], "--lengths values must be at least 2 tokens"),
+        (
+            ["--tasks", "niah_single_1", "--lengths", "512"],
+            "RULER tasks (niah_single_1) need --lengths of at least 1024",
+        ),
+        (["--tasks", "niah_single_1", "--limit", "0"], "--limit must be at least 1"),
+        (
+            ["--tasks", "niah_single_2"],
+            "needs data that could not be fetched: Couldn't reach 'baber/paul_graham_essays'",
+        ),
+        (["--tasks", "ruler_qa_squad"], "needs data that could not be fetched: https://rajpurkar.github.io/"),
+        (["--tasks", "niah_single_1", "--method", "yarn", "--fator", "2"], "did you mean 'factor'"),
+        (["--tasks", "niah_single_1"], 'install it with: pip install "ctxext[tasks]"'),
+    ],
+    ids=[
+        "unknown task",
+        "length below 1",
+        "RULER length too short",
+        "limit 0",
+        "essay haystack offline",
+        "SQuAD offline",
+        "method flag typo",
+        "lm-eval missing",
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(
+    extra, message, ruler_checkpoint, tmp_path, monkeypatch, capsys, request
+):
     if request.node.callspec.id == "lm-eval missing":
         monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` now fails as if it were absent
     monkeypatch.setenv("CTXEXT_CACHE_DIR", str(tmp_path / "cache"))
@@ -163,17 +215,42 @@ def test_scores_keep_the_cells_length_and_every_metric_of_other_tasks():
     from ctxext.tasks.report import score_tables
 
     # The shape lm-eval 0.4.13 gives: a RULER task run at 8192 still reports its other lengths as -1.
-    ruler = Cell(EvalMethod("yarn x2"), TaskSpec("niah_single_1", "ruler"), 8192, result={"results": {
-        "niah_single_1": {"alias": "niah_single_1", "sample_len": 3, "4096,none": -1, "4096_stderr,none": "N/A",
-                          "8192,none": 2 / 3, "8192_stderr,none": "N/A"}}})
-    other = Cell(EvalMethod("none"), TaskSpec("hellaswag", None), None, result={"results": {
-        "hellaswag": {"alias": "hellaswag", "acc,none": 0.25, "acc_stderr,none": 0.1, "acc_norm,none": 0.5}}},
-        cached=True)
+    ruler = Cell(
+        EvalMethod("yarn x2"),
+        TaskSpec("niah_single_1", "ruler"),
+        8192,
+        result={
+            "results": {
+                "niah_single_1": {
+                    "alias": "niah_single_1",
+                    "sample_len": 3,
+                    "4096,none": -1,
+                    "4096_stderr,none": "N/A",
+                    "8192,none": 2 / 3,
+                    "8192_stderr,none": "N/A",
+                }
+            }
+        },
+    )
+    other = Cell(
+        EvalMethod("none"),
+        TaskSpec("hellaswag", None),
+        None,
+        result={
+            "results": {
+                "hellaswag": {"alias": "hellaswag", "acc,none": 0.25, "acc_stderr,none": 0.1, "acc_norm,none": 0.5}
+            }
+        },
+        cached=True,
+    )
     rows = cell_scores(ruler) + cell_scores(other)
-    assert [(r["method"], r["task"], r["length"], r["metric"], r["value"], r["samples"], r["cached"])
-            for r in rows] == [("yarn x2", "niah_single_1", 8192, "score", 2 / 3, 3, False),
-                               ("none", "hellaswag", None, "acc", 0.25, None, True),
-                               ("none", "hellaswag", None, "acc_norm", 0.5, None, True)]
+    assert [
+        (r["method"], r["task"], r["length"], r["metric"], r["value"], r["samples"], r["cached"]) for r in rows
+    ] == [
+        ("yarn x2", "niah_single_1", 8192, "score", 2 / 3, 3, False),
+        ("none", "hellaswag", None, "acc", 0.25, None, True),
+        ("none", "hellaswag", None, "acc_norm", 0.5, None, True),
+    ]
     tables = score_tables(rows, ["none", "yarn x2"], [4096, 8192]).split("\n\n")
     assert len(tables) == 3  # one per (task, metric)
     # Every asked-for length is a column of a task that takes lengths, run or not; '-' where nothing ran.
@@ -189,8 +266,21 @@ def test_an_interrupted_cell_resumes_at_its_next_sample(ruler_checkpoint, tmp_pa
     from lm_eval.api.model import CacheHook
     from lm_eval.models.huggingface import HFLM
 
-    args = ["tasks", str(ruler_checkpoint), "--tasks", "niah_single_1", "--lengths", str(LENGTH), "--limit", "3",
-            "--dtype", "fp32", "--no-progress", "--cache-dir", str(tmp_path / "cells")]
+    args = [
+        "tasks",
+        str(ruler_checkpoint),
+        "--tasks",
+        "niah_single_1",
+        "--lengths",
+        str(LENGTH),
+        "--limit",
+        "3",
+        "--dtype",
+        "fp32",
+        "--no-progress",
+        "--cache-dir",
+        str(tmp_path / "cells"),
+    ]
     assert main([*args, "--no-cache", "-o", str(tmp_path / "whole")]) == 0
     original_add = CacheHook.add_partial
 
@@ -218,8 +308,9 @@ def test_an_interrupted_cell_resumes_at_its_next_sample(ruler_checkpoint, tmp_pa
     resumed = json.loads((tmp_path / "resumed" / "results.json").read_text())["cells"][0]["lm_eval"]
     whole = json.loads((tmp_path / "whole" / "results.json").read_text())["cells"][0]["lm_eval"]
     assert resumed["results"] == whole["results"]
-    assert [s["response"] for s in resumed["samples"]["niah_single_1"]] == \
-        [s["response"] for s in whole["samples"]["niah_single_1"]]
+    assert [s["response"] for s in resumed["samples"]["niah_single_1"]] == [
+        s["response"] for s in whole["samples"]["niah_single_1"]
+    ]
     assert not list((tmp_path / "cells" / "requests").glob("*.db"))  # the finished cell's requests are dropped
 
 
@@ -227,13 +318,29 @@ def test_effective_length_is_the_longest_length_within_85_percent_of_the_unpatch
     from ctxext.tasks.report import effective_lengths, plot_task_heatmap, score_tables
 
     def row(method, length, value, task="niah_single_1"):
-        return {"method": method, "task": task, "length": length, "metric": "score", "value": value, "samples": 10,
-                "seconds": 1.0, "cached": False}
+        return {
+            "method": method,
+            "task": task,
+            "length": length,
+            "metric": "score",
+            "value": value,
+            "samples": 10,
+            "seconds": 1.0,
+            "cached": False,
+        }
 
-    rows = [row("none", 4096, 0.9), row("none", 8192, 0.6), row("none", 16384, 0.2),
-            row("yarn x2", 4096, 0.95), row("yarn x2", 8192, 0.8), row("yarn x2", 16384, 0.77),
-            row("dpe", 4096, 0.5), row("dpe", 8192, 0.9),  # not monotonic; 16k not run
-            row("none", 4096, 0.0, "cwe"), row("yarn x2", 4096, 0.3, "cwe")]
+    rows = [
+        row("none", 4096, 0.9),
+        row("none", 8192, 0.6),
+        row("none", 16384, 0.2),
+        row("yarn x2", 4096, 0.95),
+        row("yarn x2", 8192, 0.8),
+        row("yarn x2", 16384, 0.77),
+        row("dpe", 4096, 0.5),
+        row("dpe", 8192, 0.9),  # not monotonic; 16k not run
+        row("none", 4096, 0.0, "cwe"),
+        row("yarn x2", 4096, 0.3, "cwe"),
+    ]
     methods = ["none", "yarn x2", "dpe"]
     niah, cwe = effective_lengths(rows, methods)
     assert niah["threshold"] == pytest.approx(0.85 * 0.9) and niah["baseline_length"] == 4096

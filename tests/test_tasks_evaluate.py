@@ -23,19 +23,51 @@ def test_evaluate_module_gives_ctxext_evals_numbers(tmp_path):
     folder.mkdir()
     for index, text in enumerate(texts):
         (folder / f"{index}.txt").write_text(text)
-    assert main(["eval", str(checkpoint), "--method", "yarn", "--factor", "2", "--lengths", str(WINDOW),
-                 "--stride", str(STRIDE), "--text-file", str(folder), "--dtype", "fp32", "--no-progress",
-                 "-o", str(tmp_path / "out")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(checkpoint),
+                "--method",
+                "yarn",
+                "--factor",
+                "2",
+                "--lengths",
+                str(WINDOW),
+                "--stride",
+                str(STRIDE),
+                "--text-file",
+                str(folder),
+                "--dtype",
+                "fp32",
+                "--no-progress",
+                "-o",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 0
+    )
     rows = {r["method"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())["results"]}
 
     module = evaluate.load(evaluate_module_path())
-    patched = module.compute(predictions=texts, model=str(checkpoint), window=WINDOW, stride=STRIDE,
-                             method={"method": "yarn", "factor": 2}, dtype="fp32")
+    patched = module.compute(
+        predictions=texts,
+        model=str(checkpoint),
+        window=WINDOW,
+        stride=STRIDE,
+        method={"method": "yarn", "factor": 2},
+        dtype="fp32",
+    )
     from transformers import AutoTokenizer
 
     loaded = tiny_model("llama")
-    plain = module.compute(predictions=texts, model=loaded, tokenizer=AutoTokenizer.from_pretrained(checkpoint),
-                           window=WINDOW, stride=STRIDE)
+    plain = module.compute(
+        predictions=texts,
+        model=loaded,
+        tokenizer=AutoTokenizer.from_pretrained(checkpoint),
+        window=WINDOW,
+        stride=STRIDE,
+    )
     for ours, label in ((patched, "yarn x2"), (plain, "none")):
         row = rows[label]
         for key in ("tokens_scored", "windows", "documents", "documents_skipped"):

@@ -35,23 +35,32 @@ def test_paper_recipe_file_matches_the_paper():
     assert recipe.eval.stride == 256 and recipe.eval.lengths == [8192, 2048]
 
 
-@pytest.mark.parametrize("path", ["configs/recipes/tiny-cpu.yaml", "configs/recipes/mistral-7b-yarn-16k.yaml",
-                                  "configs/recipes/qwen2.5-0.5b-pose-64k.yaml"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "configs/recipes/tiny-cpu.yaml",
+        "configs/recipes/mistral-7b-yarn-16k.yaml",
+        "configs/recipes/qwen2.5-0.5b-pose-64k.yaml",
+    ],
+)
 def test_shipped_recipes_load(path):
     recipe = load_recipe(path)
     assert recipe.train_sequence_length <= recipe.seq_len
 
 
-@pytest.mark.parametrize("mapping, message", [
-    ({**MINIMAL, "lora": {"aplha": 8}}, "unknown key 'aplha' in section 'lora' (did you mean 'alpha'?)"),
-    ({**MINIMAL, "optimm": {}}, "unknown key 'optimm' in the recipe (did you mean 'optim'?)"),
-    ({**MINIMAL, "method": {"method": "lineer"}}, "did you mean 'linear'?"),
-    ({**MINIMAL, "train": {"precision": "bf61"}}, "'train.precision' must be one of"),
-    ({**MINIMAL, "optim": {"betas": [0.9]}}, "'optim.betas' must be two numbers"),
-    ({"model": "m", "output_dir": "o"}, "give the training data"),
-    ({**MINIMAL, "seq_len": 0}, "'seq_len' must be >= 1"),
-    ({**MINIMAL, "seq_len": 1024, "pose": {"enabled": True, "train_window": 2048}}, "must not exceed seq_len"),
-])
+@pytest.mark.parametrize(
+    "mapping, message",
+    [
+        ({**MINIMAL, "lora": {"aplha": 8}}, "unknown key 'aplha' in section 'lora' (did you mean 'alpha'?)"),
+        ({**MINIMAL, "optimm": {}}, "unknown key 'optimm' in the recipe (did you mean 'optim'?)"),
+        ({**MINIMAL, "method": {"method": "lineer"}}, "did you mean 'linear'?"),
+        ({**MINIMAL, "train": {"precision": "bf61"}}, "'train.precision' must be one of"),
+        ({**MINIMAL, "optim": {"betas": [0.9]}}, "'optim.betas' must be two numbers"),
+        ({"model": "m", "output_dir": "o"}, "give the training data"),
+        ({**MINIMAL, "seq_len": 0}, "'seq_len' must be >= 1"),
+        ({**MINIMAL, "seq_len": 1024, "pose": {"enabled": True, "train_window": 2048}}, "must not exceed seq_len"),
+    ],
+)
 def test_recipe_errors_are_one_line(mapping, message):
     with pytest.raises(CtxextError) as error:
         recipe_from_mapping(mapping)
@@ -60,8 +69,16 @@ def test_recipe_errors_are_one_line(mapping, message):
 
 
 def test_overrides_set_dotted_keys_with_typed_values():
-    overrides = parse_overrides(["lora.r=16", "optim.lr=1e-4", "seq_len=4096", "lora.target_modules=[q_proj]",
-                                 "method.factor=8", "train.gradient_checkpointing=false"])
+    overrides = parse_overrides(
+        [
+            "lora.r=16",
+            "optim.lr=1e-4",
+            "seq_len=4096",
+            "lora.target_modules=[q_proj]",
+            "method.factor=8",
+            "train.gradient_checkpointing=false",
+        ]
+    )
     recipe = recipe_from_mapping(apply_overrides(MINIMAL, overrides))
     assert recipe.lora.r == 16 and recipe.optim.lr == 1e-4 and recipe.seq_len == 4096
     assert recipe.lora.target_modules == ["q_proj"] and recipe.method.factor == 8
@@ -84,8 +101,12 @@ def test_warmup_is_linear_from_ten_percent_then_constant():
 def test_every_step_uses_its_global_batch_exactly_once(world, micro, global_batch):
     accumulation = global_batch // (micro * world)
     for step in range(3):
-        used = [i for rank in range(world) for m in range(accumulation)
-                for i in sample_indices(step, m, rank, world, micro, global_batch)]
+        used = [
+            i
+            for rank in range(world)
+            for m in range(accumulation)
+            for i in sample_indices(step, m, rank, world, micro, global_batch)
+        ]
         assert sorted(used) == list(range(step * global_batch, (step + 1) * global_batch))
 
 
@@ -153,8 +174,10 @@ def test_pose_positions_are_chunks_with_growing_skips(chunks):
         assert min(skips_seen) < 0.1 * span and max(skips_seen) > 0.9 * span
     else:
         assert max(skips_seen) > 0.9 * (target - window)  # nested draws: the last skip leans high
-    assert torch.equal(pose_position_ids(window, target, chunks, pose_generator(1, 5)),
-                       pose_position_ids(window, target, chunks, pose_generator(1, 5)))
+    assert torch.equal(
+        pose_position_ids(window, target, chunks, pose_generator(1, 5)),
+        pose_position_ids(window, target, chunks, pose_generator(1, 5)),
+    )
 
 
 def test_the_training_loop_plans_the_windows_ctxext_eval_plans():

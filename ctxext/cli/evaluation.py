@@ -36,10 +36,20 @@ def build_methods(args, model) -> list:
             else:
                 # Each window at its own length, whatever came before (see stateless_method_for).
                 name, params = stateless
-                config = MethodConfig.from_mapping({"method": name, **params, "original_max_position_embeddings":
-                                                    int(loaded_original or model.config.max_position_embeddings)})
-                methods.append(EvalMethod(label, config, {"as_loaded": True, "rope_parameters": rope,
-                                                          "computed_as": config.to_dict()}))
+                config = MethodConfig.from_mapping(
+                    {
+                        "method": name,
+                        **params,
+                        "original_max_position_embeddings": int(
+                            loaded_original or model.config.max_position_embeddings
+                        ),
+                    }
+                )
+                methods.append(
+                    EvalMethod(
+                        label, config, {"as_loaded": True, "rope_parameters": rope, "computed_as": config.to_dict()}
+                    )
+                )
     else:
         for mapping in mappings:
             if loaded_original and "original_max_position_embeddings" not in mapping:
@@ -50,8 +60,11 @@ def build_methods(args, model) -> list:
             else:
                 methods.append(EvalMethod(config.label, config, config.to_dict()))
     if not args.no_baseline and not any(m.label == "none" for m in methods):
-        baseline = EvalMethod("none", None, {"method": "none", "as_loaded": True}) if loaded_is_plain else \
-            EvalMethod("none", MethodConfig("none"), MethodConfig("none").to_dict())
+        baseline = (
+            EvalMethod("none", None, {"method": "none", "as_loaded": True})
+            if loaded_is_plain
+            else EvalMethod("none", MethodConfig("none"), MethodConfig("none").to_dict())
+        )
         methods.insert(0, baseline)
     _make_labels_unique(methods)
     return methods
@@ -81,10 +94,16 @@ def bos_choice(args, tokenizer) -> tuple[int | None, dict]:
     if want and tokenizer.bos_token_id is None:
         raise CtxextError("--bos yes, but the tokenizer has no BOS token")
     bos_id = tokenizer.bos_token_id if want else None
-    return bos_id, {"tokenizer_adds_bos": adds, "setting": args.bos, "windows_start_with_bos": want,
-                    "bos_token_id": bos_id, "bos_scored": False,
-                    "note": "each window is BOS + (window - 1) text tokens; BOS is context only" if want else
-                            "windows are text tokens only; the first token of a document is never scored"}
+    return bos_id, {
+        "tokenizer_adds_bos": adds,
+        "setting": args.bos,
+        "windows_start_with_bos": want,
+        "bos_token_id": bos_id,
+        "bos_scored": False,
+        "note": "each window is BOS + (window - 1) text tokens; BOS is context only"
+        if want
+        else "windows are text tokens only; the first token of a document is never scored",
+    }
 
 
 def load(args, processes):
@@ -94,8 +113,9 @@ def load(args, processes):
     check_model_source(args.model)
     runtime = resolve_runtime(args, processes)
     tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, dtype=runtime["dtype"], device=runtime["device"],
-                       attn_implementation=runtime["attn_implementation"])
+    model = load_model(
+        args.model, dtype=runtime["dtype"], device=runtime["device"], attn_implementation=runtime["attn_implementation"]
+    )
     return model, tokenizer, runtime
 
 
@@ -110,8 +130,10 @@ def model_description(args, model, runtime) -> dict:
         "original_max_position_embeddings": original_length(model),
         "rotary_dim": _rotary_dim(config),
         "rope_parameters": dict(getattr(config, "rope_parameters", None) or {}),
-        "dtype": str(runtime["dtype"]).removeprefix("torch."), "dtype_reason": runtime["dtype_reason"],
-        "device": str(runtime["device"]), "attn_implementation": runtime["attn_implementation"],
+        "dtype": str(runtime["dtype"]).removeprefix("torch."),
+        "dtype_reason": runtime["dtype_reason"],
+        "device": str(runtime["device"]),
+        "attn_implementation": runtime["attn_implementation"],
     }
 
 

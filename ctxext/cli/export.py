@@ -12,22 +12,29 @@ DESCRIPTION = (
     "--check also runs the parity checks this machine can run: plain transformers in a subprocess that never imports "
     "ctxext, and llama.cpp where llama-cpp-python is installed. The vLLM and SGLang rows are read from their "
     "source code, not run. --engine E -o OUT writes a copy of the checkpoint whose config E reads (for dual_chunk "
-    "on a Qwen2-family model, --engine sglang writes SGLang's dual_chunk_attention_config).")
+    "on a Qwen2-family model, --engine sglang writes SGLang's dual_chunk_attention_config)."
+)
 FORMATTER_CLASS = HelpFormatter  # wraps prose, keeps the examples one a line
-EPILOG = ("examples:\n"
-          "  ctxext export ./llama-16k --check\n"
-          "  ctxext export ./llama-16k-ctxext-format --engine vllm -o ./llama-16k-vllm\n"
-          "  ctxext export ./qwen2-dual-chunk --engine sglang -o ./qwen2-dca-sglang\n"
-          "  ctxext export model-32k.gguf --check")
+EPILOG = (
+    "examples:\n"
+    "  ctxext export ./llama-16k --check\n"
+    "  ctxext export ./llama-16k-ctxext-format --engine vllm -o ./llama-16k-vllm\n"
+    "  ctxext export ./qwen2-dual-chunk --engine sglang -o ./qwen2-dca-sglang\n"
+    "  ctxext export model-32k.gguf --check"
+)
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("model", help="a checkpoint directory or a .gguf file")
     parser.add_argument("--check", action="store_true", help="run the parity checks this machine can run")
-    parser.add_argument("--tokens", type=int, default=256, metavar="N",
-                        help="random tokens per parity check (default 256)")
-    parser.add_argument("--engine", choices=("transformers", "vllm", "sglang", "llama.cpp"),
-                        help="write a copy of the checkpoint for this engine to -o")
+    parser.add_argument(
+        "--tokens", type=int, default=256, metavar="N", help="random tokens per parity check (default 256)"
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("transformers", "vllm", "sglang", "llama.cpp"),
+        help="write a copy of the checkpoint for this engine to -o",
+    )
     parser.add_argument("-o", "--output", help="where --engine writes the copy")
     parser.add_argument("--overwrite", action="store_true", help="replace -o if it already exists")
     parser.add_argument("--json", metavar="FILE", help="also write the table as JSON")
@@ -59,11 +66,17 @@ def run(args) -> int:
         if args.check:
             print(f"  {'':<{width}}  {'':<11}  checked: {row.checked}")
     if args.json:
-        from ..outputs import atomic_write_text
         from pathlib import Path
 
-        atomic_write_text(Path(args.json), json.dumps({"model": str(model.path), "method": model.method,
-                                                       "engines": [asdict(r) for r in rows]}, indent=2) + "\n")
+        from ..outputs import atomic_write_text
+
+        atomic_write_text(
+            Path(args.json),
+            json.dumps(
+                {"model": str(model.path), "method": model.method, "engines": [asdict(r) for r in rows]}, indent=2
+            )
+            + "\n",
+        )
     return 1 if failed else 0
 
 

@@ -36,10 +36,13 @@ FORMATTER_CLASS = HelpFormatter  # wraps prose, keeps the examples one a line
 
 def add_arguments(parser) -> None:
     parser.add_argument("--config", metavar="RECIPE.yaml", help="the recipe (configs/recipes/*.yaml)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="recipe overrides with dotted keys, e.g. lora.r=16 train.max_steps=10 method.factor=8")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue the run in output_dir from its last checkpoint")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="recipe overrides with dotted keys, e.g. lora.r=16 train.max_steps=10 method.factor=8",
+    )
+    parser.add_argument("--resume", action="store_true", help="continue the run in output_dir from its last checkpoint")
     parser.add_argument("--show-keys", action="store_true", help="list every recipe key with its default, and exit")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 HELP = "list the scaling methods and their parameters"
-DESCRIPTION = ("List every scaling method with its parameters; -v adds each parameter's default and meaning, and "
-               "each method's source.")
+DESCRIPTION = (
+    "List every scaling method with its parameters; -v adds each parameter's default and meaning, and "
+    "each method's source."
+)
 
 
 def add_arguments(parser) -> None:

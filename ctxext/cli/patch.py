@@ -5,36 +5,56 @@ from __future__ import annotations
 from .common import HelpFormatter, add_method_arguments
 
 HELP = "apply a method to a checkpoint and save the patched checkpoint"
-DESCRIPTION = ("Load MODEL, apply a scaling method, and write a complete checkpoint (weights, config, tokenizer, "
-               "ctxext.yaml) to --output, atomically. The source is never modified. Method parameters are flags "
-               "named like the YAML keys, e.g. --beta-fast 32, --beta 0.625. config.json gets the method's exact "
-               "native rope type wherever one exists, so vLLM, SGLang and plain transformers load it. "
-               "A .gguf MODEL (llama.cpp, Ollama, LM Studio) is written as a .gguf file with the rope keys "
-               "llama.cpp reads.")
+DESCRIPTION = (
+    "Load MODEL, apply a scaling method, and write a complete checkpoint (weights, config, tokenizer, "
+    "ctxext.yaml) to --output, atomically. The source is never modified. Method parameters are flags "
+    "named like the YAML keys, e.g. --beta-fast 32, --beta 0.625. config.json gets the method's exact "
+    "native rope type wherever one exists, so vLLM, SGLang and plain transformers load it. "
+    "A .gguf MODEL (llama.cpp, Ollama, LM Studio) is written as a .gguf file with the rope keys "
+    "llama.cpp reads."
+)
 FORMATTER_CLASS = HelpFormatter  # wraps prose, keeps the examples one a line
-EPILOG = ("examples:\n"
-          "  ctxext patch ./llama-4k --method yarn --factor 4 -o ./llama-16k\n"
-          "  ctxext patch model.gguf --method yarn --factor 4 -o model-32k.gguf\n"
-          "  ctxext patch model.gguf --method ntk_by_parts --factor 2 --outtype f16 -o model-16k.gguf")
+EPILOG = (
+    "examples:\n"
+    "  ctxext patch ./llama-4k --method yarn --factor 4 -o ./llama-16k\n"
+    "  ctxext patch model.gguf --method yarn --factor 4 -o model-32k.gguf\n"
+    "  ctxext patch model.gguf --method ntk_by_parts --factor 2 --outtype f16 -o model-16k.gguf"
+)
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("model", help="a local checkpoint directory, a hub id, or a .gguf file")
-    parser.add_argument("-o", "--output", required=True,
-                        help="directory to write the patched checkpoint to (a .gguf file for a GGUF input)")
+    parser.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="directory to write the patched checkpoint to (a .gguf file for a GGUF input)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it already exists")
-    parser.add_argument("--format", choices=("native", "ctxext"), default="native",
-                        help="native (default): write the method as transformers' own rope type wherever an exact "
-                             "form exists (ntk/theta as a base change, per-pair methods as 'longrope'), so that "
-                             "vLLM, SGLang and plain transformers load it; ctxext: ctxext's own types "
-                             "(loading needs `import ctxext`)")
-    parser.add_argument("--outtype", choices=("same", "f16", "f32"), default="same",
-                        help="GGUF input only: keep every tensor's type (same, default), or write f16 / f32 "
-                             "(dequantised; 1-D tensors stay f32)")
+    parser.add_argument(
+        "--format",
+        choices=("native", "ctxext"),
+        default="native",
+        help="native (default): write the method as transformers' own rope type wherever an exact "
+        "form exists (ntk/theta as a base change, per-pair methods as 'longrope'), so that "
+        "vLLM, SGLang and plain transformers load it; ctxext: ctxext's own types "
+        "(loading needs `import ctxext`)",
+    )
+    parser.add_argument(
+        "--outtype",
+        choices=("same", "f16", "f32"),
+        default="same",
+        help="GGUF input only: keep every tensor's type (same, default), or write f16 / f32 "
+        "(dequantised; 1-D tensors stay f32)",
+    )
     dpe = parser.add_argument_group("dpe's dimension selection (--method dpe)")
-    dpe.add_argument("--select-pairs", metavar="TEXT", help="a UTF-8 calibration text: keep grouped only the "
-                     "--top-pairs pairs of each layer with the largest mean |q_p||k_p| on it (DPE's selection; up "
-                     "to 4096 tokens, measured on the unpatched model); the choice is recorded as selected_pairs")
+    dpe.add_argument(
+        "--select-pairs",
+        metavar="TEXT",
+        help="a UTF-8 calibration text: keep grouped only the "
+        "--top-pairs pairs of each layer with the largest mean |q_p||k_p| on it (DPE's selection; up "
+        "to 4096 tokens, measured on the unpatched model); the choice is recorded as selected_pairs",
+    )
     dpe.add_argument("--top-pairs", type=int, metavar="K", help="how many pairs per layer --select-pairs keeps")
     add_method_arguments(parser)
 
@@ -51,13 +71,16 @@ def run(args) -> int:
             raise CtxextError("--format applies to checkpoint directories; a GGUF file gets llama.cpp's rope keys")
         return _patch_gguf(args, method_config)
     if args.outtype != "same":
-        raise CtxextError(f"--outtype applies to GGUF files; '{args.model}' is not one (write a checkpoint "
-                          f"directory in another dtype by loading and saving it with transformers)")
+        raise CtxextError(
+            f"--outtype applies to GGUF files; '{args.model}' is not one (write a checkpoint "
+            f"directory in another dtype by loading and saving it with transformers)"
+        )
 
     from ..checkpoint import write_patched_checkpoint
 
-    written = write_patched_checkpoint(args.model, method_config, args.output, args.overwrite, format=args.format,
-                                       pair_selection=pair_selection)
+    written = write_patched_checkpoint(
+        args.model, method_config, args.output, args.overwrite, format=args.format, pair_selection=pair_selection
+    )
     print(f"patched {args.model} with {written.label}")
     print(f"  written as: {written.form.how}")
     print(f"  rope_parameters: {_short(written.rope_parameters)}")
@@ -106,6 +129,7 @@ def _patch_gguf(args, method_config) -> int:
 
 def _short(values: dict) -> dict:
     """The values with long lists summarised (64 per-pair factors, or a list of pairs per layer)."""
+
     def short(v):
         if not isinstance(v, list) or len(v) <= 8:
             return v

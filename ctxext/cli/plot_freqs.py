@@ -5,17 +5,22 @@ from __future__ import annotations
 from .common import add_method_arguments
 
 HELP = "plot theta'_i/theta_i per pair for one or more methods"
-DESCRIPTION = ("Save a PNG of the per-pair frequency ratio of each method: 1 = extrapolated (kept), 1/s = "
-               "interpolated, in between = ramped. No model needed. The methods come from --method (repeated) "
-               "and --config (a method YAML, or a sweep YAML with 'methods:', as for 'ctxext eval').")
+DESCRIPTION = (
+    "Save a PNG of the per-pair frequency ratio of each method: 1 = extrapolated (kept), 1/s = "
+    "interpolated, in between = ramped. No model needed. The methods come from --method (repeated) "
+    "and --config (a method YAML, or a sweep YAML with 'methods:', as for 'ctxext eval')."
+)
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--head-dim", type=int, default=128, help="rotary dimension d (default 128)")
     parser.add_argument("--base", type=float, default=10000.0, help="RoPE base (default 10000)")
-    parser.add_argument("--original-length", type=int, default=4096,
-                        help="pre-training context L (default 4096, or the methods' "
-                             "original_max_position_embeddings)")
+    parser.add_argument(
+        "--original-length",
+        type=int,
+        default=4096,
+        help="pre-training context L (default 4096, or the methods' original_max_position_embeddings)",
+    )
     parser.add_argument("-o", "--output", default="freqs.png", help="PNG path (default freqs.png)")
     add_method_arguments(parser, multiple=True)
 
@@ -36,8 +41,10 @@ def run(args) -> int:
         raise CtxextError(f"--head-dim must be an even number > 2, got {args.head_dim}")
     given = {c.original_max_position_embeddings for c in configs} - {None}
     if len(given) > 1:
-        raise CtxextError(f"the methods name different original lengths ({', '.join(map(str, sorted(given)))}); "
-                          "plot them separately or set --original-max-position-embeddings")
+        raise CtxextError(
+            f"the methods name different original lengths ({', '.join(map(str, sorted(given)))}); "
+            "plot them separately or set --original-max-position-embeddings"
+        )
     L = given.pop() if given else args.original_length
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -46,7 +53,9 @@ def run(args) -> int:
         ratio = frequency_ratios(config, args.head_dim, args.base, L)
         kept = int((ratio > 0.999).sum())
         interpolated = int((ratio < 1.001 / config.factor).sum()) if config.factor > 1 else 0
-        print(f"{config.label:<16} kept {kept:3d}, interpolated by s {interpolated:3d}, "
-              f"in between {len(ratio) - kept - interpolated:3d} of {len(ratio)} pairs")
+        print(
+            f"{config.label:<16} kept {kept:3d}, interpolated by s {interpolated:3d}, "
+            f"in between {len(ratio) - kept - interpolated:3d} of {len(ratio)} pairs"
+        )
     print(f"saved {output}")
     return 0

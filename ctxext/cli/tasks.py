@@ -16,42 +16,69 @@ DESCRIPTION = (
     "no length run once per method. Each (method, task, length) result is cached as soon as it is done "
     "(--cache-dir): an interrupted run resumes, and a table can grow over several runs. Writes table.txt, "
     "results.csv, results.json (lm-eval's own results per cell, verbatim, with the method parameters, versions, "
-    "seeds and the limit) and a heat map tasks.png to --output. Needs lm-eval: pip install \"ctxext[tasks]\".")
-EPILOG = ("example: ctxext tasks my-model --method yarn --method ntk --factor 2 --tasks niah_single_1,"
-          "niah_multikey_2,ruler_vt --lengths 4k,8k,16k --limit 20 -o tasks-out")
+    'seeds and the limit) and a heat map tasks.png to --output. Needs lm-eval: pip install "ctxext[tasks]".'
+)
+EPILOG = (
+    "example: ctxext tasks my-model --method yarn --method ntk --factor 2 --tasks niah_single_1,"
+    "niah_multikey_2,ruler_vt --lengths 4k,8k,16k --limit 20 -o tasks-out"
+)
 DEFAULT_TASK_LENGTHS = "4096"
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("model", help="a local checkpoint directory or a hub id")
-    parser.add_argument("--tasks", required=True, metavar="NAME,NAME,...",
-                        help="lm-eval task, group or tag names, e.g. niah_single_1,niah_multikey_2,ruler_vt "
-                             "(RULER tasks that need no network: niah_single_1, niah_multikey_2, niah_multikey_3, "
-                             "ruler_vt, ruler_fwe, ruler_cwe)")
-    parser.add_argument("--lengths", default=DEFAULT_TASK_LENGTHS, metavar="N,N,...",
-                        help=f"context lengths in tokens for the tasks that take one (RULER, babilong), e.g. "
-                             f"4k,8k,16k (default {DEFAULT_TASK_LENGTHS}); other tasks' prompts are cut by lm-eval "
-                             f"to the longest")
-    parser.add_argument("--limit", type=int, default=None, metavar="N",
-                        help="samples per task and length (lm-eval's --limit: the first N; default all, "
-                             "500 per length for RULER)")
-    parser.add_argument("--batch-size", default="1", metavar="B",
-                        help="lm-eval's batch size: a number or 'auto' (default 1)")
-    parser.add_argument("--apply-chat-template", action="store_true",
-                        help="wrap prompts in the tokenizer's chat template (lm-eval's --apply_chat_template)")
+    parser.add_argument(
+        "--tasks",
+        required=True,
+        metavar="NAME,NAME,...",
+        help="lm-eval task, group or tag names, e.g. niah_single_1,niah_multikey_2,ruler_vt "
+        "(RULER tasks that need no network: niah_single_1, niah_multikey_2, niah_multikey_3, "
+        "ruler_vt, ruler_fwe, ruler_cwe)",
+    )
+    parser.add_argument(
+        "--lengths",
+        default=DEFAULT_TASK_LENGTHS,
+        metavar="N,N,...",
+        help=f"context lengths in tokens for the tasks that take one (RULER, babilong), e.g. "
+        f"4k,8k,16k (default {DEFAULT_TASK_LENGTHS}); other tasks' prompts are cut by lm-eval "
+        f"to the longest",
+    )
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="samples per task and length (lm-eval's --limit: the first N; default all, 500 per length for RULER)",
+    )
+    parser.add_argument(
+        "--batch-size", default="1", metavar="B", help="lm-eval's batch size: a number or 'auto' (default 1)"
+    )
+    parser.add_argument(
+        "--apply-chat-template",
+        action="store_true",
+        help="wrap prompts in the tokenizer's chat template (lm-eval's --apply_chat_template)",
+    )
     parser.add_argument("--no-baseline", action="store_true", help="do not add the 'none' (plain RoPE) baseline")
-    parser.add_argument("-o", "--output", required=True,
-                        help="directory for table.txt, results.json, results.csv, tasks.png")
+    parser.add_argument(
+        "-o", "--output", required=True, help="directory for table.txt, results.json, results.csv, tasks.png"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it already holds something")
     cache = parser.add_argument_group("cache of finished cells")
-    cache.add_argument("--cache-dir", metavar="DIR",
-                       help="where each (method, task, length) result is kept (default $CTXEXT_CACHE_DIR/tasks, "
-                            "i.e. ~/.cache/ctxext/tasks)")
+    cache.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="where each (method, task, length) result is kept (default $CTXEXT_CACHE_DIR/tasks, "
+        "i.e. ~/.cache/ctxext/tasks)",
+    )
     cache.add_argument("--no-cache", action="store_true", help="neither read nor write cached cells")
-    cache.add_argument("--cached-only", action="store_true",
-                       help="run nothing: write the outputs from the cells already cached ('-' for the others)")
-    add_runtime_arguments(parser, bos=False,
-                          progress_help="no progress bars (lm-eval's included); one line per finished cell")
+    cache.add_argument(
+        "--cached-only",
+        action="store_true",
+        help="run nothing: write the outputs from the cells already cached ('-' for the others)",
+    )
+    add_runtime_arguments(
+        parser, bos=False, progress_help="no progress bars (lm-eval's included); one line per finished cell"
+    )
     add_method_arguments(parser, multiple=True)
     parser.set_defaults(text_file=None, dataset=None)
 
@@ -106,14 +133,24 @@ def run(args: argparse.Namespace) -> int:
 
     from ..assets import cache_dir
     from ..eval.report import environment, write_csv, write_json
+    from ..loading import check_model_source
     from ..outputs import atomic_output_dir
     from ..runtime import Processes, cpu_processes, on_main_first
-    from ..tasks.harness import (CellCache, TaskManagers, cell_scores, check_lengths, check_task_data,
-                                 model_fingerprint, plan_cells, resolve_tasks, run_cells, task_lengths, task_metadata)
+    from ..tasks.harness import (
+        CellCache,
+        TaskManagers,
+        cell_scores,
+        check_lengths,
+        check_task_data,
+        model_fingerprint,
+        plan_cells,
+        resolve_tasks,
+        run_cells,
+        task_lengths,
+        task_metadata,
+    )
     from ..tasks.report import CSV_COLUMNS, EFFECTIVE_RULE, effective_lengths, plot_task_heatmap, score_tables
     from .evaluation import arguments, build_methods, command_line, load, model_description
-
-    from ..loading import check_model_source
 
     check_model_source(args.model)  # before the task data: RULER sizes its prompts with the model's tokenizer
     processes = Processes(cpu=cpu_processes(args.device))
@@ -138,32 +175,56 @@ def run(args: argparse.Namespace) -> int:
     else:
         cache = CellCache(Path(args.cache_dir) if args.cache_dir else cache_dir() / "tasks")
     common_key = {
-        "model": model_fingerprint(args.model, model), "tokenizer": tokenizer_name,
-        "dtype": str(runtime["dtype"]).removeprefix("torch."), "device": runtime["device"].type,
-        "attn_implementation": runtime["attn_implementation"], "limit": args.limit, "batch_size": batch_size,
-        "apply_chat_template": args.apply_chat_template, "lm_eval": lm_eval.__version__,
+        "model": model_fingerprint(args.model, model),
+        "tokenizer": tokenizer_name,
+        "dtype": str(runtime["dtype"]).removeprefix("torch."),
+        "device": runtime["device"].type,
+        "attn_implementation": runtime["attn_implementation"],
+        "limit": args.limit,
+        "batch_size": batch_size,
+        "apply_chat_template": args.apply_chat_template,
+        "lm_eval": lm_eval.__version__,
     }
     if processes.is_main:
-        print(f"ctxext tasks: {', '.join(s.name for s in specs)} x {len(methods)} methods x lengths "
-              f"{', '.join(str(n) for n in lengths)} = {len(cells)} cells, "
-              f"{'all' if args.limit is None else args.limit} samples each; lm-eval {lm_eval.__version__}; "
-              f"{runtime['dtype']} ({runtime['dtype_reason']}) on {runtime['device']}, "
-              f"{runtime['attn_implementation']}"
-              f"{f', {processes.world_size} processes' if processes.world_size > 1 else ''}", flush=True)
+        print(
+            f"ctxext tasks: {', '.join(s.name for s in specs)} x {len(methods)} methods x lengths "
+            f"{', '.join(str(n) for n in lengths)} = {len(cells)} cells, "
+            f"{'all' if args.limit is None else args.limit} samples each; lm-eval {lm_eval.__version__}; "
+            f"{runtime['dtype']} ({runtime['dtype_reason']}) on {runtime['device']}, "
+            f"{runtime['attn_implementation']}"
+            f"{f', {processes.world_size} processes' if processes.world_size > 1 else ''}",
+            flush=True,
+        )
 
     def report(line: str) -> None:
         print(line, flush=True)
 
     try:
-        run_cells(cells, model, tokenizer, managers, cache, lengths=lengths, tokenizer_name=tokenizer_name,
-                  common_key=common_key, limit=args.limit, batch_size=batch_size,
-                  apply_chat_template=args.apply_chat_template, processes=processes, cached_only=args.cached_only,
-                  quiet=args.no_progress, report=report)
+        run_cells(
+            cells,
+            model,
+            tokenizer,
+            managers,
+            cache,
+            lengths=lengths,
+            tokenizer_name=tokenizer_name,
+            common_key=common_key,
+            limit=args.limit,
+            batch_size=batch_size,
+            apply_chat_template=args.apply_chat_template,
+            processes=processes,
+            cached_only=args.cached_only,
+            quiet=args.no_progress,
+            report=report,
+        )
     except KeyboardInterrupt:
         if processes.is_main and cache.directory is not None:
             done = sum(c.result is not None for c in cells)
-            print(f"ctxext tasks: {done} of {len(cells)} cells are cached in {cache.directory}; the same command "
-                  f"resumes from there", file=sys.stderr)
+            print(
+                f"ctxext tasks: {done} of {len(cells)} cells are cached in {cache.directory}; the same command "
+                f"resumes from there",
+                file=sys.stderr,
+            )
         raise
     if not processes.is_main:
         return 0
@@ -179,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
         "model": model_description(args, model, runtime),
         "protocol": {
             "name": "lm-evaluation-harness tasks through lm_eval.simple_evaluate on HFLM, one call per "
-                    "(method, task, length)",
+            "(method, task, length)",
             "tasks": [{"name": s.name, "length_convention": s.convention} for s in specs],
             "lengths": lengths,
             "limit": args.limit,
@@ -187,19 +248,30 @@ def run(args: argparse.Namespace) -> int:
             "apply_chat_template": args.apply_chat_template,
             "max_length": "the cell's length (tasks without lengths: the longest) + 256, HFLM's max_length",
             "seeds": "simple_evaluate's defaults (python 0, numpy 1234, torch 1234, fewshot 1234), set before "
-                     "each task is built, so every method sees the same prompts; each cell's config has them",
+            "each task is built, so every method sees the same prompts; each cell's config has them",
             "tokenizer": tokenizer_name,
         },
         "methods": [{"label": m.label, **m.description} for m in methods],
         "scores": rows,
         "effective_length": {"rule": EFFECTIVE_RULE, "panels": effective},
         "missing_cells": missing,
-        "cells": [{"method": c.method.label, "task": c.task.name, "length": c.length, "cached": c.cached,
-                   "cache_file": str(cache.path(c.key)) if cache.directory is not None else None,
-                   "lm_eval": c.result} for c in cells],
-        "runtime": {"processes": processes.world_size, "seconds": time.perf_counter() - started,
-                    "cells_run": sum(c.result is not None and not c.cached for c in cells),
-                    "cells_cached": sum(c.cached for c in cells)},
+        "cells": [
+            {
+                "method": c.method.label,
+                "task": c.task.name,
+                "length": c.length,
+                "cached": c.cached,
+                "cache_file": str(cache.path(c.key)) if cache.directory is not None else None,
+                "lm_eval": c.result,
+            }
+            for c in cells
+        ],
+        "runtime": {
+            "processes": processes.world_size,
+            "seconds": time.perf_counter() - started,
+            "cells_run": sum(c.result is not None and not c.cached for c in cells),
+            "cells_cached": sum(c.cached for c in cells),
+        },
         "environment": {**environment(), "lm_eval": lm_eval.__version__},
     }
     with atomic_output_dir(args.output, protected, args.overwrite) as staging:
@@ -207,15 +279,21 @@ def run(args: argparse.Namespace) -> int:
         write_csv(staging / "results.csv", rows, CSV_COLUMNS)
         (staging / "table.txt").write_text(table + "\n")
         if rows:
-            plot_task_heatmap(rows, labels, staging / "tasks.png",
-                              f"{Path(args.model).name}: lm-eval tasks, "
-                              f"{'all' if args.limit is None else args.limit} samples per cell")
+            plot_task_heatmap(
+                rows,
+                labels,
+                staging / "tasks.png",
+                f"{Path(args.model).name}: lm-eval tasks, "
+                f"{'all' if args.limit is None else args.limit} samples per cell",
+            )
     print()
     print(table)
     if effective:
         print(f"\n{EFFECTIVE_RULE}")
     if missing:
         print(f"\n{len(missing)} cells not run yet: {'; '.join(missing[:6])}{'; ...' if len(missing) > 6 else ''}")
-    print(f"\nresults: {Path(args.output).resolve()} (results.json, results.csv, table.txt"
-          f"{', tasks.png' if rows else ''})")
+    print(
+        f"\nresults: {Path(args.output).resolve()} (results.json, results.csv, table.txt"
+        f"{', tasks.png' if rows else ''})"
+    )
     return 0

@@ -8,9 +8,9 @@ texts -> tokenizer -> length filters -> at most `max_docs`.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 
@@ -32,16 +32,34 @@ class DatasetPreset:
 
 PRESETS: dict[str, DatasetPreset] = {
     "pg19": DatasetPreset("emozilla/pg19", "test", "text", note="PG-19 test books (parquet copy of deepmind/pg19)"),
-    "proof-pile": DatasetPreset("hoskinson-center/proof-pile", "test", "text", revision="refs/convert/parquet",
-                                note="Proof-pile test split (the hub's parquet export; the repo itself is a script)"),
-    "govreport": DatasetPreset("ccdv/govreport-summarization", "test", "report", config="document",
-                               note="GovReport test reports"),
-    "wikitext": DatasetPreset("Salesforce/wikitext", "test", "text", config="wikitext-103-raw-v1", join_rows=True,
-                              note="WikiText-103 test set, rows joined by blank lines into one stream (as the HF docs)"),
+    "proof-pile": DatasetPreset(
+        "hoskinson-center/proof-pile",
+        "test",
+        "text",
+        revision="refs/convert/parquet",
+        note="Proof-pile test split (the hub's parquet export; the repo itself is a script)",
+    ),
+    "govreport": DatasetPreset(
+        "ccdv/govreport-summarization", "test", "report", config="document", note="GovReport test reports"
+    ),
+    "wikitext": DatasetPreset(
+        "Salesforce/wikitext",
+        "test",
+        "text",
+        config="wikitext-103-raw-v1",
+        join_rows=True,
+        note="WikiText-103 test set, rows joined by blank lines into one stream (as the HF docs)",
+    ),
 }
 SHAKESPEARE = "shakespeare"
-LOCAL_DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text",
-                       ".arrow": "arrow"}
+LOCAL_DATA_SUFFIXES = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".txt": "text",
+    ".arrow": "arrow",
+}
 
 
 @dataclass
@@ -146,8 +164,10 @@ def load_hf_dataset(name: str, split: str | None, config: str | None, streaming:
         if path.is_file():
             builder = LOCAL_DATA_SUFFIXES.get(path.suffix.lower())
             if builder is None:
-                raise CtxextError(f"cannot read '{name}' as a dataset; use one of {', '.join(LOCAL_DATA_SUFFIXES)} "
-                                  "files, a save_to_disk folder, or --text-file for plain text")
+                raise CtxextError(
+                    f"cannot read '{name}' as a dataset; use one of {', '.join(LOCAL_DATA_SUFFIXES)} "
+                    "files, a save_to_disk folder, or --text-file for plain text"
+                )
             loaded = datasets.load_dataset(builder, data_files=str(path), split="train")
             return loaded, {"kind": f"local {builder} file", "path": str(path.resolve())}, None, False
         if name.startswith((".", "/", "~")):
@@ -158,8 +178,15 @@ def load_hf_dataset(name: str, split: str | None, config: str | None, streaming:
         config = config or (preset.config if preset else None)
         revision = preset.revision if preset else None
         loaded = datasets.load_dataset(hub_path, config, split=split, revision=revision, streaming=streaming)
-        source = {"kind": "hub preset" if preset else "hub", "name": name, "hub_path": hub_path, "config": config,
-                  "split": split, "revision": revision, "streaming": streaming}
+        source = {
+            "kind": "hub preset" if preset else "hub",
+            "name": name,
+            "hub_path": hub_path,
+            "config": config,
+            "split": split,
+            "revision": revision,
+            "streaming": streaming,
+        }
         return loaded, source, preset.field if preset else None, bool(preset and preset.join_rows)
     except CtxextError:
         raise
@@ -187,8 +214,10 @@ def dataset_texts(dataset, text_field: str | None, join_rows: bool, name: str) -
     columns = list(dataset.column_names or []) if dataset.column_names is not None else None
     text_field = text_field or "text"
     if columns is not None and text_field not in columns:
-        raise CtxextError(f"dataset '{name}' has no text field '{text_field}'{did_you_mean(text_field, columns)};"
-                          f" its fields are: {', '.join(columns)} (choose one with --text-field)")
+        raise CtxextError(
+            f"dataset '{name}' has no text field '{text_field}'{did_you_mean(text_field, columns)};"
+            f" its fields are: {', '.join(columns)} (choose one with --text-field)"
+        )
     if join_rows:
         yield f"{name} (all rows)", "\n\n".join(_row_text(row, text_field, name) for row in dataset)
         return
@@ -200,8 +229,10 @@ def dataset_texts(dataset, text_field: str | None, join_rows: bool, name: str) -
 
 def _row_text(row: dict, text_field: str, name: str) -> str:
     if text_field not in row:
-        raise CtxextError(f"dataset '{name}' has no text field '{text_field}'{did_you_mean(text_field, list(row))};"
-                          f" its fields are: {', '.join(row)} (choose one with --text-field)")
+        raise CtxextError(
+            f"dataset '{name}' has no text field '{text_field}'{did_you_mean(text_field, list(row))};"
+            f" its fields are: {', '.join(row)} (choose one with --text-field)"
+        )
     value = row[text_field]
     if not isinstance(value, str):
         raise CtxextError(f"field '{text_field}' of dataset '{name}' holds {type(value).__name__}, not text")
@@ -218,8 +249,9 @@ def tokenizer_adds_bos(tokenizer) -> bool:
     return len(ids) > 0 and ids[0] == bos
 
 
-def tokenize_documents(texts: Iterable[tuple[str, str]], tokenizer, min_doc_tokens: int = 0,
-                       max_docs: int | None = None) -> tuple[list[Document], int]:
+def tokenize_documents(
+    texts: Iterable[tuple[str, str]], tokenizer, min_doc_tokens: int = 0, max_docs: int | None = None
+) -> tuple[list[Document], int]:
     """Token ids without special tokens; documents below `min_doc_tokens` are dropped (and counted)."""
     documents, dropped = [], 0
     for name, text in texts:
@@ -233,9 +265,17 @@ def tokenize_documents(texts: Iterable[tuple[str, str]], tokenizer, min_doc_toke
     return documents, dropped
 
 
-def load_documents(tokenizer, *, text_files: list[str] | None = None, dataset: str | None = None,
-                   split: str | None = None, dataset_config: str | None = None, text_field: str | None = None,
-                   max_docs: int | None = None, min_doc_tokens: int = 0) -> DocumentSet:
+def load_documents(
+    tokenizer,
+    *,
+    text_files: list[str] | None = None,
+    dataset: str | None = None,
+    split: str | None = None,
+    dataset_config: str | None = None,
+    text_field: str | None = None,
+    max_docs: int | None = None,
+    min_doc_tokens: int = 0,
+) -> DocumentSet:
     """Documents from exactly one source: --text-file (files/folders) or --dataset (see module docstring)."""
     if bool(text_files) == bool(dataset):
         raise CtxextError("give the data with --dataset NAME or --text-file FILE (one of them)")

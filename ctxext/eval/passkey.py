@@ -19,8 +19,10 @@ from torch import nn
 from ..errors import CtxextError
 from .perplexity import evaluation_mode
 
-TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
-        "I will quiz you about the important information there.")
+TASK = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+    "I will quiz you about the important information there."
+)
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 QUESTION = "What is the pass key? The pass key is"
 NEW_TOKENS = 10
@@ -33,8 +35,9 @@ def key_line(key: int) -> str:
 
 def prompt_text(n_filler: int, depth: float, key: int) -> str:
     before = round(depth * n_filler)
-    return "\n".join([TASK, " ".join([FILLER] * before), key_line(key), " ".join([FILLER] * (n_filler - before)),
-                      QUESTION])
+    return "\n".join(
+        [TASK, " ".join([FILLER] * before), key_line(key), " ".join([FILLER] * (n_filler - before)), QUESTION]
+    )
 
 
 def first_integer(text: str) -> int | None:
@@ -80,8 +83,12 @@ class Trial:
 def plan_trials(lengths: list[int], depths: list[float], trials: int, seed: int = 0) -> list[Trial]:
     """`trials` keys per (length, depth) cell; the same keys for every method (seeded)."""
     rng = random.Random(seed)
-    return [Trial(length, depth, i, rng.randint(*KEY_RANGE))
-            for length in lengths for depth in depths for i in range(trials)]
+    return [
+        Trial(length, depth, i, rng.randint(*KEY_RANGE))
+        for length in lengths
+        for depth in depths
+        for i in range(trials)
+    ]
 
 
 def answer_nll(model: nn.Module, tokenizer, trial: Trial, bos_token_id: int | None = None) -> tuple[float, int]:
@@ -95,7 +102,7 @@ def answer_nll(model: nn.Module, tokenizer, trial: Trial, bos_token_id: int | No
     with evaluation_mode(model), torch.inference_mode():
         # the logits at the last len(answer) + 1 positions; all but the last predict the answer's tokens
         logits = model(ids.to(device), logits_to_keep=len(answer) + 1, use_cache=False).logits[0, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.double(), ids[0, -len(answer):].to(device), reduction="sum")
+        nll = torch.nn.functional.cross_entropy(logits.double(), ids[0, -len(answer) :].to(device), reduction="sum")
     return float(nll), len(answer)
 
 
@@ -104,14 +111,23 @@ def generate_answer(model: nn.Module, tokenizer, prompt: torch.Tensor) -> str:
     device = next(model.parameters()).device
     inputs = prompt.to(device).unsqueeze(0)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    output = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=NEW_TOKENS,
-                            do_sample=False, num_beams=1, pad_token_id=pad, temperature=None, top_p=None,
-                            top_k=None)
-    return tokenizer.decode(output[0, inputs.shape[1]:], skip_special_tokens=True)
+    output = model.generate(
+        inputs,
+        attention_mask=torch.ones_like(inputs),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=pad,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
+    return tokenizer.decode(output[0, inputs.shape[1] :], skip_special_tokens=True)
 
 
-def run_passkey(model: nn.Module, tokenizer, trials: list[Trial], methods, bos_token_id: int | None,
-                processes=None, progress=None) -> list[dict]:
+def run_passkey(
+    model: nn.Module, tokenizer, trials: list[Trial], methods, bos_token_id: int | None, processes=None, progress=None
+) -> list[dict]:
     """One record per (method, trial): key, depth, length, prompt tokens, output, correct. Same on every process."""
     from ..runtime import Processes
 
@@ -131,9 +147,18 @@ def run_passkey(model: nn.Module, tokenizer, trials: list[Trial], methods, bos_t
                     if key not in prompts:
                         prompts[key] = build_prompt(tokenizer, trial.length, trial.depth, trial.key, bos_token_id)
                     answer = generate_answer(model, tokenizer, prompts[key])
-                    mine.append({"method": method.label, "trial": index, "length": trial.length,
-                                 "depth": trial.depth, "key": trial.key, "prompt_tokens": len(prompts[key]),
-                                 "output": answer, "correct": is_correct(answer, trial.key)})
+                    mine.append(
+                        {
+                            "method": method.label,
+                            "trial": index,
+                            "length": trial.length,
+                            "depth": trial.depth,
+                            "key": trial.key,
+                            "prompt_tokens": len(prompts[key]),
+                            "output": answer,
+                            "correct": is_correct(answer, trial.key),
+                        }
+                    )
                     if progress is not None:
                         progress.update(1)
                 records += sorted(processes.gather(mine), key=lambda r: r["trial"])
@@ -150,7 +175,12 @@ def accuracy_rows(records: list[dict]) -> tuple[list[dict], list[dict]]:
         cells.setdefault((r["method"], r["length"], None), []).append(r["correct"])
     by_depth, by_length = [], []
     for (method, length, depth), outcomes in cells.items():
-        row = {"method": method, "length": length, "trials": len(outcomes), "correct": sum(outcomes),
-               "accuracy": sum(outcomes) / len(outcomes)}
+        row = {
+            "method": method,
+            "length": length,
+            "trials": len(outcomes),
+            "correct": sum(outcomes),
+            "accuracy": sum(outcomes) / len(outcomes),
+        }
         (by_length if depth is None else by_depth).append(row if depth is None else {**row, "depth": depth})
     return by_depth, by_length

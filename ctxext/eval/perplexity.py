@@ -75,7 +75,9 @@ def stride_at(window: int, stride: int | None) -> int:
     return stride if stride < window else max(1, window // 2)
 
 
-def plan_windows(n_tokens: int, window: int, stride: int, bos_token_id: int | None = None, doc: int = 0) -> list[Window]:
+def plan_windows(
+    n_tokens: int, window: int, stride: int, bos_token_id: int | None = None, doc: int = 0
+) -> list[Window]:
     """The windows the protocol evaluates for a document of `n_tokens` text tokens (see the module docstring).
 
     A document shorter than a window is an error here: the caller skips or truncates it, and says so.
@@ -113,7 +115,7 @@ def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
 
 
 def _window_input(ids: torch.Tensor, window: Window, bos_token_id: int | None, device) -> torch.Tensor:
-    text = ids[window.begin:window.end]
+    text = ids[window.begin : window.end]
     if bos_token_id is not None:
         text = torch.cat([text.new_tensor([bos_token_id]), text])
     return text.to(device).unsqueeze(0)
@@ -123,7 +125,7 @@ def window_nll(model: nn.Module, ids: torch.Tensor, window: Window, bos_token_id
     """Summed NLL (nats, float64) of the `window.scored` targets at the end of one window. No grad, no cache."""
     device = next(model.parameters()).device
     inputs = _window_input(ids, window, bos_token_id, device)
-    targets = inputs[0, -window.scored:]
+    targets = inputs[0, -window.scored :]
     # Position p predicts token p+1, so the targets' predictors are the `scored` positions before the last.
     first_predictor = inputs.shape[1] - window.scored - 1
     parts = _decoder_and_head(model)
@@ -136,14 +138,20 @@ def window_nll(model: nn.Module, ids: torch.Tensor, window: Window, bos_token_id
     for start in range(first_predictor, inputs.shape[1] - 1, LM_HEAD_CHUNK):
         stop = min(start + LM_HEAD_CHUNK, inputs.shape[1] - 1)
         logits = head(hidden[start:stop]).float()
-        chunk_targets = inputs[0, start + 1:stop + 1]
+        chunk_targets = inputs[0, start + 1 : stop + 1]
         total += float(F.cross_entropy(logits, chunk_targets, reduction="sum").double())
         del logits
     return total
 
 
-def sliding_window_nll(model: nn.Module, input_ids: torch.LongTensor, window: int, stride: int,
-                       bos_token_id: int | None = None, progress=None) -> tuple[float, int]:
+def sliding_window_nll(
+    model: nn.Module,
+    input_ids: torch.LongTensor,
+    window: int,
+    stride: int,
+    bos_token_id: int | None = None,
+    progress=None,
+) -> tuple[float, int]:
     """(sum of NLL over scored tokens, number of scored tokens) for one document, per the protocol.
 
     `input_ids` is the document's 1-D token ids, without BOS; pass `bos_token_id` to start every window with

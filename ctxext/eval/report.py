@@ -30,17 +30,21 @@ def perplexity_table(rows: list[dict], methods: list[str], lengths: list[int]) -
     lines = ["perplexity".ljust(label_width) + "".join(f"{n:>{width}}" for n in lengths)]
     lines.append("-" * len(lines[0]))
     for method in methods:
-        cells = [format_perplexity(by_key[(method, n)]["perplexity"]) if (method, n) in by_key else "-"
-                 for n in lengths]
+        cells = [
+            format_perplexity(by_key[(method, n)]["perplexity"]) if (method, n) in by_key else "-" for n in lengths
+        ]
         lines.append(method.ljust(label_width) + "".join(f"{c:>{width}}" for c in cells))
     lines.append("-" * len(lines[0]))
     first = methods[0]
-    for key, title in (("tokens_scored", "tokens scored"), ("windows", "windows"),
-                       ("documents", "documents"), ("documents_skipped", "documents skipped")):
+    for key, title in (
+        ("tokens_scored", "tokens scored"),
+        ("windows", "windows"),
+        ("documents", "documents"),
+        ("documents_skipped", "documents skipped"),
+    ):
         cells = [str(by_key[(first, n)][key]) if (first, n) in by_key else "-" for n in lengths]
         lines.append(title.ljust(label_width) + "".join(f"{c:>{width}}" for c in cells))
     return "\n".join(lines)
-
 
 
 def passkey_table(rows: list[dict], methods: list[str], lengths: list[int]) -> str:
@@ -58,6 +62,7 @@ def passkey_table(rows: list[dict], methods: list[str], lengths: list[int]) -> s
         lines.append(method.ljust(label_width) + "".join(f"{c:>{width}}" for c in cells))
     return "\n".join(lines)
 
+
 def environment() -> dict:
     """Library versions, machine and time: enough to tell where a number came from."""
     import accelerate
@@ -67,10 +72,16 @@ def environment() -> dict:
     from .. import __version__
 
     info = {
-        "ctxext": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-        "accelerate": accelerate.__version__, "datasets": datasets.__version__, "python": sys.version.split()[0],
-        "platform": platform.platform(), "machine": machine_description(),
-        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "ctxext": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+        "datasets": datasets.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "machine": machine_description(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
         "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     if torch.cuda.is_available():
@@ -106,14 +117,16 @@ def _figure(**kwargs):
     return Figure(**kwargs)
 
 
-def plot_perplexity(rows: list[dict], methods: list[str], path: Path, title: str,
-                    original_length: int | None = None) -> None:
+def plot_perplexity(
+    rows: list[dict], methods: list[str], path: Path, title: str, original_length: int | None = None
+) -> None:
     """Perplexity against evaluated length, one line per method (log y: unscaled RoPE blows up past L)."""
     fig = _figure(figsize=(7.5, 4.8))
     ax = fig.subplots()
     for method in methods:
-        points = sorted((r["length"], r["perplexity"]) for r in rows
-                        if r["method"] == method and math.isfinite(r["perplexity"]))
+        points = sorted(
+            (r["length"], r["perplexity"]) for r in rows if r["method"] == method and math.isfinite(r["perplexity"])
+        )
         if points:
             ax.plot(*zip(*points), marker="o", label=method)
     if original_length:
@@ -138,8 +151,9 @@ def plot_perplexity(rows: list[dict], methods: list[str], path: Path, title: str
     fig.savefig(path, dpi=120)
 
 
-def plot_passkey_heatmap(rows: list[dict], methods: list[str], lengths: list[int], depths: list[float],
-                         path: Path, title: str) -> None:
+def plot_passkey_heatmap(
+    rows: list[dict], methods: list[str], lengths: list[int], depths: list[float], path: Path, title: str
+) -> None:
     """One panel per method: accuracy by depth (rows) and length (columns)."""
     fig = _figure(figsize=(1.6 + 1.3 * len(lengths) * len(methods), 3.8))
     axes = fig.subplots(1, len(methods), squeeze=False, sharey=True)

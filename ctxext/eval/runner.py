@@ -16,8 +16,7 @@ from torch import nn
 from ..errors import CtxextError
 from ..runtime import Processes
 from .data import Document, tokens_fingerprint
-from .perplexity import (Window, evaluation_mode, perplexity, plan_windows, stride_at, text_tokens_per_window,
-                         window_nll)
+from .perplexity import Window, evaluation_mode, perplexity, plan_windows, stride_at, text_tokens_per_window, window_nll
 
 SHORT_DOC_POLICIES = ("skip", "truncate")
 
@@ -57,8 +56,13 @@ class LengthPlan:
         return sum(w.scored for w in self.windows)
 
 
-def plan_lengths(documents: list[Document], lengths: list[int], stride: int | None, bos_token_id: int | None,
-                 short_docs: str = "skip") -> list[LengthPlan]:
+def plan_lengths(
+    documents: list[Document],
+    lengths: list[int],
+    stride: int | None,
+    bos_token_id: int | None,
+    short_docs: str = "skip",
+) -> list[LengthPlan]:
     """One LengthPlan per length, at the stride `stride_at` gives (None: one pass per document)."""
     if short_docs not in SHORT_DOC_POLICIES:
         raise CtxextError(f"short-document policy must be one of {', '.join(SHORT_DOC_POLICIES)}, got {short_docs!r}")
@@ -85,13 +89,14 @@ def plan_lengths(documents: list[Document], lengths: list[int], stride: int | No
         need = text_tokens_per_window(empty[0].length, bos_token_id)
         raise CtxextError(
             f"the data is too short for length {empty[0].length}: no document has {need} tokens (the longest has "
-            f"{longest}); use shorter --lengths, longer documents, or --short-docs truncate")
+            f"{longest}); use shorter --lengths, longer documents, or --short-docs truncate"
+        )
     return plans
 
 
 def scored_tokens_fingerprint(documents: list[Document], plan: LengthPlan) -> str:
     """A hash of the targets of a plan, in order: the same for every method by construction."""
-    return tokens_fingerprint(documents[w.doc].ids[w.end - w.scored:w.end] for w in plan.windows)
+    return tokens_fingerprint(documents[w.doc].ids[w.end - w.scored : w.end] for w in plan.windows)
 
 
 @dataclass
@@ -114,16 +119,32 @@ class Score:
 
     def to_dict(self) -> dict:
         return {
-            "method": self.method, "length": self.length, "stride": self.stride, "perplexity": self.perplexity,
-            "nll_sum": self.nll_sum, "mean_nll": self.nll_sum / self.tokens if self.tokens else float("nan"),
-            "tokens_scored": self.tokens, "windows": self.windows, "documents": self.documents,
-            "documents_skipped": len(self.skipped), "skipped": self.skipped, "truncated": self.truncated,
-            "seconds": self.seconds, "tokens_sha256": self.tokens_sha256,
+            "method": self.method,
+            "length": self.length,
+            "stride": self.stride,
+            "perplexity": self.perplexity,
+            "nll_sum": self.nll_sum,
+            "mean_nll": self.nll_sum / self.tokens if self.tokens else float("nan"),
+            "tokens_scored": self.tokens,
+            "windows": self.windows,
+            "documents": self.documents,
+            "documents_skipped": len(self.skipped),
+            "skipped": self.skipped,
+            "truncated": self.truncated,
+            "seconds": self.seconds,
+            "tokens_sha256": self.tokens_sha256,
         }
 
 
-def run_perplexity(model: nn.Module, documents: list[Document], plans: list[LengthPlan], methods: list[EvalMethod],
-                   bos_token_id: int | None, processes: Processes | None = None, progress=None) -> list[Score]:
+def run_perplexity(
+    model: nn.Module,
+    documents: list[Document],
+    plans: list[LengthPlan],
+    methods: list[EvalMethod],
+    bos_token_id: int | None,
+    processes: Processes | None = None,
+    progress=None,
+) -> list[Score]:
     """Score every method at every planned length; every process returns the same gathered scores.
 
     `progress` (a tqdm bar, on the main process) is advanced by each window's length in tokens.
@@ -150,13 +171,21 @@ def run_perplexity(model: nn.Module, documents: list[Document], plans: list[Leng
                     per_window = sorted((i, nll) for i, nll, _ in gathered if i >= 0)
                     if [i for i, _ in per_window] != list(range(len(plan.windows))):
                         raise RuntimeError("gathered windows do not cover the plan; processes disagree on the data")
-                    scores.append(Score(
-                        method=method.label, length=plan.length, stride=plan.stride,
-                        nll_sum=math.fsum(nll for _, nll in per_window), tokens=plan.scored_tokens,
-                        windows=len(plan.windows), documents=plan.documents, skipped=plan.skipped,
-                        truncated=plan.truncated, seconds=max(s for _, _, s in gathered),
-                        tokens_sha256=fingerprints[plan.length],
-                    ))
+                    scores.append(
+                        Score(
+                            method=method.label,
+                            length=plan.length,
+                            stride=plan.stride,
+                            nll_sum=math.fsum(nll for _, nll in per_window),
+                            tokens=plan.scored_tokens,
+                            windows=len(plan.windows),
+                            documents=plan.documents,
+                            skipped=plan.skipped,
+                            truncated=plan.truncated,
+                            seconds=max(s for _, _, s in gathered),
+                            tokens_sha256=fingerprints[plan.length],
+                        )
+                    )
         finally:
             method.remove(model)
     return scores

@@ -3,8 +3,7 @@
 `METHODS` maps a name to a `Method` (parameters dataclass + inv_freq function); see docs/METHODS.md.
 """
 
-from . import frequency, native  # noqa: F401  (registers the methods)
-from . import attention, remapping  # noqa: F401  (attention-level methods: listed after the frequency methods)
+from . import attention, frequency, native, remapping  # noqa: F401  (registers the methods)  # noqa: F401  (attention-level methods: listed after the frequency methods)
 from .frequency import rope_inv_freq
 from .registry import METHODS, Method, MethodParams, compute_inv_freq, get_method
 

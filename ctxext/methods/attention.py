@@ -33,6 +33,7 @@ from .remapping import (  # noqa: F401  (re-exported: the ReRoPE names have alwa
     rerope_relative_position,
 )
 
+
 # --------------------------------------------------------------------------------------------- log-n
 def check_original_length_for_logn(original_max_position_embeddings) -> int:
     """L for log-n scaling, or a CtxextError saying how to give it."""
@@ -74,12 +75,13 @@ class AttentionSettings:
         if self.method is not None:
             if not issubclass(get_method(self.method).params_cls, RemapParams):
                 raise CtxextError(f"'{self.method}' is not a position-remapping method")
-            self.remap  # validates the parameters
+            _ = self.remap  # building it validates the parameters
         elif self.params:
             raise CtxextError(f"'ctxext_attention' has parameters {sorted(self.params)} but no 'method'")
         if self.logn:
             object.__setattr__(
-                self, "original_max_position_embeddings",
+                self,
+                "original_max_position_embeddings",
                 check_original_length_for_logn(self.original_max_position_embeddings),
             )
 
@@ -104,7 +106,7 @@ class AttentionSettings:
         return out
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "AttentionSettings":
+    def from_dict(cls, values: dict[str, Any]) -> AttentionSettings:
         if not isinstance(values, dict):
             raise CtxextError(f"'ctxext_attention' must be a mapping, got {values!r}")
         values = dict(values)
@@ -114,12 +116,17 @@ class AttentionSettings:
         return cls(logn=logn, method=method, params=values, original_max_position_embeddings=L)
 
     @classmethod
-    def for_method(cls, method: str, params: MethodParams, logn: bool,
-                   original_max_position_embeddings) -> "AttentionSettings":
+    def for_method(
+        cls, method: str, params: MethodParams, logn: bool, original_max_position_embeddings
+    ) -> AttentionSettings:
         """The settings a method (with its parameters) plus the `logn` flag call for."""
         remap_values = {}
         if isinstance(params, RemapParams):
             resolved = params.resolved(original_max_position_embeddings)
             remap_values = {k: v for k, v in resolved.to_dict().items() if k != "factor"}
-        return cls(logn=logn, method=method if isinstance(params, RemapParams) else None, params=remap_values,
-                   original_max_position_embeddings=original_max_position_embeddings if logn else None)
+        return cls(
+            logn=logn,
+            method=method if isinstance(params, RemapParams) else None,
+            params=remap_values,
+            original_max_position_embeddings=original_max_position_embeddings if logn else None,
+        )

@@ -35,14 +35,16 @@ def none_inv_freq(rotary_dim, base, original_max_position_embeddings, params, se
     return rope_inv_freq(rotary_dim, base), 1.0
 
 
-register(Method(
-    name="none",
-    summary="no scaling: direct extrapolation past the original length (the baseline)",
-    source="Su et al. 2021, RoFormer",
-    params_cls=MethodParams,
-    inv_freq_fn=none_inv_freq,
-    hf_rope_type="default",
-))
+register(
+    Method(
+        name="none",
+        summary="no scaling: direct extrapolation past the original length (the baseline)",
+        source="Su et al. 2021, RoFormer",
+        params_cls=MethodParams,
+        inv_freq_fn=none_inv_freq,
+        hf_rope_type="default",
+    )
+)
 
 
 # -------------------------------------------------------------------------------------------- linear
@@ -51,21 +53,24 @@ def linear_inv_freq(rotary_dim, base, original_max_position_embeddings, params, 
     return rope_inv_freq(rotary_dim, base) / params.factor, 1.0
 
 
-register(Method(
-    name="linear",
-    summary="Position Interpolation: every frequency divided by s",
-    source="Chen et al. 2023, Extending Context Window of LLMs via Positional Interpolation",
-    params_cls=DynamicParams,
-    inv_freq_fn=linear_inv_freq,
-    hf_rope_type="linear",
-))
+register(
+    Method(
+        name="linear",
+        summary="Position Interpolation: every frequency divided by s",
+        source="Chen et al. 2023, Extending Context Window of LLMs via Positional Interpolation",
+        params_cls=DynamicParams,
+        inv_freq_fn=linear_inv_freq,
+        hf_rope_type="linear",
+    )
+)
 
 
 # ----------------------------------------------------------------------------------------------- ntk
 @dataclass
 class NtkParams(DynamicParams):
     alpha: float | None = param(
-        None, "NTK alpha: the lowest frequency is interpolated by exactly alpha (default: factor)",
+        None,
+        "NTK alpha: the lowest frequency is interpolated by exactly alpha (default: factor)",
         search=(1.0, 4.0, "log", "*factor"),
     )
 
@@ -83,14 +88,16 @@ def ntk_inv_freq(rotary_dim, base, original_max_position_embeddings, params, seq
     return rope_inv_freq(rotary_dim, ntk_base(rotary_dim, base, params)), 1.0
 
 
-register(Method(
-    name="ntk",
-    summary="NTK-aware: a larger base b' = b*alpha^(d/(d-2)); high frequencies kept, lowest divided by alpha",
-    source="bloc97 2023, NTK-Aware Scaled RoPE (r/LocalLLaMA)",
-    params_cls=NtkParams,
-    inv_freq_fn=ntk_inv_freq,
-    new_base=ntk_base,
-))
+register(
+    Method(
+        name="ntk",
+        summary="NTK-aware: a larger base b' = b*alpha^(d/(d-2)); high frequencies kept, lowest divided by alpha",
+        source="bloc97 2023, NTK-Aware Scaled RoPE (r/LocalLLaMA)",
+        params_cls=NtkParams,
+        inv_freq_fn=ntk_inv_freq,
+        new_base=ntk_base,
+    )
+)
 
 
 # ----------------------------------------------------------------------------------------- ntk_fixed
@@ -101,13 +108,15 @@ def ntk_fixed_inv_freq(rotary_dim, base, original_max_position_embeddings, param
     return _divide(rope_inv_freq(rotary_dim, base), divisors), 1.0
 
 
-register(Method(
-    name="ntk_fixed",
-    summary="NTK-RoPE-fixed: a true base conversion, theta_i / s^(2(i+1)/d); lowest divided by exactly s",
-    source="Su 2023, kexue.fm/archives/9706",
-    params_cls=DynamicParams,
-    inv_freq_fn=ntk_fixed_inv_freq,
-))
+register(
+    Method(
+        name="ntk_fixed",
+        summary="NTK-RoPE-fixed: a true base conversion, theta_i / s^(2(i+1)/d); lowest divided by exactly s",
+        source="Su 2023, kexue.fm/archives/9706",
+        params_cls=DynamicParams,
+        inv_freq_fn=ntk_fixed_inv_freq,
+    )
+)
 
 
 # ----------------------------------------------------------------------------------------- ntk_mixed
@@ -127,24 +136,31 @@ def ntk_mixed_inv_freq(rotary_dim, base, original_max_position_embeddings, param
     return _divide(rope_inv_freq(rotary_dim, base), torch.exp(c * (i + 1) ** params.beta)), 1.0
 
 
-register(Method(
-    name="ntk_mixed",
-    summary="NTK-RoPE-mixed: theta_i / exp(c*(i+1)^beta); fast pairs extrapolate, slow pairs interpolate",
-    source="Su 2023, kexue.fm/archives/9706",
-    params_cls=NtkMixedParams,
-    inv_freq_fn=ntk_mixed_inv_freq,
-))
+register(
+    Method(
+        name="ntk_mixed",
+        summary="NTK-RoPE-mixed: theta_i / exp(c*(i+1)^beta); fast pairs extrapolate, slow pairs interpolate",
+        source="Su 2023, kexue.fm/archives/9706",
+        params_cls=NtkMixedParams,
+        inv_freq_fn=ntk_mixed_inv_freq,
+    )
+)
 
 
 # --------------------------------------------------------------------------------- ntk_by_parts, yarn
 @dataclass
 class ByPartsParams(DynamicParams):
-    beta_fast: float = param(32.0, "pairs that turn more than beta_fast times within L are kept (extrapolated)",
-                             search=(4.0, 128.0, "log"))
-    beta_slow: float = param(1.0, "pairs that turn fewer than beta_slow times within L are interpolated by s",
-                             search=(0.25, 4.0, "log"))
-    ramp: str = param("index", "'index': ramp linear in the pair index, as the YaRN code and transformers;"
-                               " 'ratio': linear in r = L/wavelength, as the YaRN paper")
+    beta_fast: float = param(
+        32.0, "pairs that turn more than beta_fast times within L are kept (extrapolated)", search=(4.0, 128.0, "log")
+    )
+    beta_slow: float = param(
+        1.0, "pairs that turn fewer than beta_slow times within L are interpolated by s", search=(0.25, 4.0, "log")
+    )
+    ramp: str = param(
+        "index",
+        "'index': ramp linear in the pair index, as the YaRN code and transformers;"
+        " 'ratio': linear in r = L/wavelength, as the YaRN paper",
+    )
     truncate: bool = param(True, "round the ramp ends to whole pairs (floor/ceil), as the YaRN code does")
 
     def validate(self):
@@ -194,13 +210,15 @@ def ntk_by_parts_inv_freq(rotary_dim, base, original_max_position_embeddings, pa
     return (1.0 / (params.factor * wavelength_terms)) * (1 - kept) + (1.0 / wavelength_terms) * kept, 1.0
 
 
-register(Method(
-    name="ntk_by_parts",
-    summary="NTK-by-parts: short wavelengths kept, long ones divided by s, a linear ramp in between",
-    source="bloc97 2023; Peng et al. 2023, YaRN (section 3.2)",
-    params_cls=ByPartsParams,
-    inv_freq_fn=ntk_by_parts_inv_freq,
-))
+register(
+    Method(
+        name="ntk_by_parts",
+        summary="NTK-by-parts: short wavelengths kept, long ones divided by s, a linear ramp in between",
+        source="bloc97 2023; Peng et al. 2023, YaRN (section 3.2)",
+        params_cls=ByPartsParams,
+        inv_freq_fn=ntk_by_parts_inv_freq,
+    )
+)
 
 
 @dataclass
@@ -237,29 +255,34 @@ def yarn_inv_freq(rotary_dim, base, original_max_position_embeddings, params, se
 
 
 YARN_SUMMARY = "YaRN: NTK-by-parts frequencies plus attention temperature a = 0.1*ln(s)+1"
-register(Method(
-    name="yarn",
-    summary=YARN_SUMMARY,
-    source="Peng et al. 2023, YaRN: Efficient Context Window Extension of LLMs",
-    params_cls=YarnParams,
-    inv_freq_fn=yarn_inv_freq,
-    hf_rope_type="yarn",
-))
-register(Method(
-    name="dynamic_yarn",
-    summary="YaRN with the scale recomputed from the current length (s_eff = max(1, l/L))",
-    source="Peng et al. 2023, YaRN (section 3.3)",
-    params_cls=YarnParams,
-    inv_freq_fn=yarn_inv_freq,
-    forced={"dynamic": True},
-))
+register(
+    Method(
+        name="yarn",
+        summary=YARN_SUMMARY,
+        source="Peng et al. 2023, YaRN: Efficient Context Window Extension of LLMs",
+        params_cls=YarnParams,
+        inv_freq_fn=yarn_inv_freq,
+        hf_rope_type="yarn",
+    )
+)
+register(
+    Method(
+        name="dynamic_yarn",
+        summary="YaRN with the scale recomputed from the current length (s_eff = max(1, l/L))",
+        source="Peng et al. 2023, YaRN (section 3.3)",
+        params_cls=YarnParams,
+        inv_freq_fn=yarn_inv_freq,
+        forced={"dynamic": True},
+    )
+)
 
 
 # ------------------------------------------------------------------------------------------- theta
 @dataclass
 class ThetaParams(MethodParams):
-    new_base: float | None = param(None, "the new RoPE base b' (e.g. 1e6, as Code Llama); required",
-                                   search=(1.0, 1000.0, "log", "*base"))
+    new_base: float | None = param(
+        None, "the new RoPE base b' (e.g. 1e6, as Code Llama); required", search=(1.0, 1000.0, "log", "*base")
+    )
 
     def validate(self):
         super().validate()
@@ -272,14 +295,16 @@ def theta_inv_freq(rotary_dim, base, original_max_position_embeddings, params, s
     return rope_inv_freq(rotary_dim, params.new_base), 1.0
 
 
-register(Method(
-    name="theta",
-    summary="base change (ABF): RoPE with an explicitly given larger base b'",
-    source="Roziere et al. 2023, Code Llama; Xiong et al. 2023 (ABF)",
-    params_cls=ThetaParams,
-    inv_freq_fn=theta_inv_freq,
-    new_base=lambda rotary_dim, base, params: float(params.new_base),
-))
+register(
+    Method(
+        name="theta",
+        summary="base change (ABF): RoPE with an explicitly given larger base b'",
+        source="Roziere et al. 2023, Code Llama; Xiong et al. 2023 (ABF)",
+        params_cls=ThetaParams,
+        inv_freq_fn=theta_inv_freq,
+        new_base=lambda rotary_dim, base, params: float(params.new_base),
+    )
+)
 
 
 # ------------------------------------------------------------------------------------- dynamic_ntk
@@ -300,12 +325,14 @@ def dynamic_ntk_inv_freq(rotary_dim, base, original_max_position_embeddings, par
     return rope_inv_freq(rotary_dim, base * grown ** (rotary_dim / (rotary_dim - 2))), 1.0
 
 
-register(Method(
-    name="dynamic_ntk",
-    summary="dynamic NTK: the base grows with the current length past L (transformers' 'dynamic')",
-    source="emozilla 2023, Dynamically Scaled RoPE (r/LocalLLaMA)",
-    params_cls=DynamicNtkParams,
-    inv_freq_fn=dynamic_ntk_inv_freq,
-    length_dependent=True,
-    hf_rope_type="dynamic",
-))
+register(
+    Method(
+        name="dynamic_ntk",
+        summary="dynamic NTK: the base grows with the current length past L (transformers' 'dynamic')",
+        source="emozilla 2023, Dynamically Scaled RoPE (r/LocalLLaMA)",
+        params_cls=DynamicNtkParams,
+        inv_freq_fn=dynamic_ntk_inv_freq,
+        length_dependent=True,
+        hf_rope_type="dynamic",
+    )
+)

@@ -32,10 +32,12 @@ def _transformers_inv_freq(rope_type, rotary_dim, base, original_max_position_em
 
 @dataclass
 class Llama3Params(MethodParams):
-    low_freq_factor: float = param(1.0, "wavelengths above L/low_freq_factor are divided by s",
-                                   search=(0.25, 2.0, "log"))
-    high_freq_factor: float = param(4.0, "wavelengths below L/high_freq_factor are kept; smooth in between",
-                                    search=(2.0, 32.0, "log"))
+    low_freq_factor: float = param(
+        1.0, "wavelengths above L/low_freq_factor are divided by s", search=(0.25, 2.0, "log")
+    )
+    high_freq_factor: float = param(
+        4.0, "wavelengths below L/high_freq_factor are kept; smooth in between", search=(2.0, 32.0, "log")
+    )
 
     def validate(self):
         super().validate()
@@ -46,17 +48,21 @@ class Llama3Params(MethodParams):
 
 
 def llama3_inv_freq(rotary_dim, base, original_max_position_embeddings, params, seq_len=None):
-    return _transformers_inv_freq("llama3", rotary_dim, base, original_max_position_embeddings, params.to_dict(), seq_len)
+    return _transformers_inv_freq(
+        "llama3", rotary_dim, base, original_max_position_embeddings, params.to_dict(), seq_len
+    )
 
 
-register(Method(
-    name="llama3",
-    summary="Llama 3.1 scaling (transformers' implementation): by-wavelength interpolation with a smooth band",
-    source="Meta 2024, The Llama 3 Herd of Models",
-    params_cls=Llama3Params,
-    inv_freq_fn=llama3_inv_freq,
-    hf_rope_type="llama3",
-))
+register(
+    Method(
+        name="llama3",
+        summary="Llama 3.1 scaling (transformers' implementation): by-wavelength interpolation with a smooth band",
+        source="Meta 2024, The Llama 3 Herd of Models",
+        params_cls=Llama3Params,
+        inv_freq_fn=llama3_inv_freq,
+        hf_rope_type="llama3",
+    )
+)
 
 
 @dataclass
@@ -90,15 +96,19 @@ def longrope_inv_freq(rotary_dim, base, original_max_position_embeddings, params
         rope_parameters["attention_factor"] = params.attention_factor
     if seq_len is not None:
         seq_len = int(seq_len)
-    return _transformers_inv_freq("longrope", rotary_dim, base, original_max_position_embeddings, rope_parameters, seq_len)
+    return _transformers_inv_freq(
+        "longrope", rotary_dim, base, original_max_position_embeddings, rope_parameters, seq_len
+    )
 
 
-register(Method(
-    name="longrope",
-    summary="LongRoPE (transformers' implementation): searched per-pair factors, short set up to L, long past it",
-    source="Ding et al. 2024, LongRoPE",
-    params_cls=LongRopeParams,
-    inv_freq_fn=longrope_inv_freq,
-    length_dependent=True,
-    hf_rope_type="longrope",
-))
+register(
+    Method(
+        name="longrope",
+        summary="LongRoPE (transformers' implementation): searched per-pair factors, short set up to L, long past it",
+        source="Ding et al. 2024, LongRoPE",
+        params_cls=LongRopeParams,
+        inv_freq_fn=longrope_inv_freq,
+        length_dependent=True,
+        hf_rope_type="longrope",
+    )
+)

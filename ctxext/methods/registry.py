@@ -11,8 +11,9 @@ included); only length-dependent methods (the dynamic variants, longrope) read i
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -127,9 +128,7 @@ def method_for_rope_type(rope_type: str) -> tuple[Method, dict]:
 
 def get_method(name: str) -> Method:
     if name not in METHODS:
-        raise CtxextError(
-            f"unknown method '{name}'{did_you_mean(name, METHODS)}; run 'ctxext methods' to list them"
-        )
+        raise CtxextError(f"unknown method '{name}'{did_you_mean(name, METHODS)}; run 'ctxext methods' to list them")
     return METHODS[name]
 
 

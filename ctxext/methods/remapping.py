@@ -24,14 +24,15 @@ lets the kernel use the model's own rotation untouched.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 
 from ..errors import CtxextError
-from .frequency import none_inv_freq
 from ..validate import number, whole_number
+from .frequency import none_inv_freq
 from .registry import Method, MethodParams, param, register
 
 # A lower bound for "every earlier key": clamped to the first key by the kernel.
@@ -63,11 +64,16 @@ def local_band(width: int) -> Region:
     return Region("band", lambda i: (i - width + 1, i + 1))
 
 
-def beyond_band(width: int, query_position: PositionRule | None, key_position: PositionRule | None,
-                pair_scales: Callable[[int, int], torch.Tensor] | None = None) -> Region:
+def beyond_band(
+    width: int,
+    query_position: PositionRule | None,
+    key_position: PositionRule | None,
+    pair_scales: Callable[[int, int], torch.Tensor] | None = None,
+) -> Region:
     """Every key at distance >= width."""
-    return Region("far", lambda i: (torch.full_like(i, FIRST_KEY), i - width + 1), query_position, key_position,
-                  pair_scales)
+    return Region(
+        "far", lambda i: (torch.full_like(i, FIRST_KEY), i - width + 1), query_position, key_position, pair_scales
+    )
 
 
 @dataclass
@@ -77,7 +83,7 @@ class RemapParams(MethodParams):
     # Whether r' depends on i - j alone: then a shift of every position (left padding) changes nothing.
     shift_invariant: ClassVar[bool] = True
 
-    def resolved(self, original_max_position_embeddings: int) -> "RemapParams":
+    def resolved(self, original_max_position_embeddings: int) -> RemapParams:
         """The parameters with length-dependent defaults filled in (the values a checkpoint records)."""
         return self
 
@@ -98,9 +104,12 @@ class RemapParams(MethodParams):
 class ReRopeParams(RemapParams):
     """ReRoPE: relative positions beyond the window are all read as the window."""
 
-    window: int = param(512, "w: pairs closer than w keep their relative position m-n, farther ones see w "
-                             "(Su's defaults: 512 for L=4096; his results use 1024)",
-                        search=(1 / 32, 1.0, "log", "int", "*L"))
+    window: int = param(
+        512,
+        "w: pairs closer than w keep their relative position m-n, farther ones see w "
+        "(Su's defaults: 512 for L=4096; his results use 1024)",
+        search=(1 / 32, 1.0, "log", "int", "*L"),
+    )
 
     def validate(self):
         super().validate()
@@ -113,8 +122,10 @@ class ReRopeParams(RemapParams):
 
     def regions(self) -> list[Region]:
         w, leak = self.window, self.leak
-        return [local_band(w), beyond_band(w, lambda i: far_query_positions(i, w, leak),
-                                           lambda j: far_key_positions(j, leak))]
+        return [
+            local_band(w),
+            beyond_band(w, lambda i: far_query_positions(i, w, leak), lambda j: far_key_positions(j, leak)),
+        ]
 
     def plain_up_to(self) -> int:
         return self.window
@@ -127,8 +138,11 @@ class ReRopeParams(RemapParams):
 class LeakyReRopeParams(ReRopeParams):
     """Leaky ReRoPE: beyond the window the relative position grows k times more slowly."""
 
-    k: float = param(16.0, "k > 1: past the window the relative position is w + (m-n-w)/k (Su's default 16)",
-                     search=(2.0, 64.0, "log"))
+    k: float = param(
+        16.0,
+        "k > 1: past the window the relative position is w + (m-n-w)/k (Su's default 16)",
+        search=(2.0, 64.0, "log"),
+    )
 
     def validate(self):
         super().validate()
@@ -183,11 +197,17 @@ class SelfExtendParams(RemapParams):
 
     shift_invariant: ClassVar[bool] = False
 
-    group_size: int = param(4, "G >= 1: keys past the window share one position per G tokens (LongLM's example: "
-                               "4; their advice: the smallest G with G*(L-w)+w >= the input length, then try larger)",
-                            search=(2, 64, "log", "int"))
-    window: int = param(1024, "w: the neighbour window, whose pairs keep r' = r (LongLM: 512-1536 for Llama-2)",
-                        search=(1 / 32, 1 / 2, "log", "int", "*L"))
+    group_size: int = param(
+        4,
+        "G >= 1: keys past the window share one position per G tokens (LongLM's example: "
+        "4; their advice: the smallest G with G*(L-w)+w >= the input length, then try larger)",
+        search=(2, 64, "log", "int"),
+    )
+    window: int = param(
+        1024,
+        "w: the neighbour window, whose pairs keep r' = r (LongLM: 512-1536 for Llama-2)",
+        search=(1 / 32, 1 / 2, "log", "int", "*L"),
+    )
 
     def validate(self):
         super().validate()
@@ -231,14 +251,25 @@ class DpeParams(RemapParams):
 
     shift_invariant: ClassVar[bool] = False
 
-    window: int | None = param(None, "w: pairs closer than w keep r' = r in every dimension (default L/8, DPE's "
-                                     "1024 at 8k)", search=(1 / 32, 1 / 2, "log", "int", "*L"))
-    group_scales: list | None = param(None, "one SelfExtend scale G per group of rotary pairs, pair 0 (highest "
-                                            "frequency) first; the list's length is the number of groups and must "
-                                            "divide the pair count (default: 8 groups at G = 4, self_extend's)",
-                                      search=(1, 64, "pow2", "each"), elements=DPE_GROUPS, element_default=DPE_SCALE)
-    selected_pairs: list | None = param(None, "the pairs that are grouped (the rest keep r' = r): one list for every "
-                                              "layer, or one list per layer (DPE keeps the top pairs by |q||k|)")
+    window: int | None = param(
+        None,
+        "w: pairs closer than w keep r' = r in every dimension (default L/8, DPE's 1024 at 8k)",
+        search=(1 / 32, 1 / 2, "log", "int", "*L"),
+    )
+    group_scales: list | None = param(
+        None,
+        "one SelfExtend scale G per group of rotary pairs, pair 0 (highest "
+        "frequency) first; the list's length is the number of groups and must "
+        "divide the pair count (default: 8 groups at G = 4, self_extend's)",
+        search=(1, 64, "pow2", "each"),
+        elements=DPE_GROUPS,
+        element_default=DPE_SCALE,
+    )
+    selected_pairs: list | None = param(
+        None,
+        "the pairs that are grouped (the rest keep r' = r): one list for every "
+        "layer, or one list per layer (DPE keeps the top pairs by |q||k|)",
+    )
 
     def validate(self):
         super().validate()
@@ -253,7 +284,7 @@ class DpeParams(RemapParams):
             if not isinstance(layers, (list, tuple)) or not layers:
                 raise CtxextError("'selected_pairs' must be a list of pair indices, or one such list per layer")
             per_layer = isinstance(layers[0], (list, tuple))
-            for pairs in (layers if per_layer else [layers]):
+            for pairs in layers if per_layer else [layers]:
                 if not isinstance(pairs, (list, tuple)) or isinstance(pairs, str):
                     raise CtxextError("'selected_pairs' mixes pair indices and lists; give one or the other")
                 for p in pairs:
@@ -263,11 +294,16 @@ class DpeParams(RemapParams):
     def scales(self) -> list[int]:
         return list(self.group_scales) if self.group_scales is not None else [DPE_SCALE] * DPE_GROUPS
 
-    def resolved(self, original_max_position_embeddings: int) -> "DpeParams":
+    def resolved(self, original_max_position_embeddings: int) -> DpeParams:
         if self.window is not None and self.group_scales is not None:
             return self
-        params = DpeParams(**{**self.to_dict(), "window": self.window or original_max_position_embeddings // 8,
-                              "group_scales": self.scales})
+        params = DpeParams(
+            **{
+                **self.to_dict(),
+                "window": self.window or original_max_position_embeddings // 8,
+                "group_scales": self.scales,
+            }
+        )
         params.validate()
         return params
 
@@ -275,8 +311,10 @@ class DpeParams(RemapParams):
         """A one-line CtxextError unless the groups divide this model's pairs and the selected pairs exist."""
         pairs = rotary_dim // 2
         if pairs % len(self.scales):
-            raise CtxextError(f"dpe: {len(self.scales)} groups (group_scales) do not divide this model's {pairs} "
-                              f"rotary pairs; use a divisor of {pairs}, e.g. {_divisors(pairs)}")
+            raise CtxextError(
+                f"dpe: {len(self.scales)} groups (group_scales) do not divide this model's {pairs} "
+                f"rotary pairs; use a divisor of {pairs}, e.g. {_divisors(pairs)}"
+            )
         layers = self.selected_pairs
         if layers is None:
             return
@@ -302,16 +340,20 @@ class DpeParams(RemapParams):
         w = self.window
         if w is None:
             raise CtxextError("dpe's 'window' is not resolved yet (it defaults from the original length L)")
-        return [local_band(w), beyond_band(w, lambda i, G: grouped_query_position(i, G, w), grouped_key_position,
-                                           self.pair_scales)]
+        return [
+            local_band(w),
+            beyond_band(w, lambda i, G: grouped_query_position(i, G, w), grouped_key_position, self.pair_scales),
+        ]
 
     def plain_up_to(self) -> int:
         return self.window
 
     def describe(self) -> str:
-        parts = [f"w{self.window}" if self.window else "",
-                 "G" + "/".join(str(G) for G in self.group_scales) if self.group_scales is not None else "",
-                 "selected pairs" if self.selected_pairs is not None else ""]
+        parts = [
+            f"w{self.window}" if self.window else "",
+            "G" + "/".join(str(G) for G in self.group_scales) if self.group_scales is not None else "",
+            "selected pairs" if self.selected_pairs is not None else "",
+        ]
         return " ".join(part for part in parts if part)
 
 
@@ -326,11 +368,14 @@ class DualChunkParams(RemapParams):
 
     shift_invariant: ClassVar[bool] = False
 
-    chunk_size: int | None = param(None, "s: the largest relative position used (default 3L/4, as ChunkLlama)",
-                                   search=(1 / 4, 1.0, "int", "*L"))
-    local_window: int | None = param(None, "w: the local window; chunks are c = s - w tokens long "
-                                           "(default L/16, as ChunkLlama)",
-                                     search=(1 / 64, 1 / 4, "log", "int", "*L"))
+    chunk_size: int | None = param(
+        None, "s: the largest relative position used (default 3L/4, as ChunkLlama)", search=(1 / 4, 1.0, "int", "*L")
+    )
+    local_window: int | None = param(
+        None,
+        "w: the local window; chunks are c = s - w tokens long (default L/16, as ChunkLlama)",
+        search=(1 / 64, 1 / 4, "log", "int", "*L"),
+    )
 
     def validate(self):
         super().validate()
@@ -339,10 +384,12 @@ class DualChunkParams(RemapParams):
         if self.local_window is not None:
             self.local_window = whole_number("local_window", self.local_window, 0)
         if self.chunk_size is not None and self.local_window is not None and self.chunk_size <= self.local_window:
-            raise CtxextError(f"'chunk_size' ({self.chunk_size}) must be larger than 'local_window' "
-                              f"({self.local_window}): chunks are chunk_size - local_window tokens long")
+            raise CtxextError(
+                f"'chunk_size' ({self.chunk_size}) must be larger than 'local_window' "
+                f"({self.local_window}): chunks are chunk_size - local_window tokens long"
+            )
 
-    def resolved(self, original_max_position_embeddings: int) -> "DualChunkParams":
+    def resolved(self, original_max_position_embeddings: int) -> DualChunkParams:
         L = original_max_position_embeddings
         values = self.to_dict()
         if values["chunk_size"] is None:
@@ -374,18 +421,27 @@ class DualChunkParams(RemapParams):
 
         return [
             Region("same chunk", lambda i: (chunk_start(i), i + 1), in_chunk, in_chunk),
-            Region("previous chunk", lambda i: (chunk_start(i) - c, chunk_start(i)),
-                   lambda i: (in_chunk(i) + c).clamp(max=s), in_chunk),
-            Region("older chunks", lambda i: (torch.full_like(i, FIRST_KEY), chunk_start(i) - c),
-                   lambda i: torch.full_like(i, min(2 * c - 1, s), dtype=torch.float64), in_chunk),
+            Region(
+                "previous chunk",
+                lambda i: (chunk_start(i) - c, chunk_start(i)),
+                lambda i: (in_chunk(i) + c).clamp(max=s),
+                in_chunk,
+            ),
+            Region(
+                "older chunks",
+                lambda i: (torch.full_like(i, FIRST_KEY), chunk_start(i) - c),
+                lambda i: torch.full_like(i, min(2 * c - 1, s), dtype=torch.float64),
+                in_chunk,
+            ),
         ]
 
     def plain_up_to(self) -> int:
         return self.chunk
 
     def describe(self) -> str:
-        return " ".join(f"{tag}{value}" for tag, value in (("s", self.chunk_size), ("w", self.local_window))
-                        if value is not None)
+        return " ".join(
+            f"{tag}{value}" for tag, value in (("s", self.chunk_size), ("w", self.local_window)) if value is not None
+        )
 
 
 # ------------------------------------------------------------------------------------------- STRING
@@ -395,13 +451,19 @@ class StringParams(RemapParams):
 
     # searched as a share of the target length N = s L: the largest shifted distance, N - S + W, stays below L only
     # for S >= N + W - L, so from 2x on no S up to L keeps every distance trained; the best cap is S = (N + W) / 2
-    shifted_offset: int | None = param(None, "S: pairs at r >= S use r - S + W (default floor(0.33 L), as STRING)",
-                                       search=(1 / 16, 3 / 4, "int", "*L", "*factor"))
-    local_value: int = param(128, "W < S: the relative position the shifted pairs start from (STRING: 128)",
-                             search=(16, 512, "log", "int"))
-    attention_factor: float = param(0.1 * math.log(2) + 1, "multiplies cos and sin everywhere, as the reference "
-                                                           "code does (0.1 ln 2 + 1); 1 turns it off",
-                                    search=(1.0, 1.3))
+    shifted_offset: int | None = param(
+        None,
+        "S: pairs at r >= S use r - S + W (default floor(0.33 L), as STRING)",
+        search=(1 / 16, 3 / 4, "int", "*L", "*factor"),
+    )
+    local_value: int = param(
+        128, "W < S: the relative position the shifted pairs start from (STRING: 128)", search=(16, 512, "log", "int")
+    )
+    attention_factor: float = param(
+        0.1 * math.log(2) + 1,
+        "multiplies cos and sin everywhere, as the reference code does (0.1 ln 2 + 1); 1 turns it off",
+        search=(1.0, 1.3),
+    )
 
     def validate(self):
         super().validate()
@@ -410,10 +472,12 @@ class StringParams(RemapParams):
         if self.shifted_offset is not None:
             self.shifted_offset = whole_number("shifted_offset", self.shifted_offset, 1)
             if self.shifted_offset <= self.local_value:
-                raise CtxextError(f"'shifted_offset' ({self.shifted_offset}) must be larger than 'local_value' "
-                                  f"({self.local_value}): STRING moves far pairs to smaller positions")
+                raise CtxextError(
+                    f"'shifted_offset' ({self.shifted_offset}) must be larger than 'local_value' "
+                    f"({self.local_value}): STRING moves far pairs to smaller positions"
+                )
 
-    def resolved(self, original_max_position_embeddings: int) -> "StringParams":
+    def resolved(self, original_max_position_embeddings: int) -> StringParams:
         if self.shifted_offset is not None:
             return self
         params = StringParams(**{**self.to_dict(), "shifted_offset": int(0.33 * original_max_position_embeddings)})
@@ -439,46 +503,58 @@ def string_inv_freq(rotary_dim, base, original_max_position_embeddings, params, 
 
 
 # ------------------------------------------------------------------------------------------ registry
-register(Method(
-    name="rerope",
-    summary="ReRoPE: relative positions past a window w are read as w (attention-level; plain RoPE frequencies)",
-    source="Su 2023, kexue.fm/archives/9708",
-    params_cls=ReRopeParams,
-    inv_freq_fn=none_inv_freq,
-))
-register(Method(
-    name="leaky_rerope",
-    summary="Leaky ReRoPE: past the window w the relative position grows k times more slowly (attention-level)",
-    source="Su 2023, kexue.fm/archives/9728",
-    params_cls=LeakyReRopeParams,
-    inv_freq_fn=none_inv_freq,
-))
-register(Method(
-    name="self_extend",
-    summary="SelfExtend: neighbours keep positions, farther keys are grouped by floor(j/G) (attention-level)",
-    source="Jin et al. 2024, 'LLM Maybe LongLM' (arXiv 2401.01325)",
-    params_cls=SelfExtendParams,
-    inv_freq_fn=none_inv_freq,
-))
-register(Method(
-    name="dpe",
-    summary="DPE: SelfExtend per group of rotary pairs, each with its own scale; unselected pairs plain (attention-level)",
-    source="Lu et al. 2025, 'Effective Length Extrapolation via Dimension-Wise Positional Embeddings Manipulation' "
-           "(arXiv 2504.18857)",
-    params_cls=DpeParams,
-    inv_freq_fn=none_inv_freq,
-))
-register(Method(
-    name="dual_chunk",
-    summary="Dual Chunk Attention: positions restart every chunk; same/previous/older chunk rules (attention-level)",
-    source="An et al. 2024, 'Training-Free Long-Context Scaling of LLMs' (ChunkLlama, arXiv 2402.17463)",
-    params_cls=DualChunkParams,
-    inv_freq_fn=none_inv_freq,
-))
-register(Method(
-    name="string",
-    summary="STRING: relative positions r >= S shifted to r - S + W (attention-level)",
-    source="An et al. 2024, 'Why Does the Effective Context Length of LLMs Fall Short?' (arXiv 2410.18745)",
-    params_cls=StringParams,
-    inv_freq_fn=string_inv_freq,
-))
+register(
+    Method(
+        name="rerope",
+        summary="ReRoPE: relative positions past a window w are read as w (attention-level; plain RoPE frequencies)",
+        source="Su 2023, kexue.fm/archives/9708",
+        params_cls=ReRopeParams,
+        inv_freq_fn=none_inv_freq,
+    )
+)
+register(
+    Method(
+        name="leaky_rerope",
+        summary="Leaky ReRoPE: past the window w the relative position grows k times more slowly (attention-level)",
+        source="Su 2023, kexue.fm/archives/9728",
+        params_cls=LeakyReRopeParams,
+        inv_freq_fn=none_inv_freq,
+    )
+)
+register(
+    Method(
+        name="self_extend",
+        summary="SelfExtend: neighbours keep positions, farther keys are grouped by floor(j/G) (attention-level)",
+        source="Jin et al. 2024, 'LLM Maybe LongLM' (arXiv 2401.01325)",
+        params_cls=SelfExtendParams,
+        inv_freq_fn=none_inv_freq,
+    )
+)
+register(
+    Method(
+        name="dpe",
+        summary="DPE: SelfExtend per group of rotary pairs, each with its own scale; unselected pairs plain (attention-level)",
+        source="Lu et al. 2025, 'Effective Length Extrapolation via Dimension-Wise Positional Embeddings Manipulation' "
+        "(arXiv 2504.18857)",
+        params_cls=DpeParams,
+        inv_freq_fn=none_inv_freq,
+    )
+)
+register(
+    Method(
+        name="dual_chunk",
+        summary="Dual Chunk Attention: positions restart every chunk; same/previous/older chunk rules (attention-level)",
+        source="An et al. 2024, 'Training-Free Long-Context Scaling of LLMs' (ChunkLlama, arXiv 2402.17463)",
+        params_cls=DualChunkParams,
+        inv_freq_fn=none_inv_freq,
+    )
+)
+register(
+    Method(
+        name="string",
+        summary="STRING: relative positions r >= S shifted to r - S + W (attention-level)",
+        source="An et al. 2024, 'Why Does the Effective Context Length of LLMs Fall Short?' (arXiv 2410.18745)",
+        params_cls=StringParams,
+        inv_freq_fn=string_inv_freq,
+    )
+)

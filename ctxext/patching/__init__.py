@@ -9,5 +9,14 @@ from .rotary import ScaledRotaryEmbedding, is_dynamic
 register_rope_types()
 register_load_hook()  # models built from a config with `ctxext_attention` come up patched
 
-__all__ = ["SUPPORTED_FAMILIES", "ScaledRotaryEmbedding", "applied_method", "is_dynamic", "original_length", "patch",
-           "rotary_dim", "rotary_host", "unpatch"]
+__all__ = [
+    "SUPPORTED_FAMILIES",
+    "ScaledRotaryEmbedding",
+    "applied_method",
+    "is_dynamic",
+    "original_length",
+    "patch",
+    "rotary_dim",
+    "rotary_host",
+    "unpatch",
+]

@@ -27,7 +27,7 @@ import functools
 import re
 import threading
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -61,8 +61,14 @@ class AttentionState:
     shrink the block to exercise it, and force each backend).
     """
 
-    def __init__(self, settings: AttentionSettings, host: nn.Module, memo: "ForwardMemo",
-                 query_block: int = QUERY_BLOCK, kernel: str = "auto"):
+    def __init__(
+        self,
+        settings: AttentionSettings,
+        host: nn.Module,
+        memo: ForwardMemo,
+        query_block: int = QUERY_BLOCK,
+        kernel: str = "auto",
+    ):
         if kernel not in BACKEND_CHOICES:
             raise CtxextError(f"unknown remapping backend '{kernel}'; choose one of {', '.join(BACKEND_CHOICES)}")
         if query_block < 1:
@@ -78,11 +84,16 @@ class AttentionState:
 def attention_modules(host: nn.Module) -> list[nn.Module]:
     modules = [layer.self_attn for layer in getattr(host, "layers", [])]
     for module in modules:
-        missing = [name for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "layer_idx", "scaling")
-                   if not hasattr(module, name)]
+        missing = [
+            name
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "layer_idx", "scaling")
+            if not hasattr(module, name)
+        ]
         if missing:
-            raise CtxextError(f"{type(module).__name__} lacks {', '.join(missing)}: not the LLaMA-style attention "
-                              "that ctxext's attention methods support")
+            raise CtxextError(
+                f"{type(module).__name__} lacks {', '.join(missing)}: not the LLaMA-style attention "
+                "that ctxext's attention methods support"
+            )
     return modules
 
 
@@ -123,8 +134,10 @@ def check_implementation(inner: str, settings: AttentionSettings) -> None:
         return
     if inner in REMAPPING_IMPLEMENTATIONS or is_flash_attention_requested(requested_attention_implementation=inner):
         return
-    raise CtxextError(f"{settings.method} cannot run under attn_implementation='{inner}'; load the model with "
-                      f"one of {', '.join(REMAPPING_IMPLEMENTATIONS)} or a FlashAttention implementation")
+    raise CtxextError(
+        f"{settings.method} cannot run under attn_implementation='{inner}'; load the model with "
+        f"one of {', '.join(REMAPPING_IMPLEMENTATIONS)} or a FlashAttention implementation"
+    )
 
 
 def check_sliding_window(config, settings: AttentionSettings, length: int | None = None) -> None:
@@ -135,9 +148,11 @@ def check_sliding_window(config, settings: AttentionSettings, length: int | None
         return
     length = length or getattr(config, "max_position_embeddings", None)
     if length is not None and window < length:
-        raise CtxextError(f"{settings.method} cannot run with sliding-window attention ({window} tokens, shorter "
-                          f"than the model's {length}); set sliding_window to null in config.json (or "
-                          "config.sliding_window = None) first")
+        raise CtxextError(
+            f"{settings.method} cannot run with sliding-window attention ({window} tokens, shorter "
+            f"than the model's {length}); set sliding_window to null in config.json (or "
+            "config.sliding_window = None) first"
+        )
 
 
 def check_can_install(host: nn.Module, settings: AttentionSettings, length: int | None = None) -> str:
@@ -157,8 +172,9 @@ def _switch_implementation(host: nn.Module, name: str) -> None:
         raise CtxextError(f"{type(host).__name__} is not a transformers model: cannot set its attention")
 
 
-def install_attention(host: nn.Module, settings: AttentionSettings | None, query_block: int = QUERY_BLOCK,
-                      kernel: str = "auto") -> None:
+def install_attention(
+    host: nn.Module, settings: AttentionSettings | None, query_block: int = QUERY_BLOCK, kernel: str = "auto"
+) -> None:
     """Patch every attention layer of `host` (the base model) with `settings`; None or inactive removes."""
     remove_attention(host)
     if settings is None or not settings.active:
@@ -170,7 +186,8 @@ def install_attention(host: nn.Module, settings: AttentionSettings | None, query
         module.__dict__[_STATE] = AttentionState(settings, host, memo, query_block, kernel)
     if settings.remap is not None:
         host.__dict__[_CACHE_CHECK] = host.register_forward_pre_hook(
-            functools.partial(_refuse_preallocated_cache, method=settings.method), with_kwargs=True)
+            functools.partial(_refuse_preallocated_cache, method=settings.method), with_kwargs=True
+        )
     _switch_implementation(host, register_wrapper(inner))
 
 
@@ -180,8 +197,10 @@ def _refuse_preallocated_cache(host, args, kwargs, method: str):
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
     layers = getattr(cache, "layers", None) or []
     if any(isinstance(layer, StaticLayer) or getattr(layer, "is_sliding", False) for layer in layers):
-        raise CtxextError(f"{method} needs a cache that holds exactly the tokens seen so far (DynamicCache, the "
-                          f"default), not a {type(cache).__name__} with static or sliding-window layers")
+        raise CtxextError(
+            f"{method} needs a cache that holds exactly the tokens seen so far (DynamicCache, the "
+            f"default), not a {type(cache).__name__} with static or sliding-window layers"
+        )
 
 
 def remove_attention(host: nn.Module) -> None:
@@ -210,8 +229,9 @@ def set_attention_tuning(model: nn.Module, query_block: int | None = None, kerne
         state = module.__dict__.get(_STATE)
         if state is None:
             raise CtxextError("no ctxext attention method is installed on this model")
-        module.__dict__[_STATE] = AttentionState(state.settings, state.host, state.memo,
-                                                 query_block or state.query_block, kernel or state.kernel)
+        module.__dict__[_STATE] = AttentionState(
+            state.settings, state.host, state.memo, query_block or state.query_block, kernel or state.kernel
+        )
 
 
 def sync_attention_with_config(host: nn.Module) -> None:
@@ -353,8 +373,9 @@ def _rotary_entry(plan: ForwardPlan, host: nn.Module, like: torch.Tensor, name, 
         return _rotary_at(host, like, positions())
     frequencies = getattr(rotary, "inv_freq", None)
     state = frequencies.data_ptr() if isinstance(frequencies, torch.Tensor) else None
-    return plan.remember(("rotary", name, id(rotary), state, like.dtype, like.device),
-                         lambda: _rotary_at(host, like, positions()))
+    return plan.remember(
+        ("rotary", name, id(rotary), state, like.dtype, like.device), lambda: _rotary_at(host, like, positions())
+    )
 
 
 # ------------------------------------------------------------------------------------------ positions
@@ -371,17 +392,20 @@ def key_positions(position_ids, total: int, q_len: int, key_allowed: torch.Tenso
         return order
     ids = position_ids.detach().to("cpu", torch.long)
     anchored = ids[:, -1:] - (total - 1) + order  # token order, ending at the last position id
-    in_order = ids == anchored[:, total - q_len:]
+    in_order = ids == anchored[:, total - q_len :]
     if key_allowed is not None:
-        in_order |= ~key_allowed[:, total - q_len:].cpu()
+        in_order |= ~key_allowed[:, total - q_len :].cpu()
     if bool(in_order.all()):
         return anchored
     if q_len < total:
-        raise CtxextError("position remapping with a KV cache needs consecutive position ids for the new tokens "
-                          "(gapped positions, as in PoSE, work in a full forward without a cache)")
+        raise CtxextError(
+            "position remapping with a KV cache needs consecutive position ids for the new tokens "
+            "(gapped positions, as in PoSE, work in a full forward without a cache)"
+        )
     if key_allowed is not None:
-        raise CtxextError("position remapping cannot combine gapped position ids (PoSE) with padding; "
-                          "pass unpadded rows")
+        raise CtxextError(
+            "position remapping cannot combine gapped position ids (PoSE) with padding; pass unpadded rows"
+        )
     if bool((ids[:, 1:] <= ids[:, :-1]).any()):
         raise CtxextError("position remapping needs position ids that increase along the sequence")
     return ids
@@ -393,7 +417,7 @@ def _region_plans(remap, positions: torch.Tensor, q_len: int, key_allowed, query
     regions = remap.regions()
     bounds = []
     for row in positions:
-        query_positions = row[total - q_len:]
+        query_positions = row[total - q_len :]
         lows, highs = [], []
         for region in regions:
             lo, hi = region.key_range(query_positions)
@@ -402,8 +426,13 @@ def _region_plans(remap, positions: torch.Tensor, q_len: int, key_allowed, query
         bounds.append((torch.stack(lows), torch.stack(highs)))
     if all(torch.equal(lo, bounds[0][0]) and torch.equal(hi, bounds[0][1]) for lo, hi in bounds):
         return [(None, RegionPlan(*bounds[0], total, key_allowed, query_block))]
-    return [(slice(b, b + 1), RegionPlan(lo, hi, total, None if key_allowed is None else key_allowed[b:b + 1],
-                                         query_block)) for b, (lo, hi) in enumerate(bounds)]
+    return [
+        (
+            slice(b, b + 1),
+            RegionPlan(lo, hi, total, None if key_allowed is None else key_allowed[b : b + 1], query_block),
+        )
+        for b, (lo, hi) in enumerate(bounds)
+    ]
 
 
 def _key_padding_from_mask(attention_mask, q_len: int, total: int) -> torch.Tensor | None:
@@ -439,8 +468,9 @@ def _key_padding_from_mask(attention_mask, q_len: int, total: int) -> torch.Tens
     return allowed
 
 
-def _check_causal_with_padding(visible: torch.Tensor, allowed: torch.Tensor | None, rows: torch.Tensor,
-                               q_len: int, total: int) -> None:
+def _check_causal_with_padding(
+    visible: torch.Tensor, allowed: torch.Tensor | None, rows: torch.Tensor, q_len: int, total: int
+) -> None:
     """Refuse a mask that hides more than later keys and padding: the kernel would not see it.
 
     `visible` (batch, len(rows)) counts the keys the model's mask lets each of those query rows see; with only
@@ -454,10 +484,12 @@ def _check_causal_with_padding(visible: torch.Tensor, allowed: torch.Tensor | No
     visible = visible.cpu()
     padding_query = ~allowed[:, keys] & ((visible == 0) | (visible == total))
     if bool(((visible != expected) & ~padding_query).any()):
-        raise CtxextError("position remapping reads only causality and padding from the attention mask, and this "
-                          "one hides other keys too (packed sequences: transformers builds them from position ids "
-                          "that jump when no attention_mask is given). For gapped positions (PoSE) pass "
-                          "attention_mask=torch.ones_like(input_ids); run packed sequences one at a time")
+        raise CtxextError(
+            "position remapping reads only causality and padding from the attention mask, and this "
+            "one hides other keys too (packed sequences: transformers builds them from position ids "
+            "that jump when no attention_mask is given). For gapped positions (PoSE) pass "
+            "attention_mask=torch.ones_like(input_ids); run packed sequences one at a time"
+        )
 
 
 # ------------------------------------------------------------------------------- the attention function
@@ -471,9 +503,13 @@ def ctxext_attention(module, query, key, value, attention_mask, inner: str = "sd
     position_ids = kwargs.get("position_ids")
     plan = state.memo.plan_for(position_ids, attention_mask, total, q_len)
     if settings.logn:  # the queries' own position ids (padding tokens carry small ones: factor 1)
-        scale = plan.remember(("logn", query.device), lambda: logn_scale(
-            torch.arange(total - q_len, total)[None] if position_ids is None else position_ids.cpu(),
-            settings.original_max_position_embeddings).to(query.device))
+        scale = plan.remember(
+            ("logn", query.device),
+            lambda: logn_scale(
+                torch.arange(total - q_len, total)[None] if position_ids is None else position_ids.cpu(),
+                settings.original_max_position_embeddings,
+            ).to(query.device),
+        )
         query = query * scale[:, None, :, None].to(query.dtype)
     remap = settings.remap
     if remap is None:
@@ -517,33 +553,48 @@ def _remapped_forward(module, state: AttentionState, plan: ForwardPlan, query, k
     key_allowed = plan.values["padding"]
     if key_allowed is not None and not bool(plan.remember("last_seen", lambda: key_allowed[:, -1].all())):
         # The last query always sees itself, unless the cache hands over slots it has not filled yet.
-        raise CtxextError(f"{state.settings.method} needs a cache that holds exactly the tokens seen so far "
-                          "(DynamicCache, the default), not a StaticCache or a sliding-window cache")
+        raise CtxextError(
+            f"{state.settings.method} needs a cache that holds exactly the tokens seen so far "
+            "(DynamicCache, the default), not a StaticCache or a sliding-window cache"
+        )
 
     host = state.host
     positions = plan.values["positions"]
-    query_positions = positions[:, total - q_len:]
-    region_plans = plan.remember(("regions", state.query_block),
-                                 lambda: _region_plans(remap, positions, q_len, key_allowed, state.query_block))
+    query_positions = positions[:, total - q_len :]
+    region_plans = plan.remember(
+        ("regions", state.query_block), lambda: _region_plans(remap, positions, q_len, key_allowed, state.query_block)
+    )
     cos_k, sin_k = _rotary_entry(plan, host, query, "keys", lambda: positions)
-    plain_query = undo_rotation(query, cos_k[:, total - q_len:], sin_k[:, total - q_len:])
+    plain_query = undo_rotation(query, cos_k[:, total - q_len :], sin_k[:, total - q_len :])
     plain_key = None  # unrotated keys, made once a region rotates keys by a rule of its own (STRING's never does)
     queries, keys, rotated_keys = [], [], {}
     for index, region in enumerate(remap.regions()):
         if region.pair_scales is not None:  # DPE: every rotary pair at its own scale
             scales = region.pair_scales(cos_k.shape[-1] // 2, module.layer_idx)
             query_rule, key_rule = region.query_position, region.key_position
-            queries.append(_rotated_per_pair(plan, host, plain_query, ("query", index), scales,
-                                             lambda G: query_rule(query_positions, G)).to(query.dtype))
+            queries.append(
+                _rotated_per_pair(
+                    plan,
+                    host,
+                    plain_query,
+                    ("query", index),
+                    scales,
+                    lambda G, rule=query_rule: rule(query_positions, G),
+                ).to(query.dtype)
+            )
             plain_key = undo_rotation(key, cos_k, sin_k) if plain_key is None else plain_key
-            keys.append(_rotated_per_pair(plan, host, plain_key, ("key", index), scales,
-                                          lambda G: key_rule(positions, G)).to(key.dtype))
+            keys.append(
+                _rotated_per_pair(
+                    plan, host, plain_key, ("key", index), scales, lambda G, rule=key_rule: rule(positions, G)
+                ).to(key.dtype)
+            )
             continue
         if region.query_position is None:
             queries.append(query)
         else:
-            cos, sin = _rotary_entry(plan, host, plain_query, ("query", index),
-                                     lambda: region.query_position(query_positions))
+            cos, sin = _rotary_entry(
+                plan, host, plain_query, ("query", index), lambda rule=region.query_position: rule(query_positions)
+            )
             queries.append(apply_rotation(plain_query, cos, sin).to(query.dtype))
         if region.key_position is None:
             keys.append(key)
@@ -551,7 +602,7 @@ def _remapped_forward(module, state: AttentionState, plan: ForwardPlan, query, k
             rule = region.key_position
             if rule not in rotated_keys:  # regions that share a key rule share the rotated keys
                 plain_key = undo_rotation(key, cos_k, sin_k) if plain_key is None else plain_key
-                cos, sin = _rotary_entry(plan, host, plain_key, ("key", index), lambda: rule(positions))
+                cos, sin = _rotary_entry(plan, host, plain_key, ("key", index), lambda rule=rule: rule(positions))
                 rotated_keys[rule] = apply_rotation(plain_key, cos, sin).to(key.dtype)
             keys.append(rotated_keys[rule])
     outputs = []
@@ -559,14 +610,23 @@ def _remapped_forward(module, state: AttentionState, plan: ForwardPlan, query, k
         if rows is None:
             outputs.append(attend_regions(queries, keys, value, region_plan, module.scaling, state.kernel))
         else:
-            outputs.append(attend_regions([q[rows] for q in queries], [k[rows] for k in keys], value[rows],
-                                          region_plan, module.scaling, state.kernel))
+            outputs.append(
+                attend_regions(
+                    [q[rows] for q in queries],
+                    [k[rows] for k in keys],
+                    value[rows],
+                    region_plan,
+                    module.scaling,
+                    state.kernel,
+                )
+            )
     attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
     return attn.transpose(1, 2), None
 
 
-def _rotated_per_pair(plan: ForwardPlan, host: nn.Module, x: torch.Tensor, name, scales: torch.Tensor,
-                      positions_at: Callable) -> torch.Tensor:
+def _rotated_per_pair(
+    plan: ForwardPlan, host: nn.Module, x: torch.Tensor, name, scales: torch.Tensor, positions_at: Callable
+) -> torch.Tensor:
     """x rotated pair by pair, pair p at `positions_at(scales[p])`: one (cos, sin) per distinct scale (once per
     forward), then each channel takes its pair's (channels c and c + d/2 are pair c, as in rotate_half)."""
     distinct = sorted(set(scales.tolist()))
@@ -578,11 +638,22 @@ def _rotated_per_pair(plan: ForwardPlan, host: nn.Module, x: torch.Tensor, name,
     def assembled(which: int) -> torch.Tensor:
         return torch.stack([table[which] for table in tables], dim=-1)[..., channels, pick]
 
-    cos, sin = plan.remember(("per-pair", name, tuple(scales.tolist()), x.dtype, x.device),
-                             lambda: (assembled(0), assembled(1)))
+    cos, sin = plan.remember(
+        ("per-pair", name, tuple(scales.tolist()), x.dtype, x.device), lambda: (assembled(0), assembled(1))
+    )
     return apply_rotation(x, cos, sin)
 
 
-__all__ = ["CONFIG_KEY", "AttentionState", "apply_rotation", "install_attention", "installed_settings",
-           "record_attention_in_config", "register_load_hook", "remove_attention", "set_attention_tuning",
-           "sync_attention_with_config", "undo_rotation"]
+__all__ = [
+    "CONFIG_KEY",
+    "AttentionState",
+    "apply_rotation",
+    "install_attention",
+    "installed_settings",
+    "record_attention_in_config",
+    "register_load_hook",
+    "remove_attention",
+    "set_attention_tuning",
+    "sync_attention_with_config",
+    "undo_rotation",
+]

@@ -44,5 +44,7 @@ def rotary_host(model: nn.Module) -> nn.Module:
 def rotary_dim(config) -> int:
     """The number of rotated channels per head: head_dim, times partial_rotary_factor where set."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    partial = (config.rope_parameters or {}).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    partial = (config.rope_parameters or {}).get(
+        "partial_rotary_factor", getattr(config, "partial_rotary_factor", None)
+    )
     return int(head_dim * (partial or 1.0))

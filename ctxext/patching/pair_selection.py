@@ -42,8 +42,8 @@ def pair_contributions(model: nn.Module, input_ids: torch.Tensor) -> torch.Tenso
     for index in range(len(host.layers)):
         q, k = captured[(index, "q")], captured[(index, "k")]  # (batch, tokens, heads, dim)
         k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-        q_norm = torch.hypot(q[..., : dim // 2], q[..., dim // 2:])
-        k_norm = torch.hypot(k[..., : dim // 2], k[..., dim // 2:])
+        q_norm = torch.hypot(q[..., : dim // 2], q[..., dim // 2 :])
+        k_norm = torch.hypot(k[..., : dim // 2], k[..., dim // 2 :])
         rows.append((q_norm * k_norm).mean(dim=(0, 1, 2)).cpu())
     return torch.stack(rows)
 

@@ -6,9 +6,9 @@ import copy
 
 from torch import nn
 
-from ..validate import boolean, whole_number
 from ..methods import get_method
 from ..methods.attention import AttentionSettings, check_original_length_for_logn
+from ..validate import boolean, whole_number
 from .attention import (
     CONFIG_KEY,
     check_can_install,
@@ -21,8 +21,14 @@ from .rope_types import rope_parameters_for
 from .rotary import ScaledRotaryEmbedding
 
 
-def patch(model: nn.Module, method: str, factor: float = 1.0, original_max_position_embeddings: int | None = None,
-          logn: bool = False, **params) -> nn.Module:
+def patch(
+    model: nn.Module,
+    method: str,
+    factor: float = 1.0,
+    original_max_position_embeddings: int | None = None,
+    logn: bool = False,
+    **params,
+) -> nn.Module:
     """Replace the model's rotary embedding with `method` at scale `factor`; returns the same model.
 
     `original_max_position_embeddings` (L) defaults to `original_length(model)`: the L a scaled checkpoint
@@ -77,8 +83,9 @@ def check_shape(config, method_params, original_max_position_embeddings: int) ->
     """What `patch` refuses about the model's shape, from its config alone (so before any weights load): DPE's
     groups must divide the rotary pairs and its selected pairs exist."""
     if hasattr(method_params, "check_model"):
-        method_params.resolved(original_max_position_embeddings).check_model(rotary_dim(config),
-                                                                              config.num_hidden_layers)
+        method_params.resolved(original_max_position_embeddings).check_model(
+            rotary_dim(config), config.num_hidden_layers
+        )
 
 
 def original_length(model: nn.Module) -> int | None:

@@ -33,8 +33,8 @@ installed (or tested) on the CPU machines this project is built on.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -205,8 +205,9 @@ def _attend_part(query, key, value, mask, scale) -> tuple[torch.Tensor, torch.Te
     return out, _unfold_heads(lse, heads)
 
 
-def _blockwise_forward(queries, keys, value, plan: RegionPlan, scale,
-                       dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def _blockwise_forward(
+    queries, keys, value, plan: RegionPlan, scale, dtype=torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(output in `dtype`, merged log-sum-exp in float32) of the blocked kernel, without autograd."""
     batch, heads, q_len, _ = queries[0].shape
     # Laid out (batch, q_len, heads, d) in memory: the model's transpose and reshape before o_proj are then
@@ -217,8 +218,10 @@ def _blockwise_forward(queries, keys, value, plan: RegionPlan, scale,
     for b0, b1, parts in plan.blocks(value.device):
         if not parts:
             continue
-        pieces = [_attend_part(queries[r][:, :, b0:b1], keys[r][:, :, c0:c1], value[:, :, c0:c1], mask, scale)
-                  for r, c0, c1, mask in parts]
+        pieces = [
+            _attend_part(queries[r][:, :, b0:b1], keys[r][:, :, c0:c1], value[:, :, c0:c1], mask, scale)
+            for r, c0, c1, mask in parts
+        ]
         out[:, :, b0:b1], lse[:, :, b0:b1] = merge_softmax_parts(pieces)
     return out, lse
 
@@ -342,8 +345,9 @@ def region_block_mask(plan: RegionPlan, region: int, device):
 
     counts, indices = block_lists(partial)
     full_counts, full_indices = block_lists(full)
-    return BlockMask.from_kv_blocks(counts, indices, full_counts, full_indices, BLOCK_SIZE=size, mask_mod=mask_mod,
-                                    seq_lengths=(q_len, k_len))
+    return BlockMask.from_kv_blocks(
+        counts, indices, full_counts, full_indices, BLOCK_SIZE=size, mask_mod=mask_mod, seq_lengths=(q_len, k_len)
+    )
 
 
 def _flex_with_lse(attend, query, key, value, block_mask, scale, gqa: bool):
@@ -352,8 +356,9 @@ def _flex_with_lse(attend, query, key, value, block_mask, scale, gqa: bool):
         from torch.nn.attention.flex_attention import AuxRequest
     except ImportError:
         return attend(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True)
-    out, aux = attend(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                      return_aux=AuxRequest(lse=True))
+    out, aux = attend(
+        query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True)
+    )
     return out, aux.lse
 
 
@@ -364,7 +369,7 @@ def flex_backend(queries, keys, value, plan: RegionPlan, scale) -> torch.Tensor:
     groups = queries[0].shape[1] // value.shape[1]
     parts = []
     for r, (query, key) in enumerate(zip(queries, keys)):
-        block_mask = plan.remember(("flex", r, str(device)), lambda: region_block_mask(plan, r, device))
+        block_mask = plan.remember(("flex", r, str(device)), lambda r=r: region_block_mask(plan, r, device))
         parts.append(_flex_with_lse(attend, query, key, value, block_mask, scale, groups > 1))
     return merge_softmax_parts(parts)[0].to(value.dtype)
 
@@ -403,8 +408,7 @@ def _attend_concatenated(queries, keys, value, parts, rows: int, scale):
     batch_masks = max(m.shape[0] for m in masks)
     allowed = torch.cat([m.expand(batch_masks, -1, -1, -1) for m in masks], dim=-1)
     bias = _fold_mask(_bias(allowed, query.dtype), heads // kv_heads)
-    out = F.scaled_dot_product_attention(_fold_heads(query, kv_heads), key, values_padded, attn_mask=bias,
-                                         scale=scale)
+    out = F.scaled_dot_product_attention(_fold_heads(query, kv_heads), key, values_padded, attn_mask=bias, scale=scale)
     out = out[..., : value.shape[-1]].reshape(batch, heads, rows, value.shape[-1])
     seen = allowed.any(-1)[..., None]  # (batch, 1, rows, 1)
     return torch.where(seen, out, torch.zeros((), dtype=out.dtype, device=out.device))
@@ -469,10 +473,17 @@ def attend_regions(queries, keys, value, plan: RegionPlan, scale: float, kernel:
     return REMAP_BACKENDS[backend](list(queries), list(keys), value, plan, scale)
 
 
-def remapped_attention(queries: list[torch.Tensor], keys: list[torch.Tensor], value: torch.Tensor,
-                       key_lo: torch.Tensor, key_hi: torch.Tensor, scale: float,
-                       allowed: torch.Tensor | None = None, query_block: int = QUERY_BLOCK,
-                       kernel: str = "auto") -> torch.Tensor:
+def remapped_attention(
+    queries: list[torch.Tensor],
+    keys: list[torch.Tensor],
+    value: torch.Tensor,
+    key_lo: torch.Tensor,
+    key_hi: torch.Tensor,
+    scale: float,
+    allowed: torch.Tensor | None = None,
+    query_block: int = QUERY_BLOCK,
+    kernel: str = "auto",
+) -> torch.Tensor:
     """Attention where query i sees, in region r, the keys [key_lo[r, i], key_hi[r, i]) with queries[r]/keys[r].
 
     `allowed` (batch or 1, 1, q_len, k_len) or (batch, k_len) adds key padding. Returns (batch, heads, q_len, d).
@@ -492,10 +503,20 @@ def band_and_far_ranges(q_len: int, k_len: int, window: int, device=None) -> tup
     return lo, hi
 
 
-def rerope_attention(query_band, query_far, key_band, key_far, value, window: int, scale: float,
-                     allowed: torch.Tensor | None = None, query_block: int = QUERY_BLOCK,
-                     kernel: str = "auto") -> torch.Tensor:
+def rerope_attention(
+    query_band,
+    query_far,
+    key_band,
+    key_far,
+    value,
+    window: int,
+    scale: float,
+    allowed: torch.Tensor | None = None,
+    query_block: int = QUERY_BLOCK,
+    kernel: str = "auto",
+) -> torch.Tensor:
     """ReRoPE attention: pairs at distance < window score with the band tensors, the others with the far ones."""
     lo, hi = band_and_far_ranges(query_band.shape[2], key_band.shape[2], window)
-    return remapped_attention([query_band, query_far], [key_band, key_far], value, lo, hi, scale, allowed,
-                              query_block, kernel)
+    return remapped_attention(
+        [query_band, query_far], [key_band, key_far], value, lo, hi, scale, allowed, query_block, kernel
+    )

@@ -13,7 +13,6 @@ import dataclasses
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .. import compat
-
 from ..errors import CtxextError
 from ..methods import METHODS, Method, MethodParams, compute_inv_freq
 from ..methods.registry import method_for_rope_type
@@ -24,15 +23,29 @@ _TRANSFORMERS_KEYS = {
     "default": set(),
     "linear": {"factor"},
     "dynamic": {"factor"},
-    "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
-             "mscale", "mscale_all_dim", "truncate"},
+    "yarn": {
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "attention_factor",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    },
     "llama3": {"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"},
     "longrope": {"factor", "original_max_position_embeddings", "short_factor", "long_factor", "attention_factor"},
 }
 
 
-def rope_parameters_for(method: Method, params: MethodParams, rotary_dim: int, base: float,
-                        original_max_position_embeddings: int, partial_rotary_factor: float | None = None) -> dict:
+def rope_parameters_for(
+    method: Method,
+    params: MethodParams,
+    rotary_dim: int,
+    base: float,
+    original_max_position_embeddings: int,
+    partial_rotary_factor: float | None = None,
+) -> dict:
     """The `rope_parameters` dict that reproduces `method` with `params` when a config is loaded again."""
     rope_type = method.rope_type(params)
     values = {k: v for k, v in params.to_dict().items() if v is not None and k not in method.forced}
@@ -92,15 +105,21 @@ def _ctxext_rope_init(config, device=None, seq_len=None, layer_type=None):
     if seq_len is not None:
         seq_len = int(seq_len)
     inv_freq, attention_factor = compute_inv_freq(
-        method, params, rotary_dim(config), rope_parameters["rope_theta"],
-        rope_parameters["original_max_position_embeddings"], seq_len,
+        method,
+        params,
+        rotary_dim(config),
+        rope_parameters["rope_theta"],
+        rope_parameters["original_max_position_embeddings"],
+        seq_len,
     )
     return inv_freq.to(device), attention_factor
 
 
 def _ctxext_rope_validate(self, rope_parameters, ignore_keys=None):
     if "original_max_position_embeddings" not in rope_parameters:
-        raise KeyError(f"rope_parameters of type '{rope_parameters['rope_type']}' need 'original_max_position_embeddings'")
+        raise KeyError(
+            f"rope_parameters of type '{rope_parameters['rope_type']}' need 'original_max_position_embeddings'"
+        )
     params_from_rope_parameters({k: v for k, v in rope_parameters.items() if k not in (ignore_keys or ())})
 
 

@@ -57,8 +57,11 @@ def knot_positions(pairs: int, knots: int) -> np.ndarray:
 
 def factors_from(z, start: np.ndarray, knots: np.ndarray, upper: float) -> np.ndarray:
     """The per-pair factors for knot corrections `z` (see the module docstring): non-decreasing, in [1, upper]."""
-    correction = np.interp(np.arange(len(start)), knots, np.asarray(z, dtype=np.float64)) if len(knots) > 1 else \
-        np.full(len(start), float(np.asarray(z)[0]))
+    correction = (
+        np.interp(np.arange(len(start)), knots, np.asarray(z, dtype=np.float64))
+        if len(knots) > 1
+        else np.full(len(start), float(np.asarray(z)[0]))
+    )
     log_factors = np.maximum.accumulate(np.log(start) + correction)
     return np.exp(np.clip(log_factors, 0.0, math.log(upper)))
 
@@ -79,8 +82,14 @@ class CmaProposer:
         import cma
 
         saved = np.random.get_state()
-        options = {"seed": seed + 1, "verbose": -9, "verb_log": 0, "verb_disp": 0, "verb_filenameprefix": "",
-                   "CMA_diagonal": False}
+        options = {
+            "seed": seed + 1,
+            "verbose": -9,
+            "verb_log": 0,
+            "verb_disp": 0,
+            "verb_filenameprefix": "",
+            "CMA_diagonal": False,
+        }
         if popsize:
             options["popsize"] = popsize
         self.strategy = cma.CMAEvolutionStrategy(np.zeros(dimension), sigma, options)

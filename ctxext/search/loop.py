@@ -23,8 +23,8 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -64,8 +64,10 @@ class TrialLog:
                 handle.truncate(good_bytes)
         for index, record in enumerate(records):
             if record.get("number") != index:
-                raise CtxextError(f"{self.path} is not a trial log of ctxext search (trial {index} is numbered "
-                                  f"{record.get('number')!r})")
+                raise CtxextError(
+                    f"{self.path} is not a trial log of ctxext search (trial {index} is numbered "
+                    f"{record.get('number')!r})"
+                )
         return records
 
     def append(self, record: dict) -> None:
@@ -119,8 +121,14 @@ class _Runner:
                     record = {"state": "complete", "value": float(value), "metrics": _finite(metrics)}
             except InvalidParams as error:
                 record = {"state": "invalid", "value": None, "metrics": {}, "error": str(error)}
-        record = {"number": number, "role": role, **record, "params": params, **(extra or {}),
-                  "seconds": round(time.perf_counter() - started, 3)}
+        record = {
+            "number": number,
+            "role": role,
+            **record,
+            "params": params,
+            **(extra or {}),
+            "seconds": round(time.perf_counter() - started, 3),
+        }
         self.log.append(record)
         self.history.append(record)
         if self.progress is not None:
@@ -137,16 +145,27 @@ def _finite(metrics: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- scalar (TPE)
-def scalar_search(space: list[Range], start: dict, evaluate: Callable[[dict], dict], log: TrialLog, trials: int,
-                  seed: int = 0, startup_trials: int = 5, progress=None) -> list[dict]:
+def scalar_search(
+    space: list[Range],
+    start: dict,
+    evaluate: Callable[[dict], dict],
+    log: TrialLog,
+    trials: int,
+    seed: int = 0,
+    startup_trials: int = 5,
+    progress=None,
+) -> list[dict]:
     """Trial 0 = `start` (the defaults), then TPE proposals until `trials` trials are logged. Returns them all."""
     runner = _Runner(evaluate, log, trials, progress)
     if runner.run(0, "defaults", start) is None:
         return runner.history
     number = 1
     while number < trials or runner.logged(number) is not None:
-        params = runner.logged(number)["params"] if runner.logged(number) else \
-            propose_tpe(space, runner.history[:number], seed, number, startup_trials)
+        params = (
+            runner.logged(number)["params"]
+            if runner.logged(number)
+            else propose_tpe(space, runner.history[:number], seed, number, startup_trials)
+        )
         runner.run(number, "search", params)
         number += 1
     return runner.history
@@ -160,8 +179,9 @@ def propose_tpe(space: list[Range], history: list[dict], seed: int, number: int,
     distributions = {r.name: r.distribution() for r in space}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        sampler = optuna.samplers.TPESampler(seed=derived_seed(seed, number), n_startup_trials=startup_trials,
-                                             multivariate=True)
+        sampler = optuna.samplers.TPESampler(
+            seed=derived_seed(seed, number), n_startup_trials=startup_trials, multivariate=True
+        )
         study = optuna.create_study(direction="minimize", sampler=sampler)
         for record in history:
             params = record["params"]
@@ -169,18 +189,32 @@ def propose_tpe(space: list[Range], history: list[dict], seed: int, number: int,
             if not all(r.name in params and r.contains(params[r.name]) for r in space):
                 continue
             complete = record["state"] == "complete"
-            study.add_trial(optuna.trial.create_trial(
-                params={r.name: params[r.name] for r in space}, distributions=distributions,
-                value=record["value"] if complete else None,
-                state=optuna.trial.TrialState.COMPLETE if complete else optuna.trial.TrialState.FAIL))
+            study.add_trial(
+                optuna.trial.create_trial(
+                    params={r.name: params[r.name] for r in space},
+                    distributions=distributions,
+                    value=record["value"] if complete else None,
+                    state=optuna.trial.TrialState.COMPLETE if complete else optuna.trial.TrialState.FAIL,
+                )
+            )
         trial = study.ask(distributions)
     return {r.name: trial.params[r.name] for r in space}
 
 
 # -------------------------------------------------------------------------------------- LongRoPE (CMA-ES)
-def longrope_search(start: np.ndarray, defaults: list[float], evaluate: Callable[[dict], dict], log: TrialLog,
-                    trials: int, seed: int = 0, knots: int = 8, sigma: float = 0.5, upper: float | None = None,
-                    popsize: int | None = None, progress=None) -> list[dict]:
+def longrope_search(
+    start: np.ndarray,
+    defaults: list[float],
+    evaluate: Callable[[dict], dict],
+    log: TrialLog,
+    trials: int,
+    seed: int = 0,
+    knots: int = 8,
+    sigma: float = 0.5,
+    upper: float | None = None,
+    popsize: int | None = None,
+    progress=None,
+) -> list[dict]:
     """Trial 0 = the defaults (every long factor = s), trial 1 = the starting curve (z = 0), then CMA-ES over the
     knot corrections z (see `ctxext.search.longrope`). Each trial's params are {"long_factor": [...]}."""
     from .longrope import CmaProposer, factors_from, knot_positions
@@ -195,8 +229,10 @@ def longrope_search(start: np.ndarray, defaults: list[float], evaluate: Callable
         extra = {} if z is None else {"z": [float(v) for v in z]}
         logged = runner.logged(number)
         if logged is not None and (logged["role"] != role or not np.allclose(logged.get("z", []), extra.get("z", []))):
-            raise CtxextError(f"{log.path} does not match this search (trial {number} differs); resume it with the "
-                              "settings it was started with, or start a new search in another directory")
+            raise CtxextError(
+                f"{log.path} does not match this search (trial {number} differs); resume it with the "
+                "settings it was started with, or start a new search in another directory"
+            )
         return runner.run(number, role, {"long_factor": factors}, extra)
 
     if run(0, "defaults", None) is None or run(1, "start", np.zeros(knots)) is None:

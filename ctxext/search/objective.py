@@ -51,16 +51,15 @@ def score_perplexity(model, config, documents, length: int, stride: int | None, 
     try:
         per_document = []
         for doc in documents:
-            nll, tokens = sliding_window_nll(model, doc.ids, length, length if stride is None else stride,
-                                             bos_token_id)
-            per_document.append({"document": doc.name, "nll_sum": nll, "tokens": tokens,
-                                 "perplexity": perplexity(nll, tokens)})
+            nll, tokens = sliding_window_nll(model, doc.ids, length, length if stride is None else stride, bos_token_id)
+            per_document.append(
+                {"document": doc.name, "nll_sum": nll, "tokens": tokens, "perplexity": perplexity(nll, tokens)}
+            )
     finally:
         unpatch(model)
     nll_sum = math.fsum(d["nll_sum"] for d in per_document)
     tokens = sum(d["tokens"] for d in per_document)
-    return {"perplexity": perplexity(nll_sum, tokens), "nll_sum": nll_sum, "tokens": tokens,
-            "documents": per_document}
+    return {"perplexity": perplexity(nll_sum, tokens), "nll_sum": nll_sum, "tokens": tokens, "documents": per_document}
 
 
 def score_passkey(model, tokenizer, config, trials, bos_token_id: int | None) -> dict:

@@ -58,9 +58,13 @@ class SearchSettings:
     @property
     def base(self) -> dict:
         """The method config every trial shares; a trial adds its parameters."""
-        return {"method": self.method, "factor": self.factor,
-                "original_max_position_embeddings": self.original_max_position_embeddings,
-                "logn": self.logn, **self.fixed}
+        return {
+            "method": self.method,
+            "factor": self.factor,
+            "original_max_position_embeddings": self.original_max_position_embeddings,
+            "logn": self.logn,
+            **self.fixed,
+        }
 
     def to_dict(self) -> dict:
         values = asdict(self)
@@ -90,8 +94,10 @@ def check_output(out: str | Path, settings: dict, resume: bool, overwrite: bool,
         expected = json.loads(json.dumps(settings, default=str))
         differing = sorted(k for k in set(logged) | set(expected) if logged.get(k) != expected.get(k))
         if differing:
-            raise CtxextError(f"--resume: the search in '{out}' was started with other settings (they differ in: "
-                              f"{', '.join(differing)}); resume with the same ones, or choose another -o")
+            raise CtxextError(
+                f"--resume: the search in '{out}' was started with other settings (they differ in: "
+                f"{', '.join(differing)}); resume with the same ones, or choose another -o"
+            )
         return "resume"
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
@@ -99,8 +105,10 @@ def check_output(out: str | Path, settings: dict, resume: bool, overwrite: bool,
             raise CtxextError(f"output directory '{out}' already exists and is not empty; use {hint}")
         strangers = [p.name for p in out.iterdir() if p.name not in OUTPUT_NAMES and not p.name.startswith(".")]
         if strangers:
-            raise CtxextError(f"--overwrite: '{out}' holds files that are not a search's ({', '.join(strangers[:3])})"
-                              "; choose another -o")
+            raise CtxextError(
+                f"--overwrite: '{out}' holds files that are not a search's ({', '.join(strangers[:3])})"
+                "; choose another -o"
+            )
     return "new"
 
 
@@ -120,8 +128,9 @@ def start_output(out: Path, settings: dict, mode: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------- the trials
-def run_trials(settings: SearchSettings, objective, out: Path, trials: int, rotary_dim: int, base: float,
-               progress=None) -> list[dict]:
+def run_trials(
+    settings: SearchSettings, objective, out: Path, trials: int, rotary_dim: int, base: float, progress=None
+) -> list[dict]:
     """Run (or continue) the search until `trials` trials are logged; returns every logged trial."""
     from .loop import longrope_search, scalar_search
 
@@ -129,11 +138,23 @@ def run_trials(settings: SearchSettings, objective, out: Path, trials: int, rota
     if settings.method == "longrope":
         start, defaults, upper = longrope_curves(settings, rotary_dim, base)
         lr = settings.longrope
-        return longrope_search(start, defaults, objective, log, trials, settings.seed, lr["knots"], lr["sigma"],
-                               upper, lr.get("popsize"), progress)
+        return longrope_search(
+            start,
+            defaults,
+            objective,
+            log,
+            trials,
+            settings.seed,
+            lr["knots"],
+            lr["sigma"],
+            upper,
+            lr.get("popsize"),
+            progress,
+        )
     start = {r.name: settings.start.get(r.name, _default(settings.method, r.name)) for r in settings.space}
-    return scalar_search(settings.space, start, objective, log, trials, settings.seed, settings.startup_trials,
-                         progress)
+    return scalar_search(
+        settings.space, start, objective, log, trials, settings.seed, settings.startup_trials, progress
+    )
 
 
 def _default(method_name: str, name: str):
@@ -157,16 +178,20 @@ def longrope_curves(settings: SearchSettings, rotary_dim: int, base: float):
 
 
 # ------------------------------------------------------------------------------------------ the results
-def held_out_scores(settings: SearchSettings, history: list[dict], model, documents, bos_token_id,
-                    baseline: bool = True, progress=None) -> dict:
+def held_out_scores(
+    settings: SearchSettings, history: list[dict], model, documents, bos_token_id, baseline: bool = True, progress=None
+) -> dict:
     """Perplexity of the defaults (trial 0), LongRoPE's starting curve (trial 1), the best trial and (optionally)
     the model as loaded on `documents`."""
     from .objective import method_config, score_perplexity
 
     best = best_trial(history)
     rows, done = {}, {}
-    candidates = [("defaults", history[0])] + [("start", t) for t in history[1:2] if t["role"] == "start"] + \
-        ([("best", best)] if best is not None else [])
+    candidates = (
+        [("defaults", history[0])]
+        + [("start", t) for t in history[1:2] if t["role"] == "start"]
+        + ([("best", best)] if best is not None else [])
+    )
     for name, trial in candidates:
         if trial["state"] != "complete":
             rows[name] = None
@@ -175,8 +200,14 @@ def held_out_scores(settings: SearchSettings, history: list[dict], model, docume
             rows[name] = rows[done[trial["number"]]]
             continue
         done[trial["number"]] = name
-        rows[name] = score_perplexity(model, method_config(settings.base, trial["params"]), documents,
-                                      settings.length, settings.stride, bos_token_id)
+        rows[name] = score_perplexity(
+            model,
+            method_config(settings.base, trial["params"]),
+            documents,
+            settings.length,
+            settings.stride,
+            bos_token_id,
+        )
         if progress is not None:
             progress.update(1)
     if baseline:
@@ -184,38 +215,60 @@ def held_out_scores(settings: SearchSettings, history: list[dict], model, docume
     return rows
 
 
-def summarize(settings: SearchSettings, history: list[dict], held_out: dict, seconds: float,
-              environment: dict | None = None, checkpoint: dict | None = None) -> dict:
+def summarize(
+    settings: SearchSettings,
+    history: list[dict],
+    held_out: dict,
+    seconds: float,
+    environment: dict | None = None,
+    checkpoint: dict | None = None,
+) -> dict:
     """results.json: settings, best and default trials, calibration and held-out numbers side by side."""
     best = best_trial(history)
     defaults = history[0]
-    value = (lambda t: t["value"] if t and t["state"] == "complete" else None)
+    value = lambda t: t["value"] if t and t["state"] == "complete" else None
 
     def improvement(new, old):
         return None if new is None or old is None or old == 0 else (new - old) / old
 
-    held = {name: (None if row is None else {"perplexity": row["perplexity"], "tokens": row["tokens"],
-                                              "documents": row["documents"]})
-            for name, row in held_out.items()}
+    held = {
+        name: (
+            None
+            if row is None
+            else {"perplexity": row["perplexity"], "tokens": row["tokens"], "documents": row["documents"]}
+        )
+        for name, row in held_out.items()
+    }
     held_ppl = {name: (row or {}).get("perplexity") for name, row in held.items()}
     return {
         "settings": settings.to_dict(),
-        "trials": {"logged": len(history), "complete": sum(t["state"] == "complete" for t in history),
-                   "invalid": sum(t["state"] == "invalid" for t in history),
-                   "diverged": sum(t["state"] == "diverged" for t in history),
-                   "repeats": sum("repeat_of" in t for t in history)},
+        "trials": {
+            "logged": len(history),
+            "complete": sum(t["state"] == "complete" for t in history),
+            "invalid": sum(t["state"] == "invalid" for t in history),
+            "diverged": sum(t["state"] == "diverged" for t in history),
+            "repeats": sum("repeat_of" in t for t in history),
+        },
         "best": best,
         "defaults": defaults,
         "start_value": value(history[1]) if len(history) > 1 and history[1]["role"] == "start" else None,
-        "calibration": {"objective": settings.objective, "defaults": value(defaults), "best": value(best),
-                        "change": improvement(value(best), value(defaults))},
-        "held_out": {"documents": settings.data.get("held_out", {}).get("documents", []),
-                     "perplexity": held_ppl,
-                     "change": improvement(held_ppl.get("best"), held_ppl.get("defaults")),
-                     "scores": held},
+        "calibration": {
+            "objective": settings.objective,
+            "defaults": value(defaults),
+            "best": value(best),
+            "change": improvement(value(best), value(defaults)),
+        },
+        "held_out": {
+            "documents": settings.data.get("held_out", {}).get("documents", []),
+            "perplexity": held_ppl,
+            "change": improvement(held_ppl.get("best"), held_ppl.get("defaults")),
+            "scores": held,
+        },
         "checkpoint": checkpoint,
-        "seconds": {"this_run": round(seconds, 1),
-                    "trials_total": round(sum(t.get("seconds", 0.0) for t in history), 1)},
+        "seconds": {
+            "this_run": round(seconds, 1),
+            "trials_total": round(sum(t.get("seconds", 0.0) for t in history), 1),
+        },
         "environment": environment,
     }
 
@@ -250,10 +303,16 @@ def plot_objective(history: list[dict], path: Path, title: str, objective: str) 
     else:
         ax.ticklabel_format(axis="y", useOffset=False)
     ax.set_xlabel("trial")
-    ax.set_ylabel({"ppl": "calibration perplexity", "passkey": "passkey error rate",
-                   "ppl+passkey": "perplexity x 2^(1 - passkey accuracy)",
-                   "needle-ppl": "mean NLL of the passkey answers",
-                   "ppl+needle-ppl": "ln(perplexity) + answer NLL"}[objective] + " (lower is better)")
+    ax.set_ylabel(
+        {
+            "ppl": "calibration perplexity",
+            "passkey": "passkey error rate",
+            "ppl+passkey": "perplexity x 2^(1 - passkey accuracy)",
+            "needle-ppl": "mean NLL of the passkey answers",
+            "ppl+needle-ppl": "ln(perplexity) + answer NLL",
+        }[objective]
+        + " (lower is better)"
+    )
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)

@@ -56,8 +56,9 @@ class Range:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise CtxextError(f"search range of '{self.name}': '{bound}' must be a number, got {value!r}")
         if not self.low < self.high:
-            raise CtxextError(f"search range of '{self.name}' is empty: low {self.low:g} is not below high "
-                              f"{self.high:g}")
+            raise CtxextError(
+                f"search range of '{self.name}' is empty: low {self.low:g} is not below high {self.high:g}"
+            )
         if self.log and self.low <= 0:
             raise CtxextError(f"search range of '{self.name}': a log range needs low > 0, got {self.low:g}")
         if self.integer and math.ceil(self.low) > math.floor(self.high):
@@ -105,16 +106,18 @@ def declared_range(field: dataclasses.Field, scales: dict[str, float]) -> Range 
     low, high, *words = spec
     unknown = [w for w in words if w not in WORDS and w not in SCALES]
     if unknown:
-        raise CtxextError(f"parameter '{field.name}' declares unknown search words {unknown}; "
-                          f"use {', '.join(WORDS + tuple(SCALES))}")
+        raise CtxextError(
+            f"parameter '{field.name}' declares unknown search words {unknown}; use {', '.join(WORDS + tuple(SCALES))}"
+        )
     multiplier = 1.0
     for word in words:
         if word in SCALES:
             multiplier *= scales[SCALES[word]]
     low, high = low * multiplier, high * multiplier
     if "pow2" in words:
-        return Range(field.name, choices=tuple(2 ** k for k in range(math.ceil(math.log2(low)),
-                                                                     math.floor(math.log2(high)) + 1)))
+        return Range(
+            field.name, choices=tuple(2**k for k in range(math.ceil(math.log2(low)), math.floor(math.log2(high)) + 1))
+        )
     return Range(field.name, low, high, log="log" in words, integer="int" in words)
 
 
@@ -156,13 +159,19 @@ def collapse_elements(params: dict) -> dict:
 
 def searchable_fields(method) -> dict[str, dataclasses.Field]:
     """The parameters of a method a search may vary: all but `factor` (given) and the method's forced values."""
-    return {f.name: f for f in dataclasses.fields(method.params_cls)
-            if f.name != "factor" and f.name not in method.forced}
+    return {
+        f.name: f for f in dataclasses.fields(method.params_cls) if f.name != "factor" and f.name not in method.forced
+    }
 
 
-def build_space(method, scales: dict[str, float], names: list[str] | None = None,
-                space: dict[str, Any] | None = None, source: str = "--space",
-                counts: dict[str, int] | None = None) -> list[Range]:
+def build_space(
+    method,
+    scales: dict[str, float],
+    names: list[str] | None = None,
+    space: dict[str, Any] | None = None,
+    source: str = "--space",
+    counts: dict[str, int] | None = None,
+) -> list[Range]:
     """The ranges to search: `space` (a --space mapping) if given, else the declared ranges of `names` (default:
     every parameter that declares one); a list parameter becomes one range per element (`counts` of them where
     given). A one-line CtxextError for an unknown name, an undeclared or empty range."""
@@ -175,15 +184,19 @@ def build_space(method, scales: dict[str, float], names: list[str] | None = None
         if names is None:
             names = [name for name, f in fields.items() if "search" in f.metadata]
             if not names:
-                raise CtxextError(f"method '{method.name}' has no parameter to search (its parameters: "
-                                  f"{', '.join(fields) or 'none besides factor'})")
+                raise CtxextError(
+                    f"method '{method.name}' has no parameter to search (its parameters: "
+                    f"{', '.join(fields) or 'none besides factor'})"
+                )
         ranges = []
         for name in names:
             _check_known(name, fields, method.name, "--params")
             declared = declared_range(fields[name], scales)
             if declared is None:
-                raise CtxextError(f"parameter '{name}' of '{method.name}' declares no search range; give one in a "
-                                  f"--space YAML, e.g. '{name}: {{low: 1, high: 10}}'")
+                raise CtxextError(
+                    f"parameter '{name}' of '{method.name}' declares no search range; give one in a "
+                    f"--space YAML, e.g. '{name}: {{low: 1, high: 10}}'"
+                )
             ranges.append(declared)
     if len({r.name for r in ranges}) != len(ranges):
         raise CtxextError("each parameter may be searched once; --params names one twice")
@@ -192,8 +205,10 @@ def build_space(method, scales: dict[str, float], names: list[str] | None = None
 
 def _check_known(name: str, fields: dict, method_name: str, source: str) -> None:
     if name not in fields:
-        raise CtxextError(f"{source}: method '{method_name}' has no searchable parameter '{name}'"
-                          f"{did_you_mean(name, fields)}; its parameters are: {', '.join(fields) or 'none'}")
+        raise CtxextError(
+            f"{source}: method '{method_name}' has no searchable parameter '{name}'"
+            f"{did_you_mean(name, fields)}; its parameters are: {', '.join(fields) or 'none'}"
+        )
 
 
 def parse_range(name: str, spec: Any, fields: dict, method_name: str, source: str = "--space") -> Range:

@@ -75,15 +75,18 @@ def read_served_model(path) -> ServedModel:
     if not (path / "config.json").is_file():
         raise CtxextError(f"'{path}' is neither a checkpoint directory (with config.json) nor a GGUF file")
     config = json.loads((path / "config.json").read_text())
-    rope = config.get("rope_parameters") or {**(config.get("rope_scaling") or {"rope_type": "default"}),
-                                             "rope_theta": config.get("rope_theta", 10000.0)}
+    rope = config.get("rope_parameters") or {
+        **(config.get("rope_scaling") or {"rope_type": "default"}),
+        "rope_theta": config.get("rope_theta", 10000.0),
+    }
     record = None
     if (path / "ctxext.yaml").is_file():
         import yaml
 
         record = yaml.safe_load((path / "ctxext.yaml").read_text())
-    return ServedModel(path, "checkpoint", config.get("model_type", "?"), dict(rope), config.get("ctxext_attention"),
-                       record, config)
+    return ServedModel(
+        path, "checkpoint", config.get("model_type", "?"), dict(rope), config.get("ctxext_attention"), record, config
+    )
 
 
 def engine_table(model: ServedModel) -> list[Support]:
@@ -104,15 +107,25 @@ def _transformers(model: ServedModel) -> Support:
     if model.kind == "gguf":
         if model.method == "none" or get_method(model.method).new_base is not None:
             return Support("transformers", "exact", "its GGUF loader reads rope.freq_base, all this file changes")
-        return Support("transformers", "no", "its GGUF loader reads only rope.freq_base, not the scaling keys or "
-                       "rope_freqs; load the patched checkpoint directory instead")
+        return Support(
+            "transformers",
+            "no",
+            "its GGUF loader reads only rope.freq_base, not the scaling keys or "
+            "rope_freqs; load the patched checkpoint directory instead",
+        )
     rope_type = model.rope_parameters.get("rope_type", "default")
     if rope_type.startswith("ctxext_") or _attention_method(model) or model.logn:
         what = "log-n scaling" if model.logn and not _attention_method(model) else f"'{model.method}'"
-        return Support("transformers", "no", f"{what} runs only with ctxext: `import ctxext` before loading (it "
-                       f"re-installs the method)")
-    return Support("transformers", "exact", f"reads rope type '{rope_type}' (rope_parameters in 5.x, "
-                   f"rope_scaling + rope_theta in 4.x)")
+        return Support(
+            "transformers",
+            "no",
+            f"{what} runs only with ctxext: `import ctxext` before loading (it re-installs the method)",
+        )
+    return Support(
+        "transformers",
+        "exact",
+        f"reads rope type '{rope_type}' (rope_parameters in 5.x, rope_scaling + rope_theta in 4.x)",
+    )
 
 
 def _vllm_or_sglang(model: ServedModel, engine: str) -> Support:
@@ -121,32 +134,59 @@ def _vllm_or_sglang(model: ServedModel, engine: str) -> Support:
     attention = _attention_method(model)
     if attention == "dual_chunk" and engine == "sglang" and model.family == "qwen2":
         if "dual_chunk_attention_config" in model.config:
-            return Support(engine, "approximate", "its Dual Chunk Attention (dual_chunk_attention_config); it also "
-                           "scales keys by 0.1 ln(len/L) + 1, which ctxext does not; CUDA only; not run here")
-        return Support(engine, "approximate", "after `ctxext export MODEL --engine sglang -o OUT`, which writes "
-                       "dual_chunk_attention_config; SGLang also scales keys by 0.1 ln(len/L) + 1; not run here")
+            return Support(
+                engine,
+                "approximate",
+                "its Dual Chunk Attention (dual_chunk_attention_config); it also "
+                "scales keys by 0.1 ln(len/L) + 1, which ctxext does not; CUDA only; not run here",
+            )
+        return Support(
+            engine,
+            "approximate",
+            "after `ctxext export MODEL --engine sglang -o OUT`, which writes "
+            "dual_chunk_attention_config; SGLang also scales keys by 0.1 ln(len/L) + 1; not run here",
+        )
     if attention == "dual_chunk":
-        where = ("vLLM's Dual Chunk Attention went with its V0 backends" if engine == "vllm"
-                 else f"SGLang's Dual Chunk Attention is for the Qwen2 family, not {model.family}")
+        where = (
+            "vLLM's Dual Chunk Attention went with its V0 backends"
+            if engine == "vllm"
+            else f"SGLang's Dual Chunk Attention is for the Qwen2 family, not {model.family}"
+        )
         return Support(engine, "no", f"{where}; {SERVED_BY_CTXEXT}")
     if attention or model.logn:
         return Support(engine, "no", f"no {engine} option runs {attention or 'log-n scaling'}; {SERVED_BY_CTXEXT}")
     rope = model.rope_parameters
     rope_type = rope.get("rope_type", "default")
     if rope_type not in VLLM_SGLANG_TYPES:
-        return Support(engine, "no", f"'{rope_type}' is not a type {engine} knows (it refuses to load); rewrite it "
-                       f"with `ctxext export MODEL --engine {engine} -o OUT` if the method has a native form")
+        return Support(
+            engine,
+            "no",
+            f"'{rope_type}' is not a type {engine} knows (it refuses to load); rewrite it "
+            f"with `ctxext export MODEL --engine {engine} -o OUT` if the method has a native form",
+        )
     if rope_type == "dynamic":
-        return Support(engine, "approximate", "its dynamic NTK computes the base once, for the longest length "
-                       "(max_position_embeddings x factor), not from each sequence's length as transformers does")
+        return Support(
+            engine,
+            "approximate",
+            "its dynamic NTK computes the base once, for the longest length "
+            "(max_position_embeddings x factor), not from each sequence's length as transformers does",
+        )
     if rope_type == "longrope" and "attention_factor" in rope and "short_mscale" not in rope:
-        return Support(engine, "approximate", "it ignores attention_factor and computes its own cos/sin scale; "
-                       "rewrite with `ctxext export MODEL --engine ... -o OUT` (adds short_mscale/long_mscale)")
+        return Support(
+            engine,
+            "approximate",
+            "it ignores attention_factor and computes its own cos/sin scale; "
+            "rewrite with `ctxext export MODEL --engine ... -o OUT` (adds short_mscale/long_mscale)",
+        )
     if rope_type == "yarn" and rope.get("attention_factor") is not None and "attn_factor" not in rope:
-        return Support(engine, "approximate" if engine == "sglang" else "exact",
-                       "SGLang and vLLM before 0.33 ignore yarn's attention_factor (attn_factor is what they read)")
-    note = "; pass --max-model-len (it defaults to L for longrope)" if engine == "vllm" and rope_type == "longrope" \
-        else ""
+        return Support(
+            engine,
+            "approximate" if engine == "sglang" else "exact",
+            "SGLang and vLLM before 0.33 ignore yarn's attention_factor (attn_factor is what they read)",
+        )
+    note = (
+        "; pass --max-model-len (it defaults to L for longrope)" if engine == "vllm" and rope_type == "longrope" else ""
+    )
     return Support(engine, "exact", f"reads rope type '{rope_type}' with the keys written{note}; not run here")
 
 
@@ -158,25 +198,37 @@ def _llama_cpp(model: ServedModel) -> Support:
         return Support("llama.cpp", "exact", f"{how}; run it with a context (-c) up to the file's context_length")
     arch = GGUF_ARCH.get(model.family)
     if arch is None:
-        return Support("llama.cpp", "no", f"ctxext writes GGUF rope keys for llama, mistral, qwen2, qwen3, not "
-                       f"{model.family}")
+        return Support(
+            "llama.cpp", "no", f"ctxext writes GGUF rope keys for llama, mistral, qwen2, qwen3, not {model.family}"
+        )
     if model.record is None:
-        return Support("llama.cpp", "no", "no ctxext.yaml here, so the method is unknown; patch the model's GGUF "
-                       "with `ctxext patch MODEL.gguf ...`")
+        return Support(
+            "llama.cpp",
+            "no",
+            "no ctxext.yaml here, so the method is unknown; patch the model's GGUF with `ctxext patch MODEL.gguf ...`",
+        )
     spec, params = model.method_and_params()
     L = int(model.record["original_max_position_embeddings"])
     base = float((model.record.get("rope_parameters") or model.rope_parameters)["rope_theta"])
     if spec.name == "self_extend":
         from .gguf import self_extend_flags
 
-        return Support("llama.cpp", "approximate", f"at run time, with {self_extend_flags(params)} (its window is a "
-                       "chunk width, and keys are shifted in the cache, not re-rotated)")
+        return Support(
+            "llama.cpp",
+            "approximate",
+            f"at run time, with {self_extend_flags(params)} (its window is a "
+            "chunk width, and keys are shifted in the cache, not re-rotated)",
+        )
     try:
         rope = gguf_rope(spec, params, arch, model.rotary_dim, base, L, logn=model.logn)
     except CtxextError as error:
         return Support("llama.cpp", "no", str(error))
-    return Support("llama.cpp", "exact", f"{rope.how}: convert the source model with llama.cpp's "
-                   f"convert_hf_to_gguf.py, then `ctxext patch MODEL.gguf` with the same method")
+    return Support(
+        "llama.cpp",
+        "exact",
+        f"{rope.how}: convert the source model with llama.cpp's "
+        f"convert_hf_to_gguf.py, then `ctxext patch MODEL.gguf` with the same method",
+    )
 
 
 # ------------------------------------------------------------------------------------------- writing
@@ -192,14 +244,19 @@ def export_checkpoint(model: ServedModel, engine: str, output, overwrite: bool =
     if engine not in ENGINES:
         raise CtxextError(f"unknown --engine '{engine}'; choose one of: {', '.join(ENGINES)}")
     if model.kind == "gguf":
-        raise CtxextError("MODEL is a GGUF file, which llama.cpp reads as it is; --engine/-o export checkpoint "
-                          "directories")
+        raise CtxextError(
+            "MODEL is a GGUF file, which llama.cpp reads as it is; --engine/-o export checkpoint directories"
+        )
     if engine == "llama.cpp":
-        raise CtxextError("a GGUF file is written from a GGUF file: convert the unpatched model with llama.cpp's "
-                          "convert_hf_to_gguf.py, then `ctxext patch MODEL.gguf --method ... -o OUT.gguf`")
+        raise CtxextError(
+            "a GGUF file is written from a GGUF file: convert the unpatched model with llama.cpp's "
+            "convert_hf_to_gguf.py, then `ctxext patch MODEL.gguf --method ... -o OUT.gguf`"
+        )
     if model.record is None:
-        raise CtxextError(f"'{model.path}' has no ctxext.yaml, so ctxext does not know what was applied; patch the "
-                          f"original model with `ctxext patch`")
+        raise CtxextError(
+            f"'{model.path}' has no ctxext.yaml, so ctxext does not know what was applied; patch the "
+            f"original model with `ctxext patch`"
+        )
     spec, params = model.method_and_params()
     L = int(model.record["original_max_position_embeddings"])
     base = float(model.record["rope_parameters"]["rope_theta"])
@@ -209,26 +266,35 @@ def export_checkpoint(model: ServedModel, engine: str, output, overwrite: bool =
     if spec.name == "dual_chunk" and engine == "sglang" and model.family == "qwen2":
         resolved = params.resolved(L)
         rope = {"rope_type": "default", "rope_theta": base}
-        extra = {"dual_chunk_attention_config": {"chunk_size": int(resolved.chunk_size),
-                                                 "local_size": int(resolved.local_window),
-                                                 "original_max_position_embeddings": L}}
+        extra = {
+            "dual_chunk_attention_config": {
+                "chunk_size": int(resolved.chunk_size),
+                "local_size": int(resolved.local_window),
+                "original_max_position_embeddings": L,
+            }
+        }
         how = "SGLang's dual_chunk_attention_config (approximate: SGLang also scales keys by 0.1 ln(len/L) + 1)"
     else:
-        form = rope_form(spec, params, model.rotary_dim, base, L, model.rope_parameters.get("partial_rotary_factor"),
-                         "native")
+        form = rope_form(
+            spec, params, model.rotary_dim, base, L, model.rope_parameters.get("partial_rotary_factor"), "native"
+        )
         if not form.native:
-            hint = {"dual_chunk": "--engine sglang on a Qwen2-family model",
-                    "self_extend": "llama.cpp's --grp-attn-n/--grp-attn-w on a GGUF"}.get(spec.name, SERVED_BY_CTXEXT)
-            raise CtxextError(f"{engine} cannot serve {spec.name} exactly: {form.how.split(': ', 1)[-1]}; "
-                              f"possible: {hint}")
+            hint = {
+                "dual_chunk": "--engine sglang on a Qwen2-family model",
+                "self_extend": "llama.cpp's --grp-attn-n/--grp-attn-w on a GGUF",
+            }.get(spec.name, SERVED_BY_CTXEXT)
+            raise CtxextError(
+                f"{engine} cannot serve {spec.name} exactly: {form.how.split(': ', 1)[-1]}; possible: {hint}"
+            )
         rope, extra, how = form.rope_parameters, {}, form.how
     check_output_dir(output, [model.path], overwrite)
     with atomic_output_dir(output, [model.path], overwrite) as staging:
         for item in model.path.iterdir():
             if item.is_file():
                 shutil.copy2(item, staging / item.name)
-        (staging / "config.json").write_text(json.dumps({**with_both_spellings(config, rope), **extra}, indent=2,
-                                                        sort_keys=True) + "\n")
+        (staging / "config.json").write_text(
+            json.dumps({**with_both_spellings(config, rope), **extra}, indent=2, sort_keys=True) + "\n"
+        )
         if (staging / "ctxext.yaml").exists():
             with open(staging / "ctxext.yaml", "a") as f:
                 f.write(f"exported_for: {engine}\n")

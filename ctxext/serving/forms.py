@@ -40,14 +40,22 @@ def no_native_form(method: Method, params: MethodParams) -> str | None:
     if issubclass(method.params_cls, RemapParams):
         return f"'{method.name}' remaps positions inside attention; no rope type expresses it"
     if method.is_dynamic(params) and method.rope_type(params).startswith("ctxext_"):
-        return (f"'{method.name}' recomputes its frequencies from the current length; transformers' only such type "
-                f"is dynamic NTK ('dynamic')")
+        return (
+            f"'{method.name}' recomputes its frequencies from the current length; transformers' only such type "
+            f"is dynamic NTK ('dynamic')"
+        )
     return None
 
 
-def rope_form(method: Method, params: MethodParams, rotary_dim: int, base: float,
-              original_max_position_embeddings: int, partial_rotary_factor: float | None = None,
-              format: str = "native") -> RopeForm:
+def rope_form(
+    method: Method,
+    params: MethodParams,
+    rotary_dim: int,
+    base: float,
+    original_max_position_embeddings: int,
+    partial_rotary_factor: float | None = None,
+    format: str = "native",
+) -> RopeForm:
     """The rope parameters that reproduce `method` with `params` when the checkpoint is loaded again.
 
     format 'native': transformers' own types wherever an exact form exists (ctxext's types otherwise);
@@ -70,15 +78,29 @@ def rope_form(method: Method, params: MethodParams, rotary_dim: int, base: float
     if method.new_base is not None:
         new_base = float(method.new_base(rotary_dim, base, params))
         # L is kept so that patching the checkpoint again scales from it (transformers only warns about the key).
-        return RopeForm({"rope_type": "default", "rope_theta": new_base, "original_max_position_embeddings": L,
-                         **extra}, True, f"a base change: 'default' with rope_theta {base:g} -> {new_base:g}")
+        return RopeForm(
+            {"rope_type": "default", "rope_theta": new_base, "original_max_position_embeddings": L, **extra},
+            True,
+            f"a base change: 'default' with rope_theta {base:g} -> {new_base:g}",
+        )
     factors = per_pair_factors(method, params, rotary_dim, base, L)
     _, attention_factor = compute_inv_freq(method, params, rotary_dim, base, L)
-    return RopeForm(_for_engines({
-        "rope_type": "longrope", "rope_theta": base, "factor": float(params.factor),
-        "original_max_position_embeddings": L, "short_factor": factors, "long_factor": factors,
-        "attention_factor": float(attention_factor), **extra,
-    }), True, "'longrope' with short_factor = long_factor = theta_i/theta'_i per pair")
+    return RopeForm(
+        _for_engines(
+            {
+                "rope_type": "longrope",
+                "rope_theta": base,
+                "factor": float(params.factor),
+                "original_max_position_embeddings": L,
+                "short_factor": factors,
+                "long_factor": factors,
+                "attention_factor": float(attention_factor),
+                **extra,
+            }
+        ),
+        True,
+        "'longrope' with short_factor = long_factor = theta_i/theta'_i per pair",
+    )
 
 
 def _for_engines(rope_parameters: dict) -> dict:
@@ -98,8 +120,9 @@ def _for_engines(rope_parameters: dict) -> dict:
     return out
 
 
-def per_pair_factors(method: Method, params: MethodParams, rotary_dim: int, base: float,
-                     original_max_position_embeddings: int) -> list[float]:
+def per_pair_factors(
+    method: Method, params: MethodParams, rotary_dim: int, base: float, original_max_position_embeddings: int
+) -> list[float]:
     """theta_i / theta'_i for each rotary pair (pair 0, the highest frequency, first): what each pair's frequency
     is divided by. longrope's factors and llama.cpp's `rope_freqs` tensor have this meaning."""
     scaled, _ = compute_inv_freq(method, params, rotary_dim, base, original_max_position_embeddings)
@@ -128,9 +151,15 @@ def model_rope_form(model, format: str = "native") -> RopeForm:
     if not isinstance(scaled, ScaledRotaryEmbedding):
         rope_parameters = dict(host.config.rope_parameters)
         return RopeForm(rope_parameters, not rope_parameters["rope_type"].startswith("ctxext_"), "as loaded")
-    return rope_form(scaled.method, scaled.params, scaled.rotary_dim, scaled.base,
-                     scaled.original_max_position_embeddings,
-                     host.config.rope_parameters.get("partial_rotary_factor"), format)
+    return rope_form(
+        scaled.method,
+        scaled.params,
+        scaled.rotary_dim,
+        scaled.base,
+        scaled.original_max_position_embeddings,
+        host.config.rope_parameters.get("partial_rotary_factor"),
+        format,
+    )
 
 
 def write_config_for_serving(model, folder, format: str = "native") -> RopeForm:

@@ -51,27 +51,47 @@ def self_extend_flags(params) -> str:
     return f"llama-completion -m MODEL.gguf --grp-attn-n {G} --grp-attn-w {W}"
 
 
-def gguf_rope(method: Method, params: MethodParams, arch: str, rotary_dim: int, base: float,
-              original_length: int, logn: bool = False) -> GgufRope:
+def gguf_rope(
+    method: Method,
+    params: MethodParams,
+    arch: str,
+    rotary_dim: int,
+    base: float,
+    original_length: int,
+    logn: bool = False,
+) -> GgufRope:
     """The GGUF keys and tensor that make llama.cpp compute `method` exactly, or a one-line CtxextError naming
     the nearest thing llama.cpp can express."""
     name = method.name
     if logn:
-        raise CtxextError("llama.cpp has no log-n query scaling; write the method without --logn "
-                          "(the nearest it can express), or serve with ctxext (ctxext.patch + model.generate)")
+        raise CtxextError(
+            "llama.cpp has no log-n query scaling; write the method without --logn "
+            "(the nearest it can express), or serve with ctxext (ctxext.patch + model.generate)"
+        )
     if name == "self_extend":
-        raise CtxextError(f"self_extend is not stored in a GGUF file: llama.cpp runs an approximation of it at run "
-                          f"time ({self_extend_flags(params)}; llama-cli in older builds, not llama-server); its "
-                          f"width is a chunk size, not SelfExtend's neighbour window")
+        raise CtxextError(
+            f"self_extend is not stored in a GGUF file: llama.cpp runs an approximation of it at run "
+            f"time ({self_extend_flags(params)}; llama-cli in older builds, not llama-server); its "
+            f"width is a chunk size, not SelfExtend's neighbour window"
+        )
     reason = no_native_form(method, params)
     if reason is not None:
-        nearest = {"dynamic_yarn": "yarn", "rerope": "yarn", "leaky_rerope": "yarn", "dual_chunk": "yarn",
-                   "string": "yarn"}.get(name, name.removeprefix("dynamic_"))
-        raise CtxextError(f"llama.cpp cannot run {name} ({reason}); the nearest it can express is static "
-                          f"'{nearest}' (ctxext patch MODEL.gguf --method {nearest} ...)")
+        nearest = {
+            "dynamic_yarn": "yarn",
+            "rerope": "yarn",
+            "leaky_rerope": "yarn",
+            "dual_chunk": "yarn",
+            "string": "yarn",
+        }.get(name, name.removeprefix("dynamic_"))
+        raise CtxextError(
+            f"llama.cpp cannot run {name} ({reason}); the nearest it can express is static "
+            f"'{nearest}' (ctxext patch MODEL.gguf --method {nearest} ...)"
+        )
     if name == "dynamic_ntk":
-        raise CtxextError("llama.cpp has no dynamic scaling; the nearest it can express is static 'ntk' "
-                          "at the same factor (--method ntk)")
+        raise CtxextError(
+            "llama.cpp has no dynamic scaling; the nearest it can express is static 'ntk' "
+            "at the same factor (--method ntk)"
+        )
     L = int(original_length)
     s = float(params.factor)
     scaled = {"rope.scaling.original_context_length": L}
@@ -81,11 +101,17 @@ def gguf_rope(method: Method, params: MethodParams, arch: str, rotary_dim: int, 
         new_base = float(method.new_base(rotary_dim, base, params))
         return GgufRope({"rope.freq_base": new_base}, None, f"a base change: freq_base {base:g} -> {new_base:g}")
     if name == "linear":
-        return GgufRope({**scaled, "rope.scaling.type": "linear", "rope.scaling.factor": s}, None,
-                        "llama.cpp's linear scaling")
+        return GgufRope(
+            {**scaled, "rope.scaling.type": "linear", "rope.scaling.factor": s}, None, "llama.cpp's linear scaling"
+        )
     _, attention_factor = method.inv_freq_fn(rotary_dim, base, L, params)
-    llama_cpp_yarn = (name == "yarn" and params.ramp == "index" and params.truncate
-                      and params.beta_fast == 32 and params.beta_slow == 1)
+    llama_cpp_yarn = (
+        name == "yarn"
+        and params.ramp == "index"
+        and params.truncate
+        and params.beta_fast == 32
+        and params.beta_slow == 1
+    )
     if llama_cpp_yarn:
         keys = {**scaled, "rope.scaling.type": "yarn", "rope.scaling.factor": s}
         if not math.isclose(attention_factor, yarn_mscale(s), rel_tol=1e-9):
@@ -93,12 +119,16 @@ def gguf_rope(method: Method, params: MethodParams, arch: str, rotary_dim: int, 
         return GgufRope(keys, None, "llama.cpp's yarn")
     pairs = rotary_dim // 2
     if name == "longrope" and list(params.short_factor or [1.0] * pairs) != list(params.long_factor or [s] * pairs):
-        raise CtxextError("llama.cpp switches longrope's factor sets by context size only for Phi-3 files; the "
-                          "nearest it can express is one set: --short-factor equal to --long-factor")
+        raise CtxextError(
+            "llama.cpp switches longrope's factor sets by context size only for Phi-3 files; the "
+            "nearest it can express is one set: --short-factor equal to --long-factor"
+        )
     if arch not in PER_PAIR_ARCHITECTURES:
         near = "'yarn' at beta_fast 32, beta_slow 1" if name in ("yarn", "ntk_by_parts") else "'yarn' or 'ntk'"
-        raise CtxextError(f"llama.cpp reads per-pair frequency factors (rope_freqs) only for the llama architecture, "
-                          f"not {arch}, so {name} cannot be written exactly; the nearest it can express is {near}")
+        raise CtxextError(
+            f"llama.cpp reads per-pair frequency factors (rope_freqs) only for the llama architecture, "
+            f"not {arch}, so {name} cannot be written exactly; the nearest it can express is {near}"
+        )
     keys = dict(scaled)
     if not math.isclose(attention_factor, 1.0, rel_tol=1e-12):
         keys["rope.scaling.attn_factor"] = float(attention_factor)
@@ -158,11 +188,14 @@ class GgufModel:
 def describe(reader, path) -> GgufModel:
     arch = field_value(reader, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise CtxextError(f"GGUF '{path}' is a '{arch}' model; ctxext supports the GGUF architectures "
-                          f"{', '.join(ARCHITECTURES)} (LLaMA and Mistral files are 'llama')")
+        raise CtxextError(
+            f"GGUF '{path}' is a '{arch}' model; ctxext supports the GGUF architectures "
+            f"{', '.join(ARCHITECTURES)} (LLaMA and Mistral files are 'llama')"
+        )
     heads = field_value(reader, f"{arch}.attention.head_count")
-    head_dim = field_value(reader, f"{arch}.attention.key_length") or \
-        field_value(reader, f"{arch}.embedding_length") // heads
+    head_dim = (
+        field_value(reader, f"{arch}.attention.key_length") or field_value(reader, f"{arch}.embedding_length") // heads
+    )
     record = field_value(reader, RECORD_KEY)
     return GgufModel(
         arch=arch,
@@ -198,8 +231,10 @@ def patch_gguf(source, method_config, output, overwrite: bool = False, outtype: 
     reader = read_gguf(source)
     model = describe(reader, source)
     if model.record or model.has_rope_freqs or model.scaling_type not in (None, "none"):
-        raise CtxextError(f"'{source}' is already scaled ({_scaling_summary(model)}); ctxext patches unscaled GGUF "
-                          f"files (start from the original model's GGUF)")
+        raise CtxextError(
+            f"'{source}' is already scaled ({_scaling_summary(model)}); ctxext patches unscaled GGUF "
+            f"files (start from the original model's GGUF)"
+        )
     spec = get_method(method_config.method)
     L = int(method_config.original_max_position_embeddings or model.context_length)
     params = spec.make_params(factor=method_config.factor, **method_config.params)
@@ -209,12 +244,19 @@ def patch_gguf(source, method_config, output, overwrite: bool = False, outtype: 
     arch = model.arch
     changed = {f"{arch}.{key}": value for key, value in rope.keys.items()}
     changed[f"{arch}.context_length"] = new_length
-    record = {"method": spec.name, "params": _json_params(params), "original_max_position_embeddings": L,
-              "rope_theta": model.base, "logn": bool(method_config.logn), "written_as": rope.how}
+    record = {
+        "method": spec.name,
+        "params": _json_params(params),
+        "original_max_position_embeddings": L,
+        "rope_theta": model.base,
+        "logn": bool(method_config.logn),
+        "written_as": rope.how,
+    }
     changed[RECORD_KEY] = json.dumps(record, sort_keys=True)
     if outtype != "same":
-        changed["general.file_type"] = int(gguf.LlamaFileType.ALL_F32 if outtype == "f32"
-                                           else gguf.LlamaFileType.MOSTLY_F16)
+        changed["general.file_type"] = int(
+            gguf.LlamaFileType.ALL_F32 if outtype == "f32" else gguf.LlamaFileType.MOSTLY_F16
+        )
 
     output.parent.mkdir(parents=True, exist_ok=True)
     fd, staging = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
@@ -254,8 +296,9 @@ def _write(reader, path: Path, arch: str, changed: dict, rope_freqs, outtype: st
     tensors = [(t, _converted(t, outtype)) for t in reader.tensors]
     for tensor, data in tensors:
         if data is None:
-            writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes,
-                                   tensor.tensor_type)
+            writer.add_tensor_info(
+                tensor.name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type
+            )
         else:
             writer.add_tensor_info(tensor.name, data.shape, data.dtype, data.nbytes)
     freqs = None if rope_freqs is None else np.asarray(rope_freqs, dtype=np.float32)
@@ -285,8 +328,10 @@ def _converted(tensor, outtype: str):
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
     if outtype == "f16" and len(tensor.shape) > 1:
         values = values.astype(np.float16)
-    if values.dtype == tensor.data.dtype and tensor.tensor_type in (gguf.GGMLQuantizationType.F32,
-                                                                     gguf.GGMLQuantizationType.F16):
+    if values.dtype == tensor.data.dtype and tensor.tensor_type in (
+        gguf.GGMLQuantizationType.F32,
+        gguf.GGMLQuantizationType.F16,
+    ):
         return None  # already in the asked type: copy the bytes
     return values
 

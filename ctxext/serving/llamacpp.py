@@ -7,8 +7,10 @@ import os
 
 from ..errors import CtxextError
 
-INSTALL_HINT = ("pip install 'ctxext[llamacpp]' (llama-cpp-python; it builds llama.cpp from source with cmake and a "
-                "C++ compiler, about 10 minutes on 2 cores)")
+INSTALL_HINT = (
+    "pip install 'ctxext[llamacpp]' (llama-cpp-python; it builds llama.cpp from source with cmake and a "
+    "C++ compiler, about 10 minutes on 2 cores)"
+)
 
 
 def llama_cpp_available() -> bool:
@@ -33,14 +35,20 @@ def llama_cpp_nll(gguf_path, token_ids: list[int], n_threads: int | None = None)
     n = len(token_ids)
     if n < 2:
         raise CtxextError("llama.cpp scoring needs at least 2 tokens")
-    llm = Llama(model_path=str(gguf_path), n_ctx=n, n_batch=min(n, 512), logits_all=True,
-                n_threads=n_threads or os.cpu_count(), verbose=False)
+    llm = Llama(
+        model_path=str(gguf_path),
+        n_ctx=n,
+        n_batch=min(n, 512),
+        logits_all=True,
+        n_threads=n_threads or os.cpu_count(),
+        verbose=False,
+    )
     try:
         llm.eval(list(token_ids))
         total = 0.0
         for start in range(0, n - 1, 1024):  # log-softmax in slices: n x vocab float64 at once is too much
-            rows = np.asarray(llm.scores[start:min(start + 1024, n - 1)], dtype=np.float64)
-            targets = np.asarray(token_ids[start + 1:start + 1 + len(rows)])
+            rows = np.asarray(llm.scores[start : min(start + 1024, n - 1)], dtype=np.float64)
+            targets = np.asarray(token_ids[start + 1 : start + 1 + len(rows)])
             log_norm = np.logaddexp.reduce(rows, axis=1)
             total += float(np.sum(log_norm - rows[np.arange(len(rows)), targets]))
     finally:

@@ -50,8 +50,9 @@ def _method_config(model: ServedModel):
     spec, params = model.method_and_params()
     values = {k: v for k, v in params.to_dict().items() if v is not None and k not in spec.forced}
     L = model.record["original_max_position_embeddings"]
-    return load_method_config(None, {"method": spec.name, **values, "logn": model.logn,
-                                     "original_max_position_embeddings": L})
+    return load_method_config(
+        None, {"method": spec.name, **values, "logn": model.logn, "original_max_position_embeddings": L}
+    )
 
 
 def _unscaled(config, model: ServedModel) -> None:
@@ -70,8 +71,18 @@ def transformers_parity(model: ServedModel, n_tokens: int) -> tuple[bool, str]:
     ids = _random_ids(config.vocab_size, n_tokens)
     with tempfile.TemporaryDirectory() as scratch:
         torch.save(ids, Path(scratch) / "ids.pt")
-        result = subprocess.run([sys.executable, "-c", PLAIN_LOGITS, str(model.path), str(Path(scratch) / "ids.pt"),
-                                 str(Path(scratch) / "logits.pt")], capture_output=True, text=True)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                PLAIN_LOGITS,
+                str(model.path),
+                str(Path(scratch) / "ids.pt"),
+                str(Path(scratch) / "logits.pt"),
+            ],
+            capture_output=True,
+            text=True,
+        )
         if result.returncode != 0:
             lines = [line for line in result.stderr.splitlines() if line.strip()]
             return False, f"plain transformers failed to load it: {lines[-1] if lines else result.returncode}"
@@ -89,7 +100,8 @@ def transformers_parity(model: ServedModel, n_tokens: int) -> tuple[bool, str]:
     absolute, relative = LOGIT_TOLERANCE
     return difference <= absolute + relative * change, (
         f"plain transformers (subprocess, no ctxext) vs ctxext.patch: max |logit diff| {difference:.1e} over "
-        f"{n_tokens} tokens in fp32 (the method itself moves logits by up to {change:.2g})")
+        f"{n_tokens} tokens in fp32 (the method itself moves logits by up to {change:.2g})"
+    )
 
 
 def llama_cpp_parity(model: ServedModel, n_tokens: int) -> tuple[bool, str]:
@@ -100,8 +112,9 @@ def llama_cpp_parity(model: ServedModel, n_tokens: int) -> tuple[bool, str]:
     from .llamacpp import llama_cpp_nll
 
     try:
-        reference = AutoModelForCausalLM.from_pretrained(model.path.parent, gguf_file=model.path.name,
-                                                         dtype=torch.float32).eval()
+        reference = AutoModelForCausalLM.from_pretrained(
+            model.path.parent, gguf_file=model.path.name, dtype=torch.float32
+        ).eval()
     except (OSError, ValueError, KeyError, RuntimeError) as error:
         raise CtxextError(f"transformers could not load '{model.path}' for the check: {first_line(error)}") from None
     ids = _random_ids(reference.config.vocab_size, n_tokens)
@@ -116,7 +129,8 @@ def llama_cpp_parity(model: ServedModel, n_tokens: int) -> tuple[bool, str]:
     note = ", quantised weights: --outtype f32 for a strict check" if weights == "quantised" else ""
     return abs(ratio) <= PERPLEXITY_TOLERANCE[weights], (
         f"llama.cpp vs ctxext.patch on transformers' load of the file: perplexity {100 * ratio:+.3f}% over "
-        f"{n_tokens} tokens (within {100 * PERPLEXITY_TOLERANCE[weights]:g}%{note})")
+        f"{n_tokens} tokens (within {100 * PERPLEXITY_TOLERANCE[weights]:g}%{note})"
+    )
 
 
 def _quantised(path) -> bool:

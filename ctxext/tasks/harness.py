@@ -41,8 +41,10 @@ def import_lm_eval():
         import lm_eval
         from lm_eval.models.huggingface import HFLM  # noqa: F401  (the wrapper every cell uses)
     except ImportError as error:
-        raise CtxextError(f"ctxext tasks needs lm-evaluation-harness, which is not installed "
-                          f"({first_line(error)}); install it with: {INSTALL_HINT}") from None
+        raise CtxextError(
+            f"ctxext tasks needs lm-evaluation-harness, which is not installed "
+            f"({first_line(error)}); install it with: {INSTALL_HINT}"
+        ) from None
     return lm_eval
 
 
@@ -69,8 +71,9 @@ class TaskManagers:
         if key not in self._by_metadata:
             _drop_metadata_hint()
             base = next(iter(self._by_metadata.values()), None)
-            self._by_metadata[key] = (_with_metadata(base, metadata) if base is not None else None) or \
-                TaskManager(metadata=metadata)
+            self._by_metadata[key] = (_with_metadata(base, metadata) if base is not None else None) or TaskManager(
+                metadata=metadata
+            )
         return self._by_metadata[key]
 
     def any(self):
@@ -112,8 +115,10 @@ def resolve_tasks(names: list[str], manager) -> list[TaskSpec]:
     for name in names:
         entry = manager.task_index.get(name)
         if entry is None:
-            raise CtxextError(f"unknown lm-eval task '{name}'{did_you_mean(name, manager.all_tasks)}; "
-                              f"`lm-eval ls tasks` lists them (ctxext runs any of them)")
+            raise CtxextError(
+                f"unknown lm-eval task '{name}'{did_you_mean(name, manager.all_tasks)}; "
+                f"`lm-eval ls tasks` lists them (ctxext runs any of them)"
+            )
         specs.append(TaskSpec(name, _length_convention(name, manager)))
     return specs
 
@@ -131,11 +136,15 @@ def _length_convention(name: str, manager, seen: frozenset = frozenset()) -> str
 def check_lengths(specs: list[TaskSpec], lengths: list[int]) -> None:
     for spec in specs:
         if spec.convention == "ruler" and lengths[0] < MIN_RULER_LENGTH:
-            raise CtxextError(f"RULER tasks ({spec.name}) need --lengths of at least {MIN_RULER_LENGTH} tokens "
-                              f"(lm-eval cannot build shorter prompts), got {lengths[0]}")
+            raise CtxextError(
+                f"RULER tasks ({spec.name}) need --lengths of at least {MIN_RULER_LENGTH} tokens "
+                f"(lm-eval cannot build shorter prompts), got {lengths[0]}"
+            )
         if spec.convention == "babilong" and any(n % 1024 for n in lengths):
-            raise CtxextError(f"babilong tasks ({spec.name}) come in lengths of whole thousands (1k = 1024 tokens: "
-                              f"4k, 8k, ...), got {', '.join(str(n) for n in lengths if n % 1024)}")
+            raise CtxextError(
+                f"babilong tasks ({spec.name}) come in lengths of whole thousands (1k = 1024 tokens: "
+                f"4k, 8k, ...), got {', '.join(str(n) for n in lengths if n % 1024)}"
+            )
 
 
 def task_metadata(spec: TaskSpec, length: int | None, tokenizer_name: str) -> dict:
@@ -161,15 +170,17 @@ def check_task_data(spec: TaskSpec, manager, length: int | None) -> None:
             _seed_like_simple_evaluate()  # the data the first cell will build, not data from another seed
             manager.load([spec.name])
     except ImportError as error:
-        raise CtxextError(f"task '{spec.name}' needs a package that is not installed ({first_line(error)}); "
-                          f"{INSTALL_HINT} installs what the RULER tasks need") from None
+        raise CtxextError(
+            f"task '{spec.name}' needs a package that is not installed ({first_line(error)}); "
+            f"{INSTALL_HINT} installs what the RULER tasks need"
+        ) from None
     except OSError as error:  # ConnectionError, requests' errors, a missing file
-        raise CtxextError(f"task '{spec.name}' needs data that could not be fetched: {fetch_failure(error)}") \
-            from None
+        raise CtxextError(f"task '{spec.name}' needs data that could not be fetched: {fetch_failure(error)}") from None
     except Exception as error:  # noqa: BLE001  (lm-eval raises ValueError, AssertionError, KeyError, ...)
         at = f" at length {length}" if length else ""
-        raise CtxextError(f"lm-eval could not build task '{spec.name}'{at}: {type(error).__name__}: "
-                          f"{first_line(error)}") from None
+        raise CtxextError(
+            f"lm-eval could not build task '{spec.name}'{at}: {type(error).__name__}: {first_line(error)}"
+        ) from None
 
 
 def _seed_like_simple_evaluate() -> None:
@@ -223,8 +234,9 @@ class Cell:
 
 def plan_cells(methods: list, specs: list[TaskSpec], lengths: list[int]) -> list[Cell]:
     """Task by task, length by length, every method: an interrupted run leaves whole columns done."""
-    return [Cell(method, spec, length) for spec in specs for length in task_lengths(spec, lengths)
-            for method in methods]
+    return [
+        Cell(method, spec, length) for spec in specs for length in task_lengths(spec, lengths) for method in methods
+    ]
 
 
 def max_length_for(cell: Cell, lengths: list[int]) -> int:
@@ -234,8 +246,13 @@ def max_length_for(cell: Cell, lengths: list[int]) -> int:
 
 def cell_key(cell: Cell, common: dict, max_length: int) -> dict:
     """Everything a cell's result depends on; its hash names the cache file."""
-    return {**common, "method": cell.method.description, "task": cell.task.name, "length": cell.length,
-            "max_length": max_length}
+    return {
+        **common,
+        "method": cell.method.description,
+        "task": cell.task.name,
+        "length": cell.length,
+        "max_length": max_length,
+    }
 
 
 class CellCache:
@@ -303,8 +320,9 @@ def model_fingerprint(name_or_path: str, model) -> dict:
     hub id with the commit transformers resolved."""
     path = Path(name_or_path)
     if path.is_dir():
-        files = sorted((str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns)
-                       for f in path.rglob("*") if f.is_file())
+        files = sorted(
+            (str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns) for f in path.rglob("*") if f.is_file()
+        )
         digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()
         return {"path": str(path.resolve()), "files_sha256": digest}
     return {"hub_id": name_or_path, "commit": getattr(model.config, "_commit_hash", None)}
@@ -326,8 +344,15 @@ def harness_model(model, tokenizer, max_length: int, batch_size, processes):
     return lm
 
 
-def evaluate_cell(lm, spec: TaskSpec, manager, limit: int | None, apply_chat_template: bool,
-                  quiet: bool = False, requests_cache: str | None = None) -> dict | None:
+def evaluate_cell(
+    lm,
+    spec: TaskSpec,
+    manager,
+    limit: int | None,
+    apply_chat_template: bool,
+    quiet: bool = False,
+    requests_cache: str | None = None,
+) -> dict | None:
     """lm_eval.simple_evaluate on one task; what it returns, reduced to what results.json keeps (None off the
     main process). `requests_cache`: lm-eval's per-request cache (`use_cache`), for resuming a cell."""
     import lm_eval
@@ -337,8 +362,14 @@ def evaluate_cell(lm, spec: TaskSpec, manager, limit: int | None, apply_chat_tem
     if requests_cache is not None:
         Path(requests_cache).parent.mkdir(parents=True, exist_ok=True)
     with contextlib.redirect_stderr(sink) if quiet else contextlib.nullcontext():
-        out = lm_eval.simple_evaluate(model=lm, tasks=[spec.name], limit=limit, task_manager=manager,
-                                      apply_chat_template=apply_chat_template, use_cache=requests_cache)
+        out = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=[spec.name],
+            limit=limit,
+            task_manager=manager,
+            apply_chat_template=apply_chat_template,
+            use_cache=requests_cache,
+        )
     if out is None:
         return None
     config = out.get("config", {})
@@ -350,14 +381,28 @@ def evaluate_cell(lm, spec: TaskSpec, manager, limit: int | None, apply_chat_tem
         "n-shot": out.get("n-shot", {}),
         "higher_is_better": out.get("higher_is_better", {}),
         "configs": json.loads(json.dumps(out.get("configs", {}), default=_jsonable)),
-        "config": {k: config.get(k) for k in ("limit", "bootstrap_iters", "gen_kwargs", "random_seed",
-                                              "numpy_seed", "torch_seed", "fewshot_seed", "batch_size",
-                                              "model_dtype", "model_num_parameters")},
+        "config": {
+            k: config.get(k)
+            for k in (
+                "limit",
+                "bootstrap_iters",
+                "gen_kwargs",
+                "random_seed",
+                "numpy_seed",
+                "torch_seed",
+                "fewshot_seed",
+                "batch_size",
+                "model_dtype",
+                "model_num_parameters",
+            )
+        },
         "max_length": out.get("max_length"),
         "lm_eval_version": out.get("lm_eval_version"),
         # In doc order: under several processes lm-eval gathers them rank by rank.
-        "samples": {task: [sample_record(s) for s in sorted(samples, key=lambda s: int(s.get("doc_id", 0)))]
-                    for task, samples in out.get("samples", {}).items()},
+        "samples": {
+            task: [sample_record(s) for s in sorted(samples, key=lambda s: int(s.get("doc_id", 0)))]
+            for task, samples in out.get("samples", {}).items()
+        },
         "seconds": time.perf_counter() - started,
     }
 
@@ -384,9 +429,24 @@ def sample_record(sample: dict) -> dict:
     return json.loads(json.dumps(record, default=_jsonable))
 
 
-def run_cells(cells: list[Cell], model, tokenizer, managers: TaskManagers, cache: CellCache, *, lengths: list[int],
-              tokenizer_name: str, common_key: dict, limit: int | None, batch_size, apply_chat_template: bool,
-              processes, cached_only: bool = False, quiet: bool = False, report=print) -> list[Cell]:
+def run_cells(
+    cells: list[Cell],
+    model,
+    tokenizer,
+    managers: TaskManagers,
+    cache: CellCache,
+    *,
+    lengths: list[int],
+    tokenizer_name: str,
+    common_key: dict,
+    limit: int | None,
+    batch_size,
+    apply_chat_template: bool,
+    processes,
+    cached_only: bool = False,
+    quiet: bool = False,
+    report=print,
+) -> list[Cell]:
     """Run (or read from the cache) every cell; `report(line)` is called on the main process after each one."""
     for cell in cells:
         cell.key = cell_key(cell, common_key, max_length_for(cell, lengths))
@@ -405,15 +465,15 @@ def run_cells(cells: list[Cell], model, tokenizer, managers: TaskManagers, cache
         lm = harness_model(model, tokenizer, max_length_for(cell, lengths), batch_size, processes)
         cell.method.apply(model)
         try:
-            cell.result = evaluate_cell(lm, cell.task, manager, limit, apply_chat_template, quiet,
-                                        cache.requests_path(cell.key))
+            cell.result = evaluate_cell(
+                lm, cell.task, manager, limit, apply_chat_template, quiet, cache.requests_path(cell.key)
+            )
         finally:
             cell.method.remove(model)
         if processes.is_main:
             cache.save(cell.key, cell.result)
             cache.drop_requests(cell.key)  # every process is past simple_evaluate's final gather
-            report(f"[{index}/{len(cells)}] {cell.name}: {cell_summary(cell)} "
-                   f"({cell.result['seconds']:.0f} s)")
+            report(f"[{index}/{len(cells)}] {cell.name}: {cell_summary(cell)} ({cell.result['seconds']:.0f} s)")
     return cells
 
 
@@ -445,14 +505,25 @@ def cell_scores(cell: Cell) -> list[dict]:
                 if name != str(cell.length):
                     continue
                 name = "score"
-            rows.append({"method": cell.method.label, "task": task, "length": cell.length,
-                         "metric": name if filter_name == "none" else f"{name},{filter_name}",
-                         "value": float(value), "samples": samples, "seconds": cell.result.get("seconds"),
-                         "cached": cell.cached})
+            rows.append(
+                {
+                    "method": cell.method.label,
+                    "task": task,
+                    "length": cell.length,
+                    "metric": name if filter_name == "none" else f"{name},{filter_name}",
+                    "value": float(value),
+                    "samples": samples,
+                    "seconds": cell.result.get("seconds"),
+                    "cached": cell.cached,
+                }
+            )
     return rows
 
 
 def cell_summary(cell: Cell) -> str:
     rows = cell_scores(cell)
-    return ", ".join(f"{r['task']} {r['metric']} {r['value']:.3f}" for r in rows[:4]) + \
-        (", ..." if len(rows) > 4 else "") if rows else "no scores"
+    return (
+        ", ".join(f"{r['task']} {r['metric']} {r['value']:.3f}" for r in rows[:4]) + (", ..." if len(rows) > 4 else "")
+        if rows
+        else "no scores"
+    )

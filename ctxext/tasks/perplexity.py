@@ -17,9 +17,20 @@ def evaluate_module_path() -> str:
     return str(Path(__file__).resolve().parent / "evaluate_perplexity")
 
 
-def texts_perplexity(texts: list[str], model, tokenizer=None, *, window: int, stride: int | str = 256,
-                     method: dict | str | None = None, bos: str = "auto", short_docs: str = "skip",
-                     device: str = "auto", dtype: str = "auto", attn_implementation: str = "auto") -> dict:
+def texts_perplexity(
+    texts: list[str],
+    model,
+    tokenizer=None,
+    *,
+    window: int,
+    stride: int | str = 256,
+    method: dict | str | None = None,
+    bos: str = "auto",
+    short_docs: str = "skip",
+    device: str = "auto",
+    dtype: str = "auto",
+    attn_implementation: str = "auto",
+) -> dict:
     """Sliding-window perplexity of `texts` (each one document) at `window` tokens, per docs/METHODS.md.
 
     `model` is a checkpoint path or hub id (loaded on the device and dtype `ctxext eval` would pick), or a loaded
@@ -62,6 +73,7 @@ def _load(name: str, device: str, dtype: str, attn_implementation: str):
 
     check_model_source(name)
     runtime = inference_runtime(device, dtype, attn_implementation, Processes())
-    model = load_model(name, dtype=runtime["dtype"], device=runtime["device"],
-                       attn_implementation=runtime["attn_implementation"])
+    model = load_model(
+        name, dtype=runtime["dtype"], device=runtime["device"], attn_implementation=runtime["attn_implementation"]
+    )
     return model, load_tokenizer(name)

@@ -10,8 +10,10 @@ from pathlib import Path
 CSV_COLUMNS = ["method", "task", "length", "metric", "value", "samples", "seconds", "cached"]
 BASELINE = "none"  # the unpatched model's row
 EFFECTIVE_SHARE = 0.85
-EFFECTIVE_RULE = ("effective length: the longest length tested at which the score is at least 85% of the "
-                  "unpatched model's score at the shortest length tested (RULER-style)")
+EFFECTIVE_RULE = (
+    "effective length: the longest length tested at which the score is at least 85% of the "
+    "unpatched model's score at the shortest length tested (RULER-style)"
+)
 
 
 def effective_lengths(rows: list[dict], methods: list[str]) -> list[dict]:
@@ -28,12 +30,27 @@ def effective_lengths(rows: list[dict], methods: list[str]) -> list[dict]:
         threshold = EFFECTIVE_SHARE * baseline if usable else None
         by_method = {}
         for method in methods:
-            passed = [r["length"] for r in panel if r["method"] == method and threshold is not None
-                      and r["value"] is not None and math.isfinite(r["value"]) and r["value"] >= threshold]
+            passed = [
+                r["length"]
+                for r in panel
+                if r["method"] == method
+                and threshold is not None
+                and r["value"] is not None
+                and math.isfinite(r["value"])
+                and r["value"] >= threshold
+            ]
             by_method[method] = max(passed) if passed else None
-        out.append({"task": task, "metric": metric, "baseline_length": shortest, "baseline": baseline,
-                    "threshold": threshold, "effective_length": by_method,
-                    "note": None if usable else f"no positive score of '{BASELINE}' at {shortest} to measure against"})
+        out.append(
+            {
+                "task": task,
+                "metric": metric,
+                "baseline_length": shortest,
+                "baseline": baseline,
+                "threshold": threshold,
+                "effective_length": by_method,
+                "note": None if usable else f"no positive score of '{BASELINE}' at {shortest} to measure against",
+            }
+        )
     return out
 
 
@@ -73,8 +90,7 @@ def score_tables(rows: list[dict], methods: list[str], lengths: list[int] = ()) 
         lines = [title.ljust(label_width) + "".join(f"{_length_label(n):>9}" for n in lengths_here)]
         lines.append("-" * len(lines[0]))
         for method in methods:
-            cells = [format_score(by_key[(method, n)]["value"]) if (method, n) in by_key else "-"
-                     for n in lengths_here]
+            cells = [format_score(by_key[(method, n)]["value"]) if (method, n) in by_key else "-" for n in lengths_here]
             lines.append(method.ljust(label_width) + "".join(f"{c:>9}" for c in cells))
         effective = next(iter(effective_lengths(panel, methods)), None)
         if effective is not None:
@@ -87,8 +103,10 @@ def _effective_line(effective: dict) -> str:
     if effective["threshold"] is None:
         return f"effective length: - ({effective['note']})"
     found = ", ".join(f"{m} {_length_label(n) if n else '-'}" for m, n in effective["effective_length"].items())
-    return (f"effective length (score >= {EFFECTIVE_SHARE:.0%} of {BASELINE} at "
-            f"{_length_label(effective['baseline_length'])} = {effective['threshold']:.3f}): {found}")
+    return (
+        f"effective length (score >= {EFFECTIVE_SHARE:.0%} of {BASELINE} at "
+        f"{_length_label(effective['baseline_length'])} = {effective['threshold']:.3f}): {found}"
+    )
 
 
 def plot_task_heatmap(rows: list[dict], methods: list[str], path: Path, title: str) -> None:
@@ -112,8 +130,9 @@ def plot_task_heatmap(rows: list[dict], methods: list[str], path: Path, title: s
         image = ax.imshow(grid, vmin=low, vmax=high, cmap="RdYlGn", aspect="auto")
         for i, row in enumerate(grid):
             for j, value in enumerate(row):
-                ax.text(j, i, format_score(value) if math.isfinite(value) else "-", ha="center", va="center",
-                        fontsize=8)
+                ax.text(
+                    j, i, format_score(value) if math.isfinite(value) else "-", ha="center", va="center", fontsize=8
+                )
         effective = next(iter(effective_lengths(panel, methods)), None)
         for i, method in enumerate(methods):  # a frame around each method's effective length
             n = effective["effective_length"].get(method) if effective else None
@@ -126,6 +145,9 @@ def plot_task_heatmap(rows: list[dict], methods: list[str], path: Path, title: s
         ax.set_title(task if metric == "score" else f"{task}\n{metric}", fontsize=9)
     if image is not None:
         fig.colorbar(image, ax=axes[0].tolist(), label="score")
-    fig.suptitle(f"{title}\nframed: each method's effective length (>= {EFFECTIVE_SHARE:.0%} of {BASELINE} at the "
-                 f"shortest length)", fontsize=10)
+    fig.suptitle(
+        f"{title}\nframed: each method's effective length (>= {EFFECTIVE_SHARE:.0%} of {BASELINE} at the "
+        f"shortest length)",
+        fontsize=10,
+    )
     fig.savefig(path, dpi=120, bbox_inches="tight")

@@ -19,8 +19,8 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -38,8 +38,10 @@ class PackedSequences:
         # One chunk of slack so that a later epoch's offset never runs past the end.
         self.per_epoch = (len(stream) - length) // length if len(stream) >= 2 * length else 0
         if self.per_epoch < 1:
-            raise CtxextError(f"the training data has {len(stream)} tokens, too few for sequences of {length} "
-                              f"tokens (need at least {2 * length}); add data or shorten seq_len")
+            raise CtxextError(
+                f"the training data has {len(stream)} tokens, too few for sequences of {length} "
+                f"tokens (need at least {2 * length}); add data or shorten seq_len"
+            )
         self._orders: dict[int, tuple[int, torch.Tensor]] = {}
 
     def _epoch(self, epoch: int) -> tuple[int, torch.Tensor]:
@@ -53,7 +55,7 @@ class PackedSequences:
         epoch, within = divmod(index, self.per_epoch)
         offset, order = self._epoch(epoch)
         start = offset + int(order[within]) * self.length
-        return torch.from_numpy(np.array(self.stream[start:start + self.length], dtype=np.int64))
+        return torch.from_numpy(np.array(self.stream[start : start + self.length], dtype=np.int64))
 
     def batch(self, indices: list[int]) -> torch.Tensor:
         return torch.stack([self[i] for i in indices])
@@ -95,7 +97,7 @@ def tokenize_stream(texts, tokenizer, max_tokens: int | None, progress: bool = F
         ids = tokenizer(text, add_special_tokens=False, verbose=False).input_ids
         ids.append(eos)
         if max_tokens is not None and total + len(ids) > max_tokens:
-            ids = ids[:max_tokens - total]
+            ids = ids[: max_tokens - total]
         pieces.append(np.asarray(ids, dtype=dtype))
         names.append(name)
         total += len(ids)
@@ -115,12 +117,22 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def data_key(data, tokenizer, max_tokens: int | None) -> str:
-    spec = {"dataset": data.dataset, "text_files": [str(Path(p).expanduser().resolve()) for p in data.text_files],
-            "split": data.split, "config": data.config, "text_field": data.text_field, "exclude": sorted(data.exclude),
-            "max_tokens": max_tokens, "tokenizer": tokenizer_fingerprint(tokenizer)}
+    spec = {
+        "dataset": data.dataset,
+        "text_files": [str(Path(p).expanduser().resolve()) for p in data.text_files],
+        "split": data.split,
+        "config": data.config,
+        "text_field": data.text_field,
+        "exclude": sorted(data.exclude),
+        "max_tokens": max_tokens,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+    }
     if data.text_files:  # local files can change; their size and mtime are part of the key
-        spec["files"] = [(str(p), p.stat().st_size, p.stat().st_mtime_ns)
-                         for raw in data.text_files for p in _files_of(Path(raw).expanduser())]
+        spec["files"] = [
+            (str(p), p.stat().st_size, p.stat().st_mtime_ns)
+            for raw in data.text_files
+            for p in _files_of(Path(raw).expanduser())
+        ]
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -130,8 +142,9 @@ def _files_of(path: Path) -> list[Path]:
     return [path] if path.is_file() else []
 
 
-def token_stream(data, tokenizer, max_tokens: int | None, is_main: bool = True, wait=None,
-                 progress: bool = False) -> tuple[np.ndarray, dict]:
+def token_stream(
+    data, tokenizer, max_tokens: int | None, is_main: bool = True, wait=None, progress: bool = False
+) -> tuple[np.ndarray, dict]:
     """The training token stream (memory-mapped from the cache) and a description for the run record.
 
     The main process builds the cache file; `wait` (a barrier) lets the other processes wait for it.
@@ -176,5 +189,7 @@ def check_held_out(train_names: list[str], eval_names: list[str]) -> None:
     for name in eval_names:
         for part in name.split("+"):
             if "[" not in part and _identity(part) in trained:
-                raise CtxextError(f"evaluation document '{part}' is also in the training data; hold it out "
-                                  f"(data.exclude=[{Path(part).stem}]) or evaluate on other text")
+                raise CtxextError(
+                    f"evaluation document '{part}' is also in the training data; hold it out "
+                    f"(data.exclude=[{Path(part).stem}]) or evaluate on other text"
+                )

@@ -27,8 +27,14 @@ import torch
 import yaml
 
 from ..errors import CtxextError
-from ..runtime import (Processes, attention_implementation, cpu_processes, launched_sharded, on_main_first,
-                       training_precision)
+from ..runtime import (
+    Processes,
+    attention_implementation,
+    cpu_processes,
+    launched_sharded,
+    on_main_first,
+    training_precision,
+)
 from .recipe import Recipe
 
 CHECKPOINTS = "checkpoints"
@@ -49,8 +55,9 @@ def lr_factor(step: int, warmup_steps: int, warmup_start_factor: float, schedule
     return 1.0
 
 
-def sample_indices(step: int, micro_step: int, rank: int, world_size: int, micro_batch: int,
-                   global_batch: int) -> list[int]:
+def sample_indices(
+    step: int, micro_step: int, rank: int, world_size: int, micro_batch: int, global_batch: int
+) -> list[int]:
     """The samples one process uses in one micro-step: the step's global batch is split across processes."""
     first = step * global_batch + (micro_step * world_size + rank) * micro_batch
     return list(range(first, first + micro_batch))
@@ -89,14 +96,17 @@ def make_runtime(recipe: Recipe) -> Runtime:
     if train.global_batch_size % (train.micro_batch_size * world):
         raise CtxextError(
             f"train.global_batch_size ({train.global_batch_size}) must be a multiple of train.micro_batch_size "
-            f"({train.micro_batch_size}) x processes ({world})")
+            f"({train.micro_batch_size}) x processes ({world})"
+        )
     accumulation = train.global_batch_size // (train.micro_batch_size * world)
     precision = training_precision(train.precision, device, launched_sharded())
     if precision != "fp32" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise CtxextError(f"train.precision={precision}, but this GPU has no bf16; use train.precision=fp32")
-    accelerator = Accelerator(cpu=cpu_processes(train.device) or device.type == "cpu",
-                              gradient_accumulation_steps=accumulation,
-                              mixed_precision="no" if precision == "fp32" else "bf16")
+    accelerator = Accelerator(
+        cpu=cpu_processes(train.device) or device.type == "cpu",
+        gradient_accumulation_steps=accumulation,
+        mixed_precision="no" if precision == "fp32" else "bf16",
+    )
     weights_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     attn = attention_implementation(train.attn_implementation, accelerator.device, precision != "fp32")
     return Runtime(accelerator, processes, precision, weights_dtype, attn, accumulation)
@@ -143,8 +153,10 @@ def prepare(recipe: Recipe, resume: bool, progress: bool = True) -> Setup:
         if not latest_checkpoint(output):
             raise CtxextError(f"--resume: '{output}' holds no checkpoint to resume from")
     elif output.is_dir() and any(output.iterdir()):
-        raise CtxextError(f"output directory '{output}' already exists; use --resume to continue that run, "
-                          "or choose another output_dir")
+        raise CtxextError(
+            f"output directory '{output}' already exists; use --resume to continue that run, "
+            "or choose another output_dir"
+        )
     check_output_dir(output, protected, overwrite=True)  # not inside the input model, not a file
 
     runtime = make_runtime(recipe)
@@ -154,8 +166,12 @@ def prepare(recipe: Recipe, resume: bool, progress: bool = True) -> Setup:
     on_main_first(runtime.processes, lambda: resolve_model_name(recipe.model))  # builds the tiny model once, if named
     model_path = resolve_model_name(recipe.model)
     tokenizer = load_tokenizer(model_path)
-    model = load_model(model_path, dtype=runtime.weights_dtype, device=runtime.accelerator.device,
-                       attn_implementation=runtime.attn_implementation)
+    model = load_model(
+        model_path,
+        dtype=runtime.weights_dtype,
+        device=runtime.accelerator.device,
+        attn_implementation=runtime.attn_implementation,
+    )
     original_length = int(model.config.max_position_embeddings)
     recipe.method.apply(model)
     original_length = applied_method(model)["original_max_position_embeddings"] or original_length
@@ -164,7 +180,8 @@ def prepare(recipe: Recipe, resume: bool, progress: bool = True) -> Setup:
         raise CtxextError(
             f"seq_len {recipe.seq_len} is beyond what the model patched with {recipe.method.label} supports "
             f"({limit} = {original_length} x {recipe.method.factor:g}); raise method.factor to at least "
-            f"{math.ceil(recipe.seq_len / original_length)} or lower seq_len")
+            f"{math.ceil(recipe.seq_len / original_length)} or lower seq_len"
+        )
     if recipe.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -178,16 +195,33 @@ def prepare(recipe: Recipe, resume: bool, progress: bool = True) -> Setup:
     length = recipe.train_sequence_length
     needed = recipe.train.max_steps * recipe.train.global_batch_size * length + 2 * length
     max_tokens = recipe.data.max_tokens or needed
-    on_main_first(runtime.processes, lambda: token_stream(recipe.data, tokenizer, max_tokens, is_main=True, progress=progress))
+    on_main_first(
+        runtime.processes, lambda: token_stream(recipe.data, tokenizer, max_tokens, is_main=True, progress=progress)
+    )
     stream, info = token_stream(recipe.data, tokenizer, max_tokens, is_main=False)
     train_data = PackedSequences(stream, length, seed=recipe.seed)
-    info.update(sequence_length=length, sequences_per_epoch=train_data.per_epoch,
-                epochs=round(train_data.epochs_for(recipe.train.max_steps * recipe.train.global_batch_size), 3))
+    info.update(
+        sequence_length=length,
+        sequences_per_epoch=train_data.per_epoch,
+        epochs=round(train_data.epochs_for(recipe.train.max_steps * recipe.train.global_batch_size), 3),
+    )
 
     # Held-out data for the in-loop evaluation.
     documents, lengths, bos = load_eval_documents(recipe, tokenizer, original_length, info.get("names", []))
-    return Setup(recipe, runtime, model, tokenizer, train_data, info, documents, lengths, bos, original_length,
-                 output, model_path)
+    return Setup(
+        recipe,
+        runtime,
+        model,
+        tokenizer,
+        train_data,
+        info,
+        documents,
+        lengths,
+        bos,
+        original_length,
+        output,
+        model_path,
+    )
 
 
 # ------------------------------------------------------------------------------------------ evaluation
@@ -199,9 +233,15 @@ def load_eval_documents(recipe: Recipe, tokenizer, original_length: int, train_n
     ev = recipe.eval
     if not ev.every:
         return [], [], None
-    doc_set = load_documents(tokenizer, text_files=ev.text_files or None, dataset=ev.dataset or None,
-                             split=ev.split, dataset_config=ev.config, text_field=ev.text_field,
-                             max_docs=ev.max_docs)
+    doc_set = load_documents(
+        tokenizer,
+        text_files=ev.text_files or None,
+        dataset=ev.dataset or None,
+        split=ev.split,
+        dataset_config=ev.config,
+        text_field=ev.text_field,
+        max_docs=ev.max_docs,
+    )
     documents = doc_set.documents
     if ev.max_tokens_per_doc:
         for doc in documents:
@@ -235,15 +275,19 @@ def evaluate(setup: Setup, model, lengths: list[int]) -> dict[int, float]:
     rank, world = (accelerator.process_index, accelerator.num_processes) if share else (0, 1)
     results = {}
     with accelerator.autocast(), evaluation_mode(model):
-        for plan in [plan_length(setup.eval_documents, n, setup.recipe.eval.stride, setup.bos_token_id)
-                     for n in lengths]:
+        for plan in [
+            plan_length(setup.eval_documents, n, setup.recipe.eval.stride, setup.bos_token_id) for n in lengths
+        ]:
             nll = 0.0
             for index in range(rank, len(plan.windows), world):
                 window = plan.windows[index]
                 nll += window_nll(model, setup.eval_documents[window.doc].ids, window, setup.bos_token_id)
             if share:
-                nll = float(accelerator.reduce(torch.tensor([nll], dtype=torch.float64, device=accelerator.device),
-                                               reduction="sum")[0])
+                nll = float(
+                    accelerator.reduce(
+                        torch.tensor([nll], dtype=torch.float64, device=accelerator.device), reduction="sum"
+                    )[0]
+                )
             results[plan.length] = perplexity(nll, plan.scored_tokens)
     return results
 
@@ -319,8 +363,10 @@ def load_checkpoint(setup: Setup, model, optimizer, folder: Path) -> dict:
     accelerator = runtime.accelerator
     state = json.loads((folder / "state.json").read_text())
     if state["processes"] != accelerator.num_processes and runtime.sharded:
-        raise CtxextError(f"checkpoint {folder} was written by {state['processes']} processes; resume a sharded "
-                          f"run with the same number ({accelerator.num_processes} now)")
+        raise CtxextError(
+            f"checkpoint {folder} was written by {state['processes']} processes; resume a sharded "
+            f"run with the same number ({accelerator.num_processes} now)"
+        )
     if runtime.sharded:
         accelerator.load_state(str(folder / "accelerate"))
     else:
@@ -376,8 +422,13 @@ def plot_metrics(records: list[dict], path: Path, title: str) -> None:
         ax.plot(*zip(*points), marker="o", label=f"fine-tuned, window {length}")
     base = [r for r in records if r.get("kind") == "base_reference"]
     if base:
-        ax.axhline(base[0]["perplexity"], color="black", ls="--", lw=1,
-                   label=f"base model at its context {base[0]['length']}: {base[0]['perplexity']:.2f}")
+        ax.axhline(
+            base[0]["perplexity"],
+            color="black",
+            ls="--",
+            lw=1,
+            label=f"base model at its context {base[0]['length']}: {base[0]['perplexity']:.2f}",
+        )
     save_step_plot(fig, ax, path, "perplexity (held-out, lower is better)", title)
 
 
@@ -399,9 +450,13 @@ def save_step_plot(fig, ax, path: Path, ylabel: str, title: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ saving
 def method_record(setup: Setup) -> dict:
-    return {"source_model": setup.recipe.model, "model_path": setup.model_path,
-            **setup.recipe.method.to_dict(), "original_max_position_embeddings": setup.original_length,
-            "seq_len": setup.recipe.seq_len}
+    return {
+        "source_model": setup.recipe.model,
+        "model_path": setup.model_path,
+        **setup.recipe.method.to_dict(),
+        "original_max_position_embeddings": setup.original_length,
+        "seq_len": setup.recipe.seq_len,
+    }
 
 
 def save_results(setup: Setup, model) -> None:
@@ -416,9 +471,11 @@ def save_results(setup: Setup, model) -> None:
     if not runtime.is_main:
         return
     unwrapped = accelerator.unwrap_model(model)
-    note = ("# Written by `ctxext finetune`. Load the adapter on the base model patched with this method:\n"
-            "#   model = AutoModelForCausalLM.from_pretrained(source); ctxext.patch(model, method, factor=...)\n"
-            "#   model = PeftModel.from_pretrained(model, this_folder)\n")
+    note = (
+        "# Written by `ctxext finetune`. Load the adapter on the base model patched with this method:\n"
+        "#   model = AutoModelForCausalLM.from_pretrained(source); ctxext.patch(model, method, factor=...)\n"
+        "#   model = PeftModel.from_pretrained(model, this_folder)\n"
+    )
     with atomic_output_dir(setup.output / "adapter", overwrite=True) as staging:
         unwrapped.save_pretrained(staging, state_dict=state_dict)
         setup.tokenizer.save_pretrained(staging)
@@ -434,11 +491,15 @@ def save_results(setup: Setup, model) -> None:
         merged.save_pretrained(staging)
         form = write_config_for_serving(merged, staging)  # the method's exact native form where one exists
         setup.tokenizer.save_pretrained(staging)
-        record = {**method_record(setup), "rope_parameters": dict(merged.config.rope_parameters),
-                  "max_position_embeddings": merged.config.max_position_embeddings,
-                  "written_as": {"format": "native", "rope_type": form.rope_parameters["rope_type"], "how": form.how}}
-        (staging / "ctxext.yaml").write_text("# Written by `ctxext finetune`: base + LoRA, merged.\n"
-                                             + yaml.safe_dump(record, sort_keys=False))
+        record = {
+            **method_record(setup),
+            "rope_parameters": dict(merged.config.rope_parameters),
+            "max_position_embeddings": merged.config.max_position_embeddings,
+            "written_as": {"format": "native", "rope_type": form.rope_parameters["rope_type"], "how": form.how},
+        }
+        (staging / "ctxext.yaml").write_text(
+            "# Written by `ctxext finetune`: base + LoRA, merged.\n" + yaml.safe_dump(record, sort_keys=False)
+        )
 
 
 def merge_adapter(model_path: str, adapter: Path, method):
@@ -473,8 +534,13 @@ def train(setup: Setup, resume: bool, progress: bool = True, after_step=None) ->
     trainable = [p for p in model.parameters() if p.requires_grad]
     # The fused kernel updates in place: no temporaries the size of the trainable embedding, and faster.
     fused = accelerator.device.type in ("cuda", "cpu") and not runtime.sharded
-    optimizer = torch.optim.AdamW(trainable, lr=recipe.optim.lr, betas=tuple(recipe.optim.betas),
-                                  weight_decay=recipe.optim.weight_decay, fused=fused or None)
+    optimizer = torch.optim.AdamW(
+        trainable,
+        lr=recipe.optim.lr,
+        betas=tuple(recipe.optim.betas),
+        weight_decay=recipe.optim.weight_decay,
+        fused=fused or None,
+    )
     deepspeed = getattr(accelerator.state, "deepspeed_plugin", None)
     if deepspeed is not None:  # DeepSpeed reads the micro-batch from a dataloader, and we pass none
         deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = recipe.train.micro_batch_size
@@ -499,8 +565,12 @@ def train(setup: Setup, resume: bool, progress: bool = True, after_step=None) ->
     def run_eval(step: int) -> dict:
         started = time.perf_counter()
         scores = evaluate(setup, accelerator.unwrap_model(model), setup.eval_lengths)
-        record = {"kind": "eval", "step": step, "perplexity": {str(k): v for k, v in scores.items()},
-                  "seconds": round(time.perf_counter() - started, 2)}
+        record = {
+            "kind": "eval",
+            "step": step,
+            "perplexity": {str(k): v for k, v in scores.items()},
+            "seconds": round(time.perf_counter() - started, 2),
+        }
         log.write(record)
         return record
 
@@ -508,24 +578,48 @@ def train(setup: Setup, resume: bool, progress: bool = True, after_step=None) ->
         if recipe.eval.base_reference:
             started = time.perf_counter()
             base = base_reference(setup, accelerator.unwrap_model(model))
-            log.write({"kind": "base_reference", "step": 0, "length": setup.original_length, "perplexity": base,
-                       "seconds": round(time.perf_counter() - started, 2)})
+            log.write(
+                {
+                    "kind": "base_reference",
+                    "step": 0,
+                    "length": setup.original_length,
+                    "perplexity": base,
+                    "seconds": round(time.perf_counter() - started, 2),
+                }
+            )
         run_eval(0)
 
-    bar = tqdm(total=recipe.train.max_steps, initial=start_step, desc="fine-tuning", unit="step",
-               disable=not (progress and runtime.is_main), mininterval=2)
+    bar = tqdm(
+        total=recipe.train.max_steps,
+        initial=start_step,
+        desc="fine-tuning",
+        unit="step",
+        disable=not (progress and runtime.is_main),
+        mininterval=2,
+    )
     clock = time.perf_counter()
     window_loss, window_steps, window_clock = 0.0, 0, time.perf_counter()
     model.train()
     for step in range(start_step, recipe.train.max_steps):
-        lr = recipe.optim.lr * lr_factor(step, recipe.optim.warmup_steps, recipe.optim.warmup_start_factor,
-                                         recipe.optim.schedule, recipe.train.max_steps)
+        lr = recipe.optim.lr * lr_factor(
+            step,
+            recipe.optim.warmup_steps,
+            recipe.optim.warmup_start_factor,
+            recipe.optim.schedule,
+            recipe.train.max_steps,
+        )
         for group in optimizer.param_groups:
             group["lr"] = lr
         step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
         for micro in range(runtime.accumulation):
-            indices = sample_indices(step, micro, accelerator.process_index, accelerator.num_processes,
-                                     recipe.train.micro_batch_size, recipe.train.global_batch_size)
+            indices = sample_indices(
+                step,
+                micro,
+                accelerator.process_index,
+                accelerator.num_processes,
+                recipe.train.micro_batch_size,
+                recipe.train.global_batch_size,
+            )
             batch = setup.train_data.batch(indices).to(accelerator.device)
             inputs = {"input_ids": batch, "labels": batch}
             if recipe.pose.enabled:
@@ -550,16 +644,26 @@ def train(setup: Setup, resume: bool, progress: bool = True, after_step=None) ->
         bar.update(1)
         if done % recipe.train.log_every == 0 or done == recipe.train.max_steps:
             elapsed = time.perf_counter() - window_clock
-            log.write({"kind": "train", "step": done, "loss": window_loss / window_steps, "last_loss": step_loss,
-                       "lr": lr, "tokens": tokens, "tokens_per_second": round(window_steps * tokens_per_step / elapsed, 1)})
+            log.write(
+                {
+                    "kind": "train",
+                    "step": done,
+                    "loss": window_loss / window_steps,
+                    "last_loss": step_loss,
+                    "lr": lr,
+                    "tokens": tokens,
+                    "tokens_per_second": round(window_steps * tokens_per_step / elapsed, 1),
+                }
+            )
             bar.set_postfix(loss=f"{window_loss / window_steps:.4f}")
             window_loss, window_steps, window_clock = 0.0, 0, time.perf_counter()
         paused = time.perf_counter()  # evaluation and checkpoints do not count in the training tokens/s
         if eval_every and (done % eval_every == 0 or done == recipe.train.max_steps):
             record = run_eval(done)
             if runtime.is_main:
-                bar.write(f"step {done}: perplexity " + ", ".join(
-                    f"{k}: {v:.2f}" for k, v in record["perplexity"].items()))
+                bar.write(
+                    f"step {done}: perplexity " + ", ".join(f"{k}: {v:.2f}" for k, v in record["perplexity"].items())
+                )
             model.train()
         if ckpt_every and done % ckpt_every == 0 and done < recipe.train.max_steps:
             save_checkpoint(setup, model, optimizer, done, tokens, seconds_before + time.perf_counter() - clock)
@@ -570,8 +674,9 @@ def train(setup: Setup, resume: bool, progress: bool = True, after_step=None) ->
             after_step(done)
     bar.close()
 
-    save_checkpoint(setup, model, optimizer, recipe.train.max_steps, tokens,
-                    seconds_before + time.perf_counter() - clock)
+    save_checkpoint(
+        setup, model, optimizer, recipe.train.max_steps, tokens, seconds_before + time.perf_counter() - clock
+    )
     save_results(setup, model)
     records = log.read() if runtime.is_main else []
     if runtime.is_main:
@@ -583,17 +688,22 @@ def train(setup: Setup, resume: bool, progress: bool = True, after_step=None) ->
 def pose_positions(recipe: Recipe, indices: list[int]) -> torch.Tensor:
     from .pose import pose_generator, pose_position_ids
 
-    return torch.stack([
-        pose_position_ids(recipe.pose.train_window, recipe.seq_len, recipe.pose.num_chunks,
-                          pose_generator(recipe.seed, i))
-        for i in indices
-    ])
+    return torch.stack(
+        [
+            pose_position_ids(
+                recipe.pose.train_window, recipe.seq_len, recipe.pose.num_chunks, pose_generator(recipe.seed, i)
+            )
+            for i in indices
+        ]
+    )
 
 
 def plot_title(setup: Setup) -> str:
     recipe = setup.recipe
-    return (f"{Path(setup.recipe.model).name}: {recipe.method.label}, LoRA r={recipe.lora.r}, "
-            f"{setup.original_length} -> {recipe.seq_len}")
+    return (
+        f"{Path(setup.recipe.model).name}: {recipe.method.label}, LoRA r={recipe.lora.r}, "
+        f"{setup.original_length} -> {recipe.seq_len}"
+    )
 
 
 def write_or_check_recipe(path: Path, recipe: Recipe, resume: bool) -> None:
@@ -605,8 +715,10 @@ def write_or_check_recipe(path: Path, recipe: Recipe, resume: bool) -> None:
         b = {**current, "train": {**current["train"], "max_steps": None}}
         if a != b:
             changed = sorted(f"{k}" for k in set(a) | set(b) if a.get(k) != b.get(k))
-            raise CtxextError(f"--resume: the recipe differs from the one in {path} (in: {', '.join(changed)}); "
-                              "resume with the same recipe, or start a new output_dir")
+            raise CtxextError(
+                f"--resume: the recipe differs from the one in {path} (in: {', '.join(changed)}); "
+                "resume with the same recipe, or start a new output_dir"
+            )
         if saved["train"]["max_steps"] != current["train"]["max_steps"]:
             path.write_text(recipe.to_yaml())
         return
@@ -618,17 +730,27 @@ def write_run_record(setup: Setup, n_trainable: int, n_total: int, resume: bool,
 
     runtime = setup.runtime
     record = {
-        "model": setup.recipe.model, "model_path": setup.model_path, "method": setup.recipe.method.to_dict(),
-        "original_length": setup.original_length, "seq_len": setup.recipe.seq_len,
+        "model": setup.recipe.model,
+        "model_path": setup.model_path,
+        "method": setup.recipe.method.to_dict(),
+        "original_length": setup.original_length,
+        "seq_len": setup.recipe.seq_len,
         "train_sequence_length": setup.recipe.train_sequence_length,
-        "processes": runtime.accelerator.num_processes, "distributed_type": str(runtime.accelerator.distributed_type),
-        "device": str(runtime.accelerator.device), "precision": runtime.precision,
-        "attn_implementation": runtime.attn_implementation, "gradient_accumulation": runtime.accumulation,
+        "processes": runtime.accelerator.num_processes,
+        "distributed_type": str(runtime.accelerator.distributed_type),
+        "device": str(runtime.accelerator.device),
+        "precision": runtime.precision,
+        "attn_implementation": runtime.attn_implementation,
+        "gradient_accumulation": runtime.accumulation,
         "parameters": {"trainable": n_trainable, "total": n_total},
-        "data": setup.data_info, "eval": {"documents": [d.name for d in setup.eval_documents],
-                                          "document_tokens": [len(d) for d in setup.eval_documents],
-                                          "lengths": setup.eval_lengths, "stride": setup.recipe.eval.stride,
-                                          "bos_token_id": setup.bos_token_id},
+        "data": setup.data_info,
+        "eval": {
+            "documents": [d.name for d in setup.eval_documents],
+            "document_tokens": [len(d) for d in setup.eval_documents],
+            "lengths": setup.eval_lengths,
+            "stride": setup.recipe.eval.stride,
+            "bos_token_id": setup.bos_token_id,
+        },
         "environment": environment(),
     }
     path = setup.output / "run.json"
@@ -645,4 +767,3 @@ def finetune(recipe: Recipe, resume: bool = False, progress: bool = True, after_
     setup = prepare(recipe, resume, progress)
     records = train(setup, resume, progress, after_step)
     return setup, records
-

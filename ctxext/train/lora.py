@@ -14,13 +14,15 @@ from ..errors import CtxextError, did_you_mean
 
 def check_target_modules(model: nn.Module, targets: list[str]) -> None:
     """Every LoRA target must name a Linear layer of the model, or the run stops before anything is written."""
-    linear_leaves = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                            if isinstance(m, nn.Linear) and name})
+    linear_leaves = sorted(
+        {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear) and name}
+    )
     for target in targets:
         if target not in linear_leaves:
             raise CtxextError(
                 f"lora.target_modules: the model has no linear layer named '{target}'{did_you_mean(target, linear_leaves)};"
-                f" its linear layers are: {', '.join(linear_leaves)}")
+                f" its linear layers are: {', '.join(linear_leaves)}"
+            )
 
 
 def embedding_and_norm_names(model: nn.Module) -> list[str]:
@@ -28,15 +30,19 @@ def embedding_and_norm_names(model: nn.Module) -> list[str]:
     names = set()
     embeddings = model.get_input_embeddings()
     for name, module in model.named_modules():
-        if module is embeddings:
-            names.add(name.rsplit(".", 1)[-1])
-        elif "norm" in type(module).__name__.lower() and name:
+        if module is embeddings or "norm" in type(module).__name__.lower() and name:
             names.add(name.rsplit(".", 1)[-1])
     return sorted(names)
 
 
-def add_lora(model: nn.Module, r: int, alpha: float, dropout: float, target_modules: list[str],
-             train_embeddings_and_norms: bool = True):
+def add_lora(
+    model: nn.Module,
+    r: int,
+    alpha: float,
+    dropout: float,
+    target_modules: list[str],
+    train_embeddings_and_norms: bool = True,
+):
     """Wrap `model` in a PeftModel; only the adapters (and embeddings/norms, if asked) require grad."""
     from peft import LoraConfig, get_peft_model
 
@@ -44,8 +50,13 @@ def add_lora(model: nn.Module, r: int, alpha: float, dropout: float, target_modu
     modules_to_save = embedding_and_norm_names(model) if train_embeddings_and_norms else None
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     config = LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules), bias="none",
-        task_type="CAUSAL_LM", modules_to_save=modules_to_save,
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+        modules_to_save=modules_to_save,
         # A tied LM head must stay tied to the embedding that is now trained.
         ensure_weight_tying=tied and bool(modules_to_save),
     )

@@ -79,24 +79,37 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     bpe.train_from_iterator(texts, trainer)
     # No BOS: like SmolLM2, texts are not prefixed; documents are separated by end-of-text.
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT,
-                                   model_max_length=10**9)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT, model_max_length=10**9
+    )
 
 
 def tiny_llama_config(settings: TinyPretrainSettings, eos_token_id: int):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=settings.vocab_size, hidden_size=settings.hidden_size,
-        intermediate_size=settings.intermediate_size, num_hidden_layers=settings.num_layers,
-        num_attention_heads=settings.num_heads, num_key_value_heads=settings.num_heads,
-        head_dim=settings.hidden_size // settings.num_heads, max_position_embeddings=settings.context,
-        rope_theta=settings.rope_theta, tie_word_embeddings=False, bos_token_id=None,
-        eos_token_id=eos_token_id, pad_token_id=eos_token_id, attn_implementation="sdpa",
+        vocab_size=settings.vocab_size,
+        hidden_size=settings.hidden_size,
+        intermediate_size=settings.intermediate_size,
+        num_hidden_layers=settings.num_layers,
+        num_attention_heads=settings.num_heads,
+        num_key_value_heads=settings.num_heads,
+        head_dim=settings.hidden_size // settings.num_heads,
+        max_position_embeddings=settings.context,
+        rope_theta=settings.rope_theta,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+        attn_implementation="sdpa",
     )
 
 
@@ -119,12 +132,12 @@ def cosine_lr(step: int, settings: TinyPretrainSettings) -> float:
 
 def pretrain(settings: TinyPretrainSettings, output: Path, progress: bool = True) -> dict:
     """Train the tokenizer and the model from scratch and save both to `output` (an existing empty dir)."""
+    import resource
+
     from tqdm.auto import tqdm
     from transformers import LlamaForCausalLM
 
     from ..runtime import resolve_device, training_precision
-
-    import resource
 
     started = time.perf_counter()
     cpu_started = resource.getrusage(resource.RUSAGE_SELF)
@@ -142,8 +155,11 @@ def pretrain(settings: TinyPretrainSettings, output: Path, progress: bool = True
     # Weight decay on matrices only (not on norms), as nanoGPT does.
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=settings.lr,
+        betas=(0.9, 0.95),
+    )
     # Random windows of the stream, drawn from a seeded generator: the same batches on every run.
     generator = torch.Generator().manual_seed(settings.seed)
     starts_max = len(stream) - settings.context
@@ -153,7 +169,7 @@ def pretrain(settings: TinyPretrainSettings, output: Path, progress: bool = True
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr(step, settings)
         starts = torch.randint(0, starts_max, (settings.batch_size,), generator=generator)
-        batch = torch.stack([stream[s:s + settings.context] for s in starts.tolist()]).to(device)
+        batch = torch.stack([stream[s : s + settings.context] for s in starts.tolist()]).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
@@ -201,8 +217,9 @@ def tiny_shakespeare_checkpoint(settings: TinyPretrainSettings | None = None, pr
     print(f"ctxext: pretraining the tiny Shakespeare LLaMA once; it is cached in {target}", flush=True)
     with assets._building(target) as scratch:
         record = pretrain(settings, scratch, progress=progress)
-    print(f"ctxext: pretrained in {record['seconds']:.0f} s (final loss {record['loss_every_step'][-1]:.3f})",
-          flush=True)
+    print(
+        f"ctxext: pretrained in {record['seconds']:.0f} s (final loss {record['loss_every_step'][-1]:.3f})", flush=True
+    )
     return target
 
 
@@ -214,8 +231,10 @@ def resolve_model_name(name: str) -> str:
     if preset not in TINY_PRESETS:
         from ..errors import CtxextError, did_you_mean
 
-        raise CtxextError(f"unknown built-in model '{name}'{did_you_mean(preset, TINY_PRESETS)}; "
-                          f"built-in models: {', '.join(TINY_MODEL_PREFIX + p for p in TINY_PRESETS)}")
+        raise CtxextError(
+            f"unknown built-in model '{name}'{did_you_mean(preset, TINY_PRESETS)}; "
+            f"built-in models: {', '.join(TINY_MODEL_PREFIX + p for p in TINY_PRESETS)}"
+        )
     return str(tiny_shakespeare_checkpoint(TINY_PRESETS[preset]))
 
 

@@ -48,7 +48,8 @@ class LoraSection:
     dropout: float = option(0.05, "dropout on the LoRA input")
     target_modules: list = option(["q_proj", "k_proj", "v_proj", "o_proj"], "module names that get LoRA adapters")
     train_embeddings_and_norms: bool = option(
-        True, "also train the input embeddings and every norm, in full (LongLoRA found this necessary)")
+        True, "also train the input embeddings and every norm, in full (LongLoRA found this necessary)"
+    )
 
 
 @dataclass
@@ -67,8 +68,11 @@ class TrainSection:
     max_steps: int = option(1000, "optimizer steps")
     global_batch_size: int = option(64, "sequences per optimizer step, over all processes")
     micro_batch_size: int = option(1, "sequences per forward pass; gradient accumulation makes up the rest")
-    precision: str = option("auto", "auto, fp32, bf16-mixed (fp32 weights, bf16 autocast), "
-                                    "bf16 (frozen weights in bf16, trainable in fp32, bf16 autocast)")
+    precision: str = option(
+        "auto",
+        "auto, fp32, bf16-mixed (fp32 weights, bf16 autocast), "
+        "bf16 (frozen weights in bf16, trainable in fp32, bf16 autocast)",
+    )
     gradient_checkpointing: bool = option(True, "recompute activations in backward to save memory")
     attn_implementation: str = option("auto", "auto (flash_attention_2 on GPU if installed, else sdpa), sdpa, eager")
     checkpoint_every: int = option(200, "save a resumable checkpoint every N steps (0: only at the end)")
@@ -79,8 +83,11 @@ class TrainSection:
 
 @dataclass
 class DataSection:
-    dataset: str | None = option(None, "training data: a HF dataset id (pile, RedPajama, PG19 style), a local "
-                                       "json/jsonl/parquet/csv file or save_to_disk folder, or 'shakespeare'")
+    dataset: str | None = option(
+        None,
+        "training data: a HF dataset id (pile, RedPajama, PG19 style), a local "
+        "json/jsonl/parquet/csv file or save_to_disk folder, or 'shakespeare'",
+    )
     text_files: list = option([], "or local text files/folders (*.txt) for offline use")
     split: str = option("train", "dataset split")
     config: str | None = option(None, "dataset configuration (subset) name")
@@ -93,8 +100,11 @@ class DataSection:
 @dataclass
 class EvalSection:
     every: int = option(200, "evaluate every N steps (and at step 0); 0: never")
-    dataset: str | None = option("pg19", "held-out data, as for `ctxext eval --dataset` (pg19, proof-pile, "
-                                          "shakespeare:othello_gut,..., a hub id or a local file)")
+    dataset: str | None = option(
+        "pg19",
+        "held-out data, as for `ctxext eval --dataset` (pg19, proof-pile, "
+        "shakespeare:othello_gut,..., a hub id or a local file)",
+    )
     text_files: list = option([], "or local text files/folders")
     split: str | None = option(None, "dataset split (default: the preset's, else test)")
     config: str | None = option(None, "dataset configuration name")
@@ -103,8 +113,9 @@ class EvalSection:
     max_tokens_per_doc: int | None = option(None, "cut every document to its first N tokens (faster evaluation)")
     lengths: list | None = option(None, "window lengths (default: [seq_len, the original length])")
     stride: int = option(256, "sliding-window stride (docs/METHODS.md protocol; PI used 256)")
-    base_reference: bool = option(True, "also score the unpatched model at the original length once (the "
-                                        "reference line of the plot)")
+    base_reference: bool = option(
+        True, "also score the unpatched model at the original length once (the reference line of the plot)"
+    )
 
 
 @dataclass
@@ -114,8 +125,14 @@ class PoseSection:
     num_chunks: int = option(2, "chunks per window; each gets its own skip of positions")
 
 
-SECTIONS = {"lora": LoraSection, "optim": OptimSection, "train": TrainSection, "data": DataSection,
-            "eval": EvalSection, "pose": PoseSection}
+SECTIONS = {
+    "lora": LoraSection,
+    "optim": OptimSection,
+    "train": TrainSection,
+    "data": DataSection,
+    "eval": EvalSection,
+    "pose": PoseSection,
+}
 TOP_LEVEL_HELP = {
     "model": "the model to fine-tune: a local checkpoint, a hub id, or ctxext:tiny-shakespeare",
     "method": "the scaling method: a mapping as in configs/methods/*.yaml (method, factor, parameters)",
@@ -140,8 +157,13 @@ class Recipe:
     pose: PoseSection = field(default_factory=PoseSection)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"model": self.model, "method": self.method.to_dict(), "seq_len": self.seq_len,
-               "output_dir": self.output_dir, "seed": self.seed}
+        out = {
+            "model": self.model,
+            "method": self.method.to_dict(),
+            "seq_len": self.seq_len,
+            "output_dir": self.output_dir,
+            "seed": self.seed,
+        }
         for name in SECTIONS:
             out[name] = dataclasses.asdict(getattr(self, name))
         return out
@@ -193,8 +215,9 @@ def apply_overrides(mapping: dict[str, Any], overrides: dict[str, Any]) -> dict[
 def _check_keys(given: dict, allowed: list[str], where: str) -> None:
     for key in given:
         if key not in allowed:
-            raise CtxextError(f"unknown key '{key}' in {where}{did_you_mean(key, allowed)}; "
-                              f"the keys are: {', '.join(allowed)}")
+            raise CtxextError(
+                f"unknown key '{key}' in {where}{did_you_mean(key, allowed)}; the keys are: {', '.join(allowed)}"
+            )
 
 
 def _section(cls, given, name: str):
@@ -226,8 +249,11 @@ def validate(recipe: Recipe) -> Recipe:
 
     optim = recipe.optim
     number("optim.lr", optim.lr, minimum=0)
-    if (not isinstance(optim.betas, (list, tuple)) or len(optim.betas) != 2
-            or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in optim.betas)):
+    if (
+        not isinstance(optim.betas, (list, tuple))
+        or len(optim.betas) != 2
+        or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in optim.betas)
+    ):
         raise CtxextError(f"'optim.betas' must be two numbers in [0, 1), got {optim.betas!r}")
     number("optim.weight_decay", optim.weight_decay, minimum=0)
     optim.warmup_steps = whole_number("optim.warmup_steps", optim.warmup_steps, minimum=0)
@@ -240,8 +266,11 @@ def validate(recipe: Recipe) -> Recipe:
     train.global_batch_size = whole_number("train.global_batch_size", train.global_batch_size)
     train.micro_batch_size = whole_number("train.micro_batch_size", train.micro_batch_size)
     choice("train.precision", train.precision, PRECISIONS)
-    choice("train.attn_implementation", train.attn_implementation,
-           ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"))
+    choice(
+        "train.attn_implementation",
+        train.attn_implementation,
+        ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"),
+    )
     train.checkpoint_every = whole_number("train.checkpoint_every", train.checkpoint_every, minimum=0)
     train.log_every = whole_number("train.log_every", train.log_every)
 
@@ -256,8 +285,10 @@ def validate(recipe: Recipe) -> Recipe:
     ev.every = whole_number("eval.every", ev.every, minimum=0)
     ev.text_files = string_list("eval.text_files", ev.text_files)
     if ev.every and bool(ev.dataset) == bool(ev.text_files):
-        raise CtxextError("give the held-out data with eval.dataset=NAME or eval.text_files=[PATH] (one of them); "
-                          "eval.dataset=null with eval.text_files, or eval.every=0 for no evaluation")
+        raise CtxextError(
+            "give the held-out data with eval.dataset=NAME or eval.text_files=[PATH] (one of them); "
+            "eval.dataset=null with eval.text_files, or eval.every=0 for no evaluation"
+        )
     ev.max_docs = whole_number("eval.max_docs", ev.max_docs, allow_none=True)
     ev.max_tokens_per_doc = whole_number("eval.max_tokens_per_doc", ev.max_tokens_per_doc, allow_none=True)
     if ev.lengths is not None:

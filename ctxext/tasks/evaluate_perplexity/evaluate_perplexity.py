@@ -1,11 +1,11 @@
 """ctxext's sliding-window perplexity as a Hugging Face `evaluate` module: what `ctxext eval` computes.
 
-    import evaluate
-    from ctxext.tasks.perplexity import evaluate_module_path
+import evaluate
+from ctxext.tasks.perplexity import evaluate_module_path
 
-    perplexity = evaluate.load(evaluate_module_path())
-    perplexity.compute(predictions=texts, model="path/to/model", window=4096, stride=256,
-                       method={"method": "yarn", "factor": 2})
+perplexity = evaluate.load(evaluate_module_path())
+perplexity.compute(predictions=texts, model="path/to/model", window=4096, stride=256,
+                   method={"method": "yarn", "factor": 2})
 """
 
 import datasets
@@ -37,13 +37,37 @@ Returns:
 class EvaluatePerplexity(evaluate.Metric):
     def _info(self):
         return evaluate.MetricInfo(
-            description=_DESCRIPTION, citation="", inputs_description=_KWARGS_DESCRIPTION,
+            description=_DESCRIPTION,
+            citation="",
+            inputs_description=_KWARGS_DESCRIPTION,
             features=datasets.Features({"predictions": datasets.Value("string")}),
             reference_urls=["https://huggingface.co/docs/transformers/perplexity"],
         )
 
-    def _compute(self, predictions, model, window, tokenizer=None, stride=256, method=None, bos="auto",
-                 short_docs="skip", device="auto", dtype="auto", attn_implementation="auto"):
-        return texts_perplexity(list(predictions), model, tokenizer, window=window, stride=stride, method=method,
-                                bos=bos, short_docs=short_docs, device=device, dtype=dtype,
-                                attn_implementation=attn_implementation)
+    def _compute(
+        self,
+        predictions,
+        model,
+        window,
+        tokenizer=None,
+        stride=256,
+        method=None,
+        bos="auto",
+        short_docs="skip",
+        device="auto",
+        dtype="auto",
+        attn_implementation="auto",
+    ):
+        return texts_perplexity(
+            list(predictions),
+            model,
+            tokenizer,
+            window=window,
+            stride=stride,
+            method=method,
+            bos=bos,
+            short_docs=short_docs,
+            device=device,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+        )
