@@ -79,10 +79,10 @@ def write_json(path: Path, payload: dict) -> None:
 
 def check_output(out: str | Path, settings: dict, resume: bool, overwrite: bool, protected=()) -> str:
     """'new' or 'resume' for the output directory, or a one-line CtxextError. Writes nothing."""
-    from ..outputs import check_output_dir
+    from ..outputs import check_overlap
 
     out = Path(out).expanduser()
-    check_output_dir(out, protected, overwrite=True)  # overlap with an input; non-empty is judged here
+    check_overlap(out, protected)  # non-empty is judged here
     search_file = out / SEARCH_FILE
     if resume:
         if not search_file.is_file():

@@ -141,7 +141,7 @@ def supported_length(model) -> int | None:
 def prepare(recipe: Recipe, resume: bool, progress: bool = True) -> Setup:
     """Load and check everything; raises CtxextError for bad input before the output directory is touched."""
     from ..loading import load_model, load_tokenizer
-    from ..outputs import check_output_dir
+    from ..outputs import check_overlap
     from ..patching import applied_method
     from .data import PackedSequences, token_stream
     from .lora import add_lora
@@ -157,7 +157,7 @@ def prepare(recipe: Recipe, resume: bool, progress: bool = True) -> Setup:
             f"output directory '{output}' already exists; use --resume to continue that run, "
             "or choose another output_dir"
         )
-    check_output_dir(output, protected, overwrite=True)  # not inside the input model, not a file
+    check_overlap(output, protected)  # not inside the input model, not a file
 
     runtime = make_runtime(recipe)
     from accelerate.utils import set_seed
