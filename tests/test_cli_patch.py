@@ -1,6 +1,7 @@
 """`ctxext patch`, `ctxext methods` and `ctxext plot-freqs` from the command line, good and bad input."""
 
 import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -140,13 +141,22 @@ def test_bad_model_or_output_is_one_line_exit_2(source, tmp_path, capsys):
     assert (tmp_path / "occupied" / "keep.txt").read_text() == "precious"
 
 
-def test_overwrite_replaces_an_existing_output(source, tmp_path, capsys):
+def test_overwrite_replaces_only_an_output_ctxext_wrote(source, tmp_path, capsys):
     out = tmp_path / "out"
-    out.mkdir()
+    code, _, err = run_cli(capsys, "patch", source, "--method", "yarn", "--factor", "2", "-o", out)
+    assert code == 0, err
     (out / "stale.txt").write_text("old")
     code, _, err = run_cli(capsys, "patch", source, "--method", "linear", "--factor", "2", "-o", out, "--overwrite")
     assert code == 0, err
     assert not (out / "stale.txt").exists() and (out / "model.safetensors").exists()
+    assert json.loads((out / "config.json").read_text())["rope_scaling"]["rope_type"] == "linear"
+
+    foreign = tmp_path / "foreign"  # a directory ctxext did not write: --overwrite leaves it alone
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("precious")
+    code, _, err = run_cli(capsys, "patch", source, "--method", "linear", "--factor", "2", "-o", foreign, "--overwrite")
+    assert code == 2 and err.count("\n") == 1 and "was not written by ctxext" in err, err
+    assert sorted(p.name for p in foreign.iterdir()) == ["thesis.tex"]
 
 
 def test_console_entry_point_exit_code_and_one_line_error(tmp_path):
