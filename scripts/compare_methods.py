@@ -25,7 +25,6 @@ run it again (or with --max-minutes) until nothing is missing, and commit the ne
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -80,53 +79,7 @@ def default_variant(method: str, factor: float) -> Variant:
     return Variant(method, "defaults", {"method": method, "factor": factor})
 
 
-# -------------------------------------------------------------------------------------------- the cells
-class CellCache:
-    """One JSON file per cell, named by the hash of everything the cell depends on."""
-
-    def __init__(self, folder: Path, context: dict):
-        self.folder = folder
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.context = context  # model fingerprint, dtype, BOS: part of every key
-
-    def key(self, **fields) -> str:
-        text = json.dumps({**self.context, **fields}, sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-    def get(self, **fields) -> dict | None:
-        path = self.folder / f"{self.key(**fields)}.json"
-        return json.loads(path.read_text()) if path.exists() else None
-
-    def put(self, value: dict, **fields) -> dict:
-        from ctxext.search.session import write_json
-
-        record = {"key": {**self.context, **fields}, **value}
-        write_json(self.folder / f"{self.key(**fields)}.json", record)
-        return record
-
-
-WRITER_KEYS = ("transformers_version",)  # config.json keys that record the writer, not the model
-
-
-def model_fingerprint(path: Path) -> str:
-    """The model a cell was computed on: its config (less the keys that name the transformers release that wrote
-    it) and every tensor's name, dtype, shape and bytes. A cell carries over to any checkout, machine or
-    transformers release that builds the same model, and to no other (the file bytes would not: the offline
-    SmolLM2 is converted on each machine by the transformers installed there, which stamps its version)."""
-    import torch
-    from safetensors import safe_open
-
-    config = {k: v for k, v in json.loads((path / "config.json").read_text()).items() if k not in WRITER_KEYS}
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
-    for weights in sorted(path.glob("*.safetensors")):
-        with safe_open(weights, framework="pt") as tensors:
-            for name in sorted(tensors.keys()):
-                tensor = tensors.get_tensor(name)
-                digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-                digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()[:16]
-
-
+# -------------------------------------------------------------------------------------------- the searches
 def model_file(search_folder: Path) -> Path:
     """Beside a search's folder (which `ctxext search` wants to itself): the fingerprint of the model it searched."""
     return search_folder.with_name(f"{search_folder.name}.model.json")
@@ -138,7 +91,7 @@ def adopt_search(folder: Path, checkpoint: Path, fingerprint: str) -> None:
     `ctxext search --resume` insists on the same settings, the model path included; the path is rewritten only
     when the model is the same one (its fingerprint, recorded in `model_file` when the search started).
     """
-    from ctxext.search.session import write_json
+    from ctxext.outputs import write_json
 
     settings = json.loads((folder / "search.json").read_text())
     if settings["model"] == str(checkpoint):
@@ -181,7 +134,7 @@ def machines(state: dict) -> str:
 
 def build_report(state: dict, out_dir: Path) -> None:
     """docs/comparison.md, .json and .png from the cells computed so far."""
-    from ctxext.search.session import atomic_write_text, write_json
+    from ctxext.outputs import atomic_write_text, write_json
 
     lengths, docs, rows = state["lengths"], state["documents"], state["rows"]
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -347,12 +300,12 @@ def build_report(state: dict, out_dir: Path) -> None:
 def plot(table: dict, rows: list[dict], lengths: list[int], path: Path, by_label: dict) -> None:
     """Held-out perplexity over native per method and length, on a log axis with each value written out: the
     methods worth choosing are within a few percent of native, which a linear bar chart cannot tell apart."""
-    from ctxext.eval.report import _figure
+    from ctxext.outputs import new_figure, save_figure
 
     labels = [r["label"] for r in rows if any(r["label"] in table[n]["perplexity"] for n in lengths)]
     if not labels:
         return
-    fig = _figure(figsize=(9, 0.3 * len(labels) + 1.6))
+    fig = new_figure(figsize=(9, 0.3 * len(labels) + 1.6))
     axes = fig.subplots(1, len(lengths), squeeze=False, sharey=True)
     for ax, length in zip(axes[0], lengths):
         native = table[length]["native"]
@@ -379,9 +332,7 @@ def plot(table: dict, rows: list[dict], lengths: list[int], path: Path, by_label
     axes[0][0].set_yticks(range(len(labels)), labels, fontsize=7)
     axes[0][0].set_ylim(len(labels) - 0.5, -0.5)
     fig.tight_layout()
-    staging = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(staging, dpi=110)
-    os.replace(staging, path)
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -412,10 +363,10 @@ def main() -> int:
     from ctxext.eval.passkey import plan_trials, run_passkey
     from ctxext.eval.perplexity import sliding_window_nll, text_tokens_per_window
     from ctxext.loading import load_model, load_tokenizer
+    from ctxext.outputs import CellCache, content_fingerprint, write_json
     from ctxext.runtime import machine_description
     from ctxext.search.loop import best_trial
     from ctxext.search.objective import _CheckedMethod, score_perplexity
-    from ctxext.search.session import write_json
 
     started = time.perf_counter()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -426,7 +377,7 @@ def main() -> int:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     tokenizer = load_tokenizer(str(checkpoint))
     bos = tokenizer.bos_token_id if tokenizer_adds_bos(tokenizer) else None
-    cache = CellCache(root / "cells", {"model": model_fingerprint(checkpoint), "dtype": args.dtype, "bos": bos})
+    cache = CellCache(root / "cells", {"model": content_fingerprint(checkpoint), "dtype": args.dtype, "bos": bos})
     texts = {
         doc: torch.tensor(tokenizer(assets.shakespeare_text([doc]), add_special_tokens=False).input_ids) for doc in docs
     }
@@ -533,7 +484,7 @@ def main() -> int:
             "tokens": tokens_fingerprint([ids]),
             "protocol": "one window" if label != NATIVE else "8192/4096",
         }
-        found = cache.get(**fields)
+        found = cache.get(fields)
         if found is None and compute and not out_of_time():
             began = time.perf_counter()
             if label == NATIVE:
@@ -544,7 +495,7 @@ def main() -> int:
                 )
                 nll, tokens = scored["nll_sum"], scored["tokens"]
             found = cache.put(
-                {"nll_sum": nll, "tokens": tokens, "seconds": time.perf_counter() - began, "machine": machine}, **fields
+                fields, {"nll_sum": nll, "tokens": tokens, "seconds": time.perf_counter() - began, "machine": machine}
             )
             print(f"  {label} @ {length} on {doc}: {math.exp(nll / tokens):.3f} ({found['seconds']:.0f} s)", flush=True)
         if found is None:
@@ -560,12 +511,13 @@ def main() -> int:
             "length": args.passkey_length,
             "keys": [(t.depth, t.key) for t in trials],
         }
-        found = cache.get(**fields)
+        found = cache.get(fields)
         if found is None and compute and not out_of_time():
             began = time.perf_counter()
             method = _CheckedMethod(label, MethodConfig.from_mapping(config) if config else None)
             records = run_passkey(get_model(), tokenizer, trials, [method], bos)
             found = cache.put(
+                fields,
                 {
                     "correct": sum(r["correct"] for r in records),
                     "trials": len(records),
@@ -573,7 +525,6 @@ def main() -> int:
                     "seconds": time.perf_counter() - began,
                     "machine": machine,
                 },
-                **fields,
             )
             print(f"  passkey {label}: {found['correct']}/{found['trials']} ({found['seconds']:.0f} s)", flush=True)
         if found is None:

@@ -1,57 +1,48 @@
-"""scripts/compare_methods.py: its committed cells must be found again by any fresh checkout that builds the model."""
+"""scripts/compare_methods.py: its committed cells must be found again by any fresh checkout that builds the model
+(the cells are named by ctxext.outputs.CellCache under ctxext.outputs.content_fingerprint)."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
-import pytest
 from safetensors.torch import load_file, save_file
 
+from ctxext.outputs import CellCache, content_fingerprint
 from tests.conftest import save_tiny_checkpoint, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 CELLS = REPO / "docs" / "comparison_cells"
 
 
-@pytest.fixture(scope="module")
-def compare():
-    spec = importlib.util.spec_from_file_location("compare_methods", REPO / "scripts" / "compare_methods.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_the_fingerprint_ignores_the_writers_release_and_sees_any_change_to_the_model(compare, tmp_path):
+def test_the_fingerprint_ignores_the_writers_release_and_sees_any_change_to_the_model(tmp_path):
     path = save_tiny_checkpoint(tmp_path / "m", tiny_model("llama"))
-    reference = compare.model_fingerprint(path)
+    reference = content_fingerprint(path)
     config = json.loads((path / "config.json").read_text())
 
     (path / "config.json").write_text(json.dumps({**config, "transformers_version": "0.0.1"}, indent=4))
-    assert compare.model_fingerprint(path) == reference  # another transformers wrote the same model
+    assert content_fingerprint(path) == reference  # another transformers wrote the same model
 
     (path / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 1}))
-    assert compare.model_fingerprint(path) != reference
+    assert content_fingerprint(path) != reference
     (path / "config.json").write_text(json.dumps(config))
-    assert compare.model_fingerprint(path) == reference
+    assert content_fingerprint(path) == reference
 
     weights = load_file(path / "model.safetensors")
     name = sorted(weights)[0]
     weights[name] = weights[name].clone()
     weights[name].view(-1)[0] += 1e-3  # one number of one tensor, same file size
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    assert compare.model_fingerprint(path) != reference
+    assert content_fingerprint(path) != reference
 
 
-def test_every_committed_cell_is_keyed_to_the_model_this_checkout_builds(compare, smollm2_path):
+def test_every_committed_cell_is_keyed_to_the_model_this_checkout_builds(smollm2_path):
     """The report reuses a cell only under its key; a key that no checkout reproduces means recomputing hours."""
-    fingerprint = compare.model_fingerprint(Path(smollm2_path))
+    fingerprint = content_fingerprint(Path(smollm2_path))
     cells = sorted((CELLS / "cells").glob("*.json"))
     assert cells, "no committed cells"
     for path in cells:
         key = json.loads(path.read_text())["key"]
         assert key["model"] == fingerprint, f"{path.name} was computed on another model"
-        assert compare.CellCache(CELLS / "cells", {}).key(**key) == path.stem  # the key is context + fields
+        assert CellCache(CELLS / "cells").get(key) is not None  # named by its key (context + fields)
+        assert CellCache(CELLS / "cells").path(key) == path
     for recorded in (CELLS / "searches").glob("*.model.json"):
         assert json.loads(recorded.read_text())["model_fingerprint"] == fingerprint, recorded.name
