@@ -19,6 +19,14 @@ attention function; the wrapper then:
 `remove_attention` switches the implementation back. A checkpoint keeps the settings as `ctxext_attention` in
 config.json; `register_load_hook` (run at `import ctxext`) re-installs them on any model built from such a
 config, so plain `AutoModelForCausalLM.from_pretrained` works after `import ctxext`.
+
+Threads: one patched model may run forwards in several threads at once, at different lengths. The settings on
+the layers are read-only during a forward, and the `ForwardPlan` that a forward's layers share is kept per
+thread (`ForwardMemo`), so no thread sees another's positions, regions or (cos, sin); ctxext's rotary module
+keeps its dynamic frequencies the same way (patching/rotary.py). Not covered: changing the patch
+(`patch`, `unpatch`, `set_attention_tuning`) while another thread runs the model, and a rotary module of
+transformers' own dynamic types, which updates its frequencies in place (a dynamic checkpoint loaded without
+ctxext's stateless method): give each thread its own model there.
 """
 
 from __future__ import annotations

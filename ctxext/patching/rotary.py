@@ -1,4 +1,9 @@
-"""The scaled rotary embedding that replaces a model's `rotary_emb`."""
+"""The scaled rotary embedding that replaces a model's `rotary_emb`.
+
+Threads: one patched model may run forwards in several threads at once. The module's only state that changes
+during a forward is a dynamic method's last (length, frequencies) pair, which is replaced as one tuple and read
+once per forward, so a thread never computes with the frequencies of another thread's length.
+"""
 
 from __future__ import annotations
 
@@ -36,7 +41,9 @@ class ScaledRotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = self.frequencies(None)
         # float32 always: a model cast to bf16 must not round the frequencies.
         self._inv_freq_fp32 = inv_freq
-        self._cached_length = None
+        # A dynamic method's last (length, inv_freq, attention scaling): replaced whole, never updated in place,
+        # so that threads sharing the model each read a consistent triple (see the module docstring).
+        self._dynamic_cache: tuple[int, torch.Tensor, float] | None = None
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -52,10 +59,11 @@ class ScaledRotaryEmbedding(nn.Module):
             inv_freq, scaling = self._inv_freq_fp32, self.attention_scaling
         else:
             length = int(position_ids.max()) + 1
-            if length != self._cached_length:
-                self._dynamic_inv_freq, self._dynamic_scaling = self.frequencies(length)
-                self._cached_length = length
-            inv_freq, scaling = self._dynamic_inv_freq, self._dynamic_scaling
+            cached = self._dynamic_cache
+            if cached is None or cached[0] != length:
+                cached = (length, *self.frequencies(length))
+                self._dynamic_cache = cached
+            _, inv_freq, scaling = cached
         return inv_freq.to(device), scaling
 
     @torch.no_grad()
