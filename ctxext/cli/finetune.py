@@ -27,6 +27,7 @@ examples:
   ctxext finetune --config configs/recipes/tiny-cpu.yaml output_dir=outputs/tiny train.max_steps=50
   ctxext finetune --config configs/recipes/pi-llama-7b-8k.yaml method.method=yarn lora.r=16
   ctxext finetune --config configs/recipes/tiny-cpu.yaml output_dir=outputs/tiny --resume
+  ctxext finetune --config configs/recipes/tiny-cpu.yaml output_dir=outputs/tiny --report-to tensorboard
   ctxext finetune --show-keys
 """
 
@@ -45,6 +46,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue the run in output_dir from its last checkpoint")
     parser.add_argument("--show-keys", action="store_true", help="list every recipe key with its default, and exit")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--report-to",
+        metavar="TRACKERS",
+        default="none",
+        help="also log the metrics to experiment trackers, comma-separated: tensorboard (event files in "
+        "OUTPUT/trackers/), wandb, mlflow; default none (metrics.jsonl is always written)",
+    )
 
 
 def run(args) -> int:
@@ -59,7 +67,7 @@ def run(args) -> int:
     recipe = load_recipe(args.config, parse_overrides(args.overrides))
     from ..train.loop import finetune
 
-    setup, records = finetune(recipe, resume=args.resume, progress=not args.no_progress)
+    setup, records = finetune(recipe, resume=args.resume, progress=not args.no_progress, report_to=args.report_to)
     if setup.runtime.is_main:
         print(summary(setup, records))
     return 0
@@ -77,4 +85,8 @@ def summary(setup, records: list[dict]) -> str:
         for r in evals:
             lines.append(f"  {r['step']:>4}  " + "".join(f"{r['perplexity'][n]:>12.2f}" for n in lengths))
     lines.append(f"  wrote {setup.output}/ (metrics.jsonl, metrics.png, adapter/, merged/, checkpoints/)")
+    if setup.runtime.trackers:
+        lines.append(f"  logged to {', '.join(setup.runtime.trackers)} as well")
+    if "tensorboard" in setup.runtime.trackers:
+        lines.append(f"  view: tensorboard --logdir {setup.output / 'trackers'}")
     return "\n".join(lines)

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -150,6 +148,7 @@ def token_stream(
     The main process builds the cache file; `wait` (a barrier) lets the other processes wait for it.
     """
     from ..assets import cache_dir
+    from ..outputs import atomic_file, write_json
 
     folder = cache_dir() / "packed"
     folder.mkdir(parents=True, exist_ok=True)
@@ -157,22 +156,14 @@ def token_stream(
     path, info_path = folder / f"{key}.npy", folder / f"{key}.json"
     if is_main and not path.is_file():
         stream, names = tokenize_stream(training_texts(data), tokenizer, max_tokens, progress=progress)
-        info = {"documents": len(names), "tokens": int(len(stream)), "names": names}
-        _atomic_write(info_path, json.dumps(info).encode())
-        with tempfile.NamedTemporaryFile(dir=folder, suffix=".npy.tmp", delete=False) as handle:
+        write_json(info_path, {"documents": len(names), "tokens": int(len(stream)), "names": names})
+        with atomic_file(path) as staging, open(staging, "wb") as handle:  # a handle: np.save adds no suffix
             np.save(handle, stream)
-        os.replace(handle.name, path)
     if wait is not None:
         wait()
     stream = np.load(path, mmap_mode="r")
     info = json.loads(info_path.read_text()) if info_path.is_file() else {}
     return stream, {"cache_file": str(path), **info}
-
-
-def _atomic_write(path: Path, payload: bytes) -> None:
-    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as handle:
-        handle.write(payload)
-    os.replace(handle.name, path)
 
 
 def _identity(name: str) -> str:

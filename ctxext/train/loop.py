@@ -15,6 +15,7 @@ The output directory:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -72,6 +73,7 @@ class Runtime:
     weights_dtype: torch.dtype
     attn_implementation: str
     accumulation: int  # micro-steps per optimizer step, per process
+    trackers: tuple[str, ...] = ()  # --report-to: tensorboard, wandb, mlflow (ctxext.train.trackers)
 
     @property
     def is_main(self) -> bool:
@@ -85,9 +87,12 @@ class Runtime:
         return self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
 
 
-def make_runtime(recipe: Recipe) -> Runtime:
-    """The accelerate processes, device, precision and attention of a run (ctxext.runtime chooses them)."""
+def make_runtime(recipe: Recipe, output: Path | None = None, trackers: tuple[str, ...] = ()) -> Runtime:
+    """The accelerate processes, device, precision, attention and trackers of a run (ctxext.runtime chooses the
+    first four; the trackers write under `output`)."""
     from accelerate import Accelerator
+
+    from .trackers import TRACKERS_DIR
 
     train = recipe.train
     processes = Processes(cpu=cpu_processes(train.device), always=True)
@@ -106,10 +111,12 @@ def make_runtime(recipe: Recipe) -> Runtime:
         cpu=cpu_processes(train.device) or device.type == "cpu",
         gradient_accumulation_steps=accumulation,
         mixed_precision="no" if precision == "fp32" else "bf16",
+        log_with=list(trackers) or None,
+        project_dir=str(output / TRACKERS_DIR) if trackers and output is not None else None,
     )
     weights_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     attn = attention_implementation(train.attn_implementation, accelerator.device, precision != "fp32")
-    return Runtime(accelerator, processes, precision, weights_dtype, attn, accumulation)
+    return Runtime(accelerator, processes, precision, weights_dtype, attn, accumulation, tuple(trackers))
 
 
 # ------------------------------------------------------------------------------------------ setting up
@@ -138,14 +145,42 @@ def supported_length(model) -> int | None:
     return int(model.config.max_position_embeddings)
 
 
-def prepare(recipe: Recipe, resume: bool, progress: bool = True) -> Setup:
-    """Load and check everything; raises CtxextError for bad input before the output directory is touched."""
-    from ..loading import load_model, load_tokenizer
+def prepare(recipe: Recipe, resume: bool, progress: bool = True, report_to=None) -> Setup:
+    """Load and check everything; raises CtxextError for bad input before the output directory is touched.
+
+    `report_to`: the trackers, as for `ctxext finetune --report-to` ('tensorboard,wandb', a list, or None).
+    """
+    from accelerate.utils import set_seed
+
+    from .trackers import tracker_names
+
+    trackers = tracker_names(report_to)
+    output = check_run_directory(recipe, resume)
+    runtime = make_runtime(recipe, output, trackers)
+    set_seed(recipe.seed)  # the same LoRA init on every process and every run
+    model_path, tokenizer, model, original_length = load_patched_model(recipe, runtime)
+    model = with_lora(model, recipe)
+    train_data, info = load_training_data(recipe, runtime, tokenizer, progress)
+    documents, lengths, bos = load_eval_documents(recipe, tokenizer, original_length, info.get("names", []))
+    return Setup(
+        recipe=recipe,
+        runtime=runtime,
+        model=model,
+        tokenizer=tokenizer,
+        train_data=train_data,
+        data_info=info,
+        eval_documents=documents,
+        eval_lengths=lengths,
+        bos_token_id=bos,
+        original_length=original_length,
+        output=output,
+        model_path=model_path,
+    )
+
+
+def check_run_directory(recipe: Recipe, resume: bool) -> Path:
+    """The run's output directory: new (or empty), or, under --resume, one holding a checkpoint."""
     from ..outputs import check_overlap
-    from ..patching import applied_method
-    from .data import PackedSequences, token_stream
-    from .lora import add_lora
-    from .pretrain_tiny import resolve_model_name
 
     output = Path(recipe.output_dir).expanduser().resolve()
     protected = [recipe.model] if Path(recipe.model).expanduser().exists() else []
@@ -157,12 +192,15 @@ def prepare(recipe: Recipe, resume: bool, progress: bool = True) -> Setup:
             f"output directory '{output}' already exists; use --resume to continue that run, "
             "or choose another output_dir"
         )
-    check_overlap(output, protected)  # not inside the input model, not a file
+    return check_overlap(output, protected)  # not inside the input model, not a file
 
-    runtime = make_runtime(recipe)
-    from accelerate.utils import set_seed
 
-    set_seed(recipe.seed)  # the same LoRA init on every process and every run
+def load_patched_model(recipe: Recipe, runtime: Runtime):
+    """(model path, tokenizer, model patched with the recipe's method, original context length)."""
+    from ..loading import load_model, load_tokenizer
+    from ..patching import applied_method
+    from .pretrain_tiny import resolve_model_name
+
     on_main_first(runtime.processes, lambda: resolve_model_name(recipe.model))  # builds the tiny model once, if named
     model_path = resolve_model_name(recipe.model)
     tokenizer = load_tokenizer(model_path)
@@ -182,6 +220,13 @@ def prepare(recipe: Recipe, resume: bool, progress: bool = True) -> Setup:
             f"({limit} = {original_length} x {recipe.method.factor:g}); raise method.factor to at least "
             f"{math.ceil(recipe.seq_len / original_length)} or lower seq_len"
         )
+    return model_path, tokenizer, model, original_length
+
+
+def with_lora(model, recipe: Recipe):
+    """The model ready to train: gradient checkpointing as asked, no KV cache, LoRA adapters (PEFT)."""
+    from .lora import add_lora
+
     if recipe.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -190,8 +235,13 @@ def prepare(recipe: Recipe, resume: bool, progress: bool = True) -> Setup:
     for param in model.parameters():  # adapters, embeddings and norms train in fp32 whatever the base dtype
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.float()
+    return model
 
-    # Training data: tokenised once by the main process, cached, memory-mapped by all.
+
+def load_training_data(recipe: Recipe, runtime: Runtime, tokenizer, progress: bool):
+    """(PackedSequences, description): tokenised once by the main process, cached, memory-mapped by all."""
+    from .data import PackedSequences, token_stream
+
     length = recipe.train_sequence_length
     needed = recipe.train.max_steps * recipe.train.global_batch_size * length + 2 * length
     max_tokens = recipe.data.max_tokens or needed
@@ -205,23 +255,7 @@ def prepare(recipe: Recipe, resume: bool, progress: bool = True) -> Setup:
         sequences_per_epoch=train_data.per_epoch,
         epochs=round(train_data.epochs_for(recipe.train.max_steps * recipe.train.global_batch_size), 3),
     )
-
-    # Held-out data for the in-loop evaluation.
-    documents, lengths, bos = load_eval_documents(recipe, tokenizer, original_length, info.get("names", []))
-    return Setup(
-        recipe,
-        runtime,
-        model,
-        tokenizer,
-        train_data,
-        info,
-        documents,
-        lengths,
-        bos,
-        original_length,
-        output,
-        model_path,
-    )
+    return train_data, info
 
 
 # ------------------------------------------------------------------------------------------ evaluation
@@ -321,7 +355,8 @@ def trainable_state(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().cpu() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def rng_state() -> dict:
+def rng_state() -> dict[str, torch.Tensor | list[torch.Tensor]]:
+    """The random generators' states as tensors, which a weights-only load accepts."""
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -334,11 +369,29 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def load_saved(path: Path):
+    """A file of a checkpoint, loaded weights-only: tensors and plain containers, never code from the file."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CtxextError(
+            f"refusing to load '{path}': it holds more than tensors and plain containers, and loading it would "
+            "run code from the file; resume only from checkpoints ctxext wrote"
+        ) from error
+
+
 def save_checkpoint(setup: Setup, model, optimizer, step: int, tokens: int, seconds: float) -> None:
-    """Everything a resume needs, written to a temporary folder and renamed into place (all or nothing)."""
+    """Everything a resume needs, written to a temporary folder and renamed into place (all or nothing).
+
+    A run resumed from its last checkpoint (max_steps unchanged) already has that step's checkpoint: kept.
+    """
     runtime = setup.runtime
     accelerator = runtime.accelerator
     final = checkpoint_dir(setup.output, step)
+    if (final / "state.json").is_file():
+        return
     staging = final.with_name(final.name + ".tmp")
     if runtime.is_main:
         shutil.rmtree(staging, ignore_errors=True)
@@ -353,7 +406,7 @@ def save_checkpoint(setup: Setup, model, optimizer, step: int, tokens: int, seco
     accelerator.wait_for_everyone()
     if runtime.is_main:
         state = {"step": step, "tokens": tokens, "seconds": seconds, "processes": accelerator.num_processes}
-        (staging / "state.json").write_text(json.dumps(state))
+        (staging / "state.json").write_text(json.dumps(state))  # inside the staging folder, renamed below
         os.replace(staging, final)
     accelerator.wait_for_everyone()
 
@@ -368,32 +421,38 @@ def load_checkpoint(setup: Setup, model, optimizer, folder: Path) -> dict:
             f"run with the same number ({accelerator.num_processes} now)"
         )
     if runtime.sharded:
-        accelerator.load_state(str(folder / "accelerate"))
+        accelerator.load_state(str(folder / "accelerate"))  # accelerate loads weights-only too
     else:
-        saved = torch.load(folder / "trainable.pt", map_location="cpu")
+        saved = load_saved(folder / "trainable.pt")
         params = dict(accelerator.unwrap_model(model).named_parameters())
         with torch.no_grad():
             for name, value in saved.items():
                 params[name].copy_(value)
-        optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=False))
+        optimizer.load_state_dict(load_saved(folder / "optimizer.pt"))
     rng_file = folder / f"rng-{accelerator.process_index}.pt"
     if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(load_saved(rng_file))
     return state
 
 
 # ----------------------------------------------------------------------------------------------- logging
 class MetricsLog:
-    """metrics.jsonl, written by the main process; one line per training log or evaluation."""
+    """metrics.jsonl, written by the main process; one line per training log or evaluation. With trackers
+    (`--report-to`), every record goes to them too, at its step."""
 
-    def __init__(self, path: Path, enabled: bool):
+    def __init__(self, path: Path, enabled: bool, accelerator=None):
         self.path = path
         self.enabled = enabled
+        self.accelerator = accelerator  # the Accelerator whose trackers get the records, or None
 
     def write(self, record: dict) -> None:
         if self.enabled:
             with open(self.path, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
+        if self.accelerator is not None:
+            from .trackers import tracker_metrics
+
+            self.accelerator.log(tracker_metrics(record), step=record["step"])  # the main process logs
 
     def read(self) -> list[dict]:
         if not self.path.is_file():
@@ -402,19 +461,21 @@ class MetricsLog:
 
     def truncate_after(self, step: int) -> None:
         """Drop what a killed run logged after its last checkpoint, so the resumed log is the uninterrupted one."""
+        from ..outputs import atomic_write_text
+
         if self.enabled and self.path.is_file():
             kept = [r for r in self.read() if r["step"] <= step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 def plot_metrics(records: list[dict], path: Path, title: str) -> None:
     """Perplexity against step, one line per evaluated length, and the base model's line at the original length."""
-    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+    from ..outputs import new_figure
 
     evals = [r for r in records if r.get("kind") == "eval"]
     if not evals:
         return
-    fig = Figure(figsize=(7.5, 4.8))
+    fig = new_figure(figsize=(7.5, 4.8))
     ax = fig.subplots()
     lengths = sorted({int(k) for r in evals for k in r["perplexity"]}, reverse=True)
     for length in lengths:
@@ -436,6 +497,8 @@ def save_step_plot(fig, ax, path: Path, ylabel: str, title: str) -> None:
     """The shared look of perplexity-against-step plots: log y with plain numbers, grid, legend; then save."""
     from matplotlib.ticker import ScalarFormatter
 
+    from ..outputs import save_figure
+
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_formatter(ScalarFormatter())
@@ -445,7 +508,7 @@ def save_step_plot(fig, ax, path: Path, ylabel: str, title: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 # ------------------------------------------------------------------------------------------------ saving
@@ -517,21 +580,122 @@ def merge_adapter(model_path: str, adapter: Path, method):
 def train(setup: Setup, resume: bool, progress: bool = True, after_step=None) -> list[dict]:
     """Run the steps; `after_step(step)`, if given, is called after each optimizer step is logged, evaluated and
     checkpointed (1-based step)."""
-    from tqdm.auto import tqdm
+    recipe, runtime = setup.recipe, setup.runtime
+    max_steps = recipe.train.max_steps
+    log = open_run(setup, resume)
+    model, optimizer = prepare_training(setup)
+    state = restore(setup, model, optimizer, log) if resume else RunState()
+    start_run_record(setup, model, resume, state.step)
+    if state.step == 0 and recipe.eval.every:
+        evaluate_before_training(setup, model, log)
 
-    from .lora import count_parameters
+    bar = progress_bar(setup, state.step, progress)
+    window = LossWindow(recipe.train.global_batch_size * recipe.train_sequence_length)
+    state.start_clock()
+    model.train()
+    for step in range(state.step, max_steps):
+        lr = set_learning_rate(optimizer, recipe, step)
+        loss = train_step(setup, model, optimizer, step)
+        state.step, state.tokens = step + 1, state.tokens + window.tokens_per_step
+        window.add(loss)
+        bar.update(1)
+        if due(state.step, recipe.train.log_every, max_steps):
+            record = window.record(state.step, loss, lr, state.tokens)
+            log.write(record)
+            bar.set_postfix(loss=f"{record['loss']:.4f}")
+        with window.paused():  # evaluation and checkpoints do not count in the training tokens/s
+            if recipe.eval.every and due(state.step, recipe.eval.every, max_steps):
+                log_evaluation(setup, model, log, state.step, bar)
+                model.train()
+            every = recipe.train.checkpoint_every
+            if every and state.step % every == 0 and state.step < max_steps:
+                save_checkpoint(setup, model, optimizer, state.step, state.tokens, state.seconds())
+                if runtime.is_main:
+                    plot_metrics(log.read(), setup.output / "metrics.png", plot_title(setup))
+        if after_step is not None:
+            after_step(state.step)
+    bar.close()
+    return finish(setup, model, optimizer, log, state)
 
+
+@dataclass
+class RunState:
+    """Where a run stands: steps done, tokens trained on, and training seconds (those before a resume too)."""
+
+    step: int = 0
+    tokens: int = 0
+    seconds_before: float = 0.0
+    started: float = 0.0
+
+    def start_clock(self) -> None:
+        self.started = time.perf_counter()
+
+    def seconds(self) -> float:
+        return self.seconds_before + time.perf_counter() - self.started
+
+
+class LossWindow:
+    """The mean training loss and the tokens/s since the last log line (time paused for evaluations excluded)."""
+
+    def __init__(self, tokens_per_step: int):
+        self.tokens_per_step = tokens_per_step
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss, self.steps, self.clock = 0.0, 0, time.perf_counter()
+
+    def add(self, loss: float) -> None:
+        self.loss, self.steps = self.loss + loss, self.steps + 1
+
+    @contextlib.contextmanager
+    def paused(self):
+        paused = time.perf_counter()
+        yield
+        self.clock += time.perf_counter() - paused
+
+    def record(self, step: int, last_loss: float, lr: float, tokens: int) -> dict:
+        """The metrics.jsonl line of a training log; the window starts again."""
+        elapsed = time.perf_counter() - self.clock
+        record = {
+            "kind": "train",
+            "step": step,
+            "loss": self.loss / self.steps,
+            "last_loss": last_loss,
+            "lr": lr,
+            "tokens": tokens,
+            "tokens_per_second": round(self.steps * self.tokens_per_step / elapsed, 1),
+        }
+        self.reset()
+        return record
+
+
+def due(step: int, every: int, max_steps: int) -> bool:
+    """Whether something done every `every` steps (and after the last one) is due after 1-based `step`."""
+    return step % every == 0 or step == max_steps
+
+
+def open_run(setup: Setup, resume: bool) -> MetricsLog:
+    """The output directory with its recipe.yaml, the metrics log, and the trackers (`--report-to`) started."""
+    from .trackers import start_trackers
+
+    runtime = setup.runtime
+    if runtime.is_main:
+        setup.output.mkdir(parents=True, exist_ok=True)
+        write_or_check_recipe(setup.output / "recipe.yaml", setup.recipe, resume)
+    runtime.accelerator.wait_for_everyone()
+    resume_step = None
+    if resume:
+        resume_step = json.loads((latest_checkpoint(setup.output) / "state.json").read_text())["step"]
+    start_trackers(runtime.accelerator, setup.recipe.to_dict(), setup.output, resume_step)
+    tracked = runtime.accelerator if runtime.trackers else None
+    return MetricsLog(setup.output / "metrics.jsonl", runtime.is_main, tracked)
+
+
+def prepare_training(setup: Setup):
+    """(model, AdamW optimizer), prepared by accelerate (DDP, FSDP or DeepSpeed wrapping)."""
     recipe, runtime = setup.recipe, setup.runtime
     accelerator = runtime.accelerator
-    output = setup.output
-    if runtime.is_main:
-        output.mkdir(parents=True, exist_ok=True)
-        write_or_check_recipe(output / "recipe.yaml", recipe, resume)
-    accelerator.wait_for_everyone()
-    log = MetricsLog(output / "metrics.jsonl", runtime.is_main)
-
-    model = setup.model
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable = [p for p in setup.model.parameters() if p.requires_grad]
     # The fused kernel updates in place: no temporaries the size of the trainable embedding, and faster.
     fused = accelerator.device.type in ("cuda", "cpu") and not runtime.sharded
     optimizer = torch.optim.AdamW(
@@ -544,144 +708,133 @@ def train(setup: Setup, resume: bool, progress: bool = True, after_step=None) ->
     deepspeed = getattr(accelerator.state, "deepspeed_plugin", None)
     if deepspeed is not None:  # DeepSpeed reads the micro-batch from a dataloader, and we pass none
         deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = recipe.train.micro_batch_size
-    model, optimizer = accelerator.prepare(model, optimizer)
+    return accelerator.prepare(setup.model, optimizer)
 
-    start_step, tokens, seconds_before = 0, 0, 0.0
-    if resume:
-        folder = latest_checkpoint(output)
-        state = load_checkpoint(setup, model, optimizer, folder)
-        start_step, tokens, seconds_before = state["step"], state["tokens"], state["seconds"]
-        log.truncate_after(start_step)
-        accelerator.print(f"resuming from {folder} (step {start_step})")
-    n_trainable, n_total = count_parameters(accelerator.unwrap_model(model))
-    if runtime.is_main:
+
+def restore(setup: Setup, model, optimizer, log: MetricsLog) -> RunState:
+    """Load the last checkpoint into the model and optimizer; drop what was logged after it."""
+    folder = latest_checkpoint(setup.output)
+    saved = load_checkpoint(setup, model, optimizer, folder)
+    log.truncate_after(saved["step"])
+    setup.runtime.accelerator.print(f"resuming from {folder} (step {saved['step']})")
+    return RunState(saved["step"], saved["tokens"], saved["seconds"])
+
+
+def start_run_record(setup: Setup, model, resume: bool, start_step: int) -> None:
+    from .lora import count_parameters
+
+    n_trainable, n_total = count_parameters(setup.runtime.accelerator.unwrap_model(model))
+    if setup.runtime.is_main:
         write_run_record(setup, n_trainable, n_total, resume, start_step)
 
-    length = recipe.train_sequence_length
-    tokens_per_step = recipe.train.global_batch_size * length
-    eval_every = recipe.eval.every
-    ckpt_every = recipe.train.checkpoint_every
 
-    def run_eval(step: int) -> dict:
+def evaluate_before_training(setup: Setup, model, log: MetricsLog) -> None:
+    """Step 0: the unpatched base model's reference (if asked) and the patched model before any update."""
+    if setup.recipe.eval.base_reference:
         started = time.perf_counter()
-        scores = evaluate(setup, accelerator.unwrap_model(model), setup.eval_lengths)
-        record = {
-            "kind": "eval",
-            "step": step,
-            "perplexity": {str(k): v for k, v in scores.items()},
-            "seconds": round(time.perf_counter() - started, 2),
-        }
-        log.write(record)
-        return record
+        base = base_reference(setup, setup.runtime.accelerator.unwrap_model(model))
+        log.write(
+            {
+                "kind": "base_reference",
+                "step": 0,
+                "length": setup.original_length,
+                "perplexity": base,
+                "seconds": round(time.perf_counter() - started, 2),
+            }
+        )
+    log_evaluation(setup, model, log, 0)
 
-    if start_step == 0 and eval_every:
-        if recipe.eval.base_reference:
-            started = time.perf_counter()
-            base = base_reference(setup, accelerator.unwrap_model(model))
-            log.write(
-                {
-                    "kind": "base_reference",
-                    "step": 0,
-                    "length": setup.original_length,
-                    "perplexity": base,
-                    "seconds": round(time.perf_counter() - started, 2),
-                }
-            )
-        run_eval(0)
 
-    bar = tqdm(
-        total=recipe.train.max_steps,
+def log_evaluation(setup: Setup, model, log: MetricsLog, step: int, bar=None) -> dict:
+    """Evaluate at every length, log the record, and show it under the progress bar (if given)."""
+    started = time.perf_counter()
+    scores = evaluate(setup, setup.runtime.accelerator.unwrap_model(model), setup.eval_lengths)
+    record = {
+        "kind": "eval",
+        "step": step,
+        "perplexity": {str(k): v for k, v in scores.items()},
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    log.write(record)
+    if bar is not None and setup.runtime.is_main:
+        bar.write(f"step {step}: perplexity " + ", ".join(f"{k}: {v:.2f}" for k, v in record["perplexity"].items()))
+    return record
+
+
+def progress_bar(setup: Setup, start_step: int, progress: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=setup.recipe.train.max_steps,
         initial=start_step,
         desc="fine-tuning",
         unit="step",
-        disable=not (progress and runtime.is_main),
+        disable=not (progress and setup.runtime.is_main),
         mininterval=2,
     )
-    clock = time.perf_counter()
-    window_loss, window_steps, window_clock = 0.0, 0, time.perf_counter()
-    model.train()
-    for step in range(start_step, recipe.train.max_steps):
-        lr = recipe.optim.lr * lr_factor(
-            step,
-            recipe.optim.warmup_steps,
-            recipe.optim.warmup_start_factor,
-            recipe.optim.schedule,
-            recipe.train.max_steps,
-        )
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-        for micro in range(runtime.accumulation):
-            indices = sample_indices(
-                step,
-                micro,
-                accelerator.process_index,
-                accelerator.num_processes,
-                recipe.train.micro_batch_size,
-                recipe.train.global_batch_size,
-            )
-            batch = setup.train_data.batch(indices).to(accelerator.device)
-            inputs = {"input_ids": batch, "labels": batch}
-            if recipe.pose.enabled:
-                inputs["position_ids"] = pose_positions(recipe, indices).to(accelerator.device)
-                # Without a mask, transformers reads a jump in position_ids as the start of another packed
-                # sequence and blocks attention across it; PoSE chunks are one text and must see each other.
-                inputs["attention_mask"] = torch.ones_like(batch)
-            with accelerator.accumulate(model):
-                loss = model(**inputs, use_cache=False).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and recipe.optim.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), recipe.optim.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            step_loss += loss.detach().double() / runtime.accumulation
-            del loss, inputs, batch  # free this micro-step's graph remnants before the next forward
-        # The step's loss over the whole global batch: the mean of every process's mean.
-        step_loss = float(accelerator.reduce(step_loss, reduction="mean"))
-        done = step + 1
-        tokens += tokens_per_step
-        window_loss, window_steps = window_loss + step_loss, window_steps + 1
-        bar.update(1)
-        if done % recipe.train.log_every == 0 or done == recipe.train.max_steps:
-            elapsed = time.perf_counter() - window_clock
-            log.write(
-                {
-                    "kind": "train",
-                    "step": done,
-                    "loss": window_loss / window_steps,
-                    "last_loss": step_loss,
-                    "lr": lr,
-                    "tokens": tokens,
-                    "tokens_per_second": round(window_steps * tokens_per_step / elapsed, 1),
-                }
-            )
-            bar.set_postfix(loss=f"{window_loss / window_steps:.4f}")
-            window_loss, window_steps, window_clock = 0.0, 0, time.perf_counter()
-        paused = time.perf_counter()  # evaluation and checkpoints do not count in the training tokens/s
-        if eval_every and (done % eval_every == 0 or done == recipe.train.max_steps):
-            record = run_eval(done)
-            if runtime.is_main:
-                bar.write(
-                    f"step {done}: perplexity " + ", ".join(f"{k}: {v:.2f}" for k, v in record["perplexity"].items())
-                )
-            model.train()
-        if ckpt_every and done % ckpt_every == 0 and done < recipe.train.max_steps:
-            save_checkpoint(setup, model, optimizer, done, tokens, seconds_before + time.perf_counter() - clock)
-            if runtime.is_main:
-                plot_metrics(log.read(), output / "metrics.png", plot_title(setup))
-        window_clock += time.perf_counter() - paused
-        if after_step is not None:
-            after_step(done)
-    bar.close()
 
-    save_checkpoint(
-        setup, model, optimizer, recipe.train.max_steps, tokens, seconds_before + time.perf_counter() - clock
+
+def set_learning_rate(optimizer, recipe: Recipe, step: int) -> float:
+    """Set and return the learning rate of optimizer step `step` (0-based)."""
+    optim = recipe.optim
+    lr = optim.lr * lr_factor(
+        step, optim.warmup_steps, optim.warmup_start_factor, optim.schedule, recipe.train.max_steps
     )
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def train_step(setup: Setup, model, optimizer, step: int) -> float:
+    """One optimizer step over the global batch, in micro-steps; its loss, the mean of every process's mean."""
+    recipe, runtime = setup.recipe, setup.runtime
+    accelerator = runtime.accelerator
+    step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    for micro in range(runtime.accumulation):
+        inputs = micro_batch(setup, step, micro)
+        with accelerator.accumulate(model):
+            loss = model(**inputs, use_cache=False).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and recipe.optim.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(model.parameters(), recipe.optim.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        step_loss += loss.detach().double() / runtime.accumulation
+        del loss, inputs  # free this micro-step's graph remnants before the next forward
+    return float(accelerator.reduce(step_loss, reduction="mean"))
+
+
+def micro_batch(setup: Setup, step: int, micro: int) -> dict[str, torch.Tensor]:
+    """The model inputs of this process in one micro-step: its share of the step's samples, by index."""
+    recipe, accelerator = setup.recipe, setup.runtime.accelerator
+    indices = sample_indices(
+        step,
+        micro,
+        accelerator.process_index,
+        accelerator.num_processes,
+        recipe.train.micro_batch_size,
+        recipe.train.global_batch_size,
+    )
+    batch = setup.train_data.batch(indices).to(accelerator.device)
+    inputs = {"input_ids": batch, "labels": batch}
+    if recipe.pose.enabled:
+        inputs["position_ids"] = pose_positions(recipe, indices).to(accelerator.device)
+        # Without a mask, transformers reads a jump in position_ids as the start of another packed
+        # sequence and blocks attention across it; PoSE chunks are one text and must see each other.
+        inputs["attention_mask"] = torch.ones_like(batch)
+    return inputs
+
+
+def finish(setup: Setup, model, optimizer, log: MetricsLog, state: RunState) -> list[dict]:
+    """The last checkpoint, adapter/ and merged/, the plot; the trackers closed. Returns the metrics records."""
+    save_checkpoint(setup, model, optimizer, state.step, state.tokens, state.seconds())
     save_results(setup, model)
-    records = log.read() if runtime.is_main else []
-    if runtime.is_main:
-        plot_metrics(records, output / "metrics.png", plot_title(setup))
+    records = log.read() if setup.runtime.is_main else []
+    if setup.runtime.is_main:
+        plot_metrics(records, setup.output / "metrics.png", plot_title(setup))
+    accelerator = setup.runtime.accelerator
     accelerator.wait_for_everyone()
+    accelerator.end_training()
     return records
 
 
@@ -708,6 +861,8 @@ def plot_title(setup: Setup) -> str:
 
 def write_or_check_recipe(path: Path, recipe: Recipe, resume: bool) -> None:
     """A fresh run records its recipe; a resumed run must be the same recipe (max_steps may grow)."""
+    from ..outputs import atomic_write_text
+
     current = recipe.to_dict()
     if resume and path.is_file():
         saved = yaml.safe_load(path.read_text())
@@ -720,13 +875,13 @@ def write_or_check_recipe(path: Path, recipe: Recipe, resume: bool) -> None:
                 "resume with the same recipe, or start a new output_dir"
             )
         if saved["train"]["max_steps"] != current["train"]["max_steps"]:
-            path.write_text(recipe.to_yaml())
+            atomic_write_text(path, recipe.to_yaml())
         return
-    path.write_text(recipe.to_yaml())
+    atomic_write_text(path, recipe.to_yaml())
 
 
 def write_run_record(setup: Setup, n_trainable: int, n_total: int, resume: bool, start_step: int) -> None:
-    from ..eval.report import environment
+    from ..outputs import provenance, write_json
 
     runtime = setup.runtime
     record = {
@@ -751,19 +906,24 @@ def write_run_record(setup: Setup, n_trainable: int, n_total: int, resume: bool,
             "stride": setup.recipe.eval.stride,
             "bos_token_id": setup.bos_token_id,
         },
-        "environment": environment(),
+        "environment": provenance(),
     }
     path = setup.output / "run.json"
     if resume and path.is_file():
         previous = json.loads(path.read_text())
         record["resumed"] = previous.get("resumed", []) + [{"from_step": start_step, **record["environment"]}]
         record["environment"] = previous.get("environment", record["environment"])
-    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    write_json(path, record)
 
 
-def finetune(recipe: Recipe, resume: bool = False, progress: bool = True, after_step=None) -> tuple[Setup, list[dict]]:
-    """Run a recipe end to end; returns the setup and the metrics records (on the main process). `after_step`:
-    see `train`."""
-    setup = prepare(recipe, resume, progress)
+def finetune(
+    recipe: Recipe, resume: bool = False, progress: bool = True, after_step=None, report_to=None
+) -> tuple[Setup, list[dict]]:
+    """Run a recipe end to end; returns the setup and the metrics records (on the main process).
+
+    `after_step`: see `train`. `report_to`: trackers to log to as well, e.g. 'tensorboard' or
+    ['wandb', 'mlflow'] (ctxext.train.trackers).
+    """
+    setup = prepare(recipe, resume, progress, report_to)
     records = train(setup, resume, progress, after_step)
     return setup, records
