@@ -7,7 +7,8 @@ import argparse
 import re
 
 from ..config import parse_value
-from ..errors import CtxextError, did_you_mean
+from ..errors import CtxextError
+from ..eval.options import DEFAULT_LENGTHS, parse_depths, parse_lengths, parse_stride  # noqa: F401  (the commands' helpers)
 
 # The flags every method-taking command has; any other `--name value` is a method parameter.
 TOP_LEVEL_FLAGS = ("factor", "original_max_position_embeddings", "logn")
@@ -129,109 +130,26 @@ def method_config_from_args(args: argparse.Namespace):
     return load_method_config(args.config, overrides)
 
 
+def method_selection(args: argparse.Namespace):
+    """The methods asked for with --method (repeated), --config (a method YAML, or a sweep YAML with `methods:`)
+    and the parameter flags, and --no-baseline (ctxext.eval.rows.MethodSelection)."""
+    from ..eval.rows import MethodSelection
+
+    methods = args.method if isinstance(args.method, list) or args.method is None else [args.method]
+    return MethodSelection(
+        methods=methods,
+        config=args.config,
+        overrides=method_overrides(args),
+        baseline=not getattr(args, "no_baseline", False),
+    )
+
+
 def method_mappings(args: argparse.Namespace) -> list[dict] | None:
-    """The method mappings asked for with --method (repeated) and --config (a method YAML, or a sweep YAML with
-    `methods:`), flags applied to every method that has them; None when no method was asked for. Each mapping
-    is validated (an unknown method or key fails here, before any model is loaded)."""
-    from ..config import MethodConfig, read_yaml_mapping
-
-    base, entries = {}, None
-    if args.config is not None:
-        data = read_yaml_mapping(args.config)
-        if "methods" in data:
-            entries = data.pop("methods")
-            if not isinstance(entries, list) or not entries:
-                raise CtxextError(f"config file '{args.config}': 'methods' must be a non-empty list")
-            entries = [{"method": e} if isinstance(e, str) else e for e in entries]
-            if any(not isinstance(e, dict) for e in entries):
-                raise CtxextError(f"config file '{args.config}': each entry of 'methods' must be a name or a mapping")
-            if args.method:
-                raise CtxextError("give the methods either in the sweep YAML ('methods:') or with --method, not both")
-        base = data  # a flat method YAML, or defaults shared by the sweep's entries
-    if entries is None:
-        if args.method:
-            entries = [{"method": m} for m in args.method]
-        elif args.config is not None:
-            entries = [{}]
-    overrides = method_overrides(args)
-    if entries is None:
-        if overrides:
-            raise CtxextError(f"--{next(iter(overrides)).replace('_', '-')} needs a --method or --config")
-        return None
-    mappings = [{**base, **entry} for entry in entries]
-    _apply_overrides(mappings, overrides)
-    for mapping in mappings:
-        MethodConfig.from_mapping(mapping, source=f"config file '{args.config}'" if args.config else None)
-    return mappings
-
-
-def _apply_overrides(mappings: list[dict], overrides: dict) -> None:
-    """Set each flag on every mapping whose method has that key; a flag no method has is an error."""
-    import dataclasses
-
-    from ..config import TOP_LEVEL_KEYS
-    from ..methods import METHODS, get_method
-
-    for key, value in overrides.items():
-        used = False
-        for mapping in mappings:
-            spec = get_method(mapping.get("method", "none"))
-            if key in TOP_LEVEL_KEYS or key in [f.name for f in dataclasses.fields(spec.params_cls)]:
-                mapping[key] = value
-                used = True
-        if not used:
-            methods = ", ".join(m.get("method", "none") for m in mappings)
-            every = sorted(
-                {f.name.replace("_", "-") for m in METHODS.values() for f in dataclasses.fields(m.params_cls)}
-            )
-            name = key.replace("_", "-")
-            raise CtxextError(f"none of the methods ({methods}) has a parameter '{name}'{did_you_mean(name, every)}")
+    """The validated method mappings asked for (None: none asked for); see `method_selection`."""
+    return method_selection(args).mappings()
 
 
 # ----------------------------------------------------------------------------------- eval and passkey
-DEFAULT_LENGTHS = "2048,4096,8192,16384"
-
-
-def parse_lengths(text: str) -> list[int]:
-    """'2048,4096' or '2k,4k,16k' -> sorted distinct ints >= 2."""
-    lengths = []
-    for part in str(text).split(","):
-        part = part.strip().lower()
-        try:
-            value = int(part[:-1]) * 1024 if part.endswith("k") else int(part)
-        except ValueError:
-            raise CtxextError(
-                f"--lengths must be a comma-separated list of token counts like 2048,4096 or 2k,4k; got '{text}'"
-            ) from None
-        if value < 2:
-            raise CtxextError(f"--lengths values must be at least 2 tokens, got {value}")
-        lengths.append(value)
-    return sorted(set(lengths))
-
-
-def parse_stride(text: str) -> int | None:
-    """An integer, or 'window' for one pass per document at every length (None)."""
-    if str(text).strip().lower() in ("window", "w", "truncate"):
-        return None
-    try:
-        stride = int(text)
-    except ValueError:
-        raise CtxextError(f"--stride must be a positive integer or 'window', got '{text}'") from None
-    if stride <= 0:
-        raise CtxextError(f"--stride must be a positive integer or 'window', got {stride}")
-    return stride
-
-
-def parse_depths(text: str) -> list[float]:
-    try:
-        depths = [float(p) for p in str(text).split(",")]
-    except ValueError:
-        raise CtxextError(f"--depths must be comma-separated fractions between 0 and 1, got '{text}'") from None
-    if any(not 0 <= d <= 1 for d in depths):
-        raise CtxextError(f"--depths must be fractions between 0 and 1, got '{text}'")
-    return sorted(set(depths))
-
-
 def add_data_arguments(parser) -> None:
     group = parser.add_argument_group("data (one of --dataset / --text-file)")
     group.add_argument(

@@ -38,97 +38,35 @@ def add_arguments(parser) -> None:
     parser.set_defaults(text_file=None, dataset=None)
 
 
+def request(args):
+    """The PasskeyRequest the arguments ask for."""
+    from ..eval.passkey_workflow import PasskeyRequest
+    from .common import method_selection, parse_depths, parse_lengths
+    from .evaluation import invocation, runtime_options
+
+    return PasskeyRequest(
+        model=args.model,
+        lengths=parse_lengths(args.lengths),
+        depths=parse_depths(args.depths),
+        trials=args.trials,
+        seed=args.seed,
+        methods=method_selection(args),
+        runtime=runtime_options(args),
+        output=args.output,
+        overwrite=args.overwrite,
+        invocation=invocation(args),
+    )
+
+
 def run(args) -> int:
-    import time
     from pathlib import Path
 
-    from ..errors import CtxextError
-    from ..eval.passkey import NEW_TOKENS, accuracy_rows, plan_trials, run_passkey
-    from ..eval.report import environment, passkey_table, plot_passkey_heatmap, write_csv, write_json
-    from ..outputs import atomic_output_dir
-    from ..runtime import Processes, cpu_processes
-    from .common import method_mappings, parse_depths, parse_lengths
-    from .evaluation import (
-        arguments,
-        bos_choice,
-        build_methods,
-        check_outputs,
-        command_line,
-        load,
-        model_description,
-        progress_bar,
-    )
+    from ..eval.passkey_workflow import evaluate_passkey
 
-    started = time.perf_counter()
-    lengths = parse_lengths(args.lengths)
-    depths = parse_depths(args.depths)
-    if args.trials < 1:
-        raise CtxextError(f"--trials must be at least 1, got {args.trials}")
-    method_mappings(args)  # bad method flags fail before anything is loaded
-    protected = check_outputs(args)
-    processes = Processes(cpu=cpu_processes(args.device))
-    model, tokenizer, runtime = load(args, processes)
-    methods = build_methods(args, model)
-    bos_id, bos_info = bos_choice(args, tokenizer)
-    trials = plan_trials(lengths, depths, args.trials, args.seed)
-    if processes.is_main:
-        print(
-            f"ctxext passkey: {args.trials} trials x {len(depths)} depths x {len(lengths)} lengths x "
-            f"{len(methods)} methods; {runtime['dtype']} ({runtime['dtype_reason']}) on {runtime['device']}",
-            flush=True,
-        )
-    progress = progress_bar(
-        args, processes, len(trials[processes.rank :: processes.world_size]) * len(methods), "trial"
-    )
-    try:
-        records = run_passkey(model, tokenizer, trials, methods, bos_id, processes, progress)
-    finally:
-        if progress is not None:
-            progress.close()
-    if not processes.is_main:
+    result = evaluate_passkey(request(args), report=lambda line: print(line, flush=True))
+    if not result.main_process:
         return 0
-    by_depth, by_length = accuracy_rows(records)
-    labels = [m.label for m in methods]
-    table = passkey_table(by_length, labels, lengths)
-    payload = {
-        "command": command_line(),
-        "arguments": arguments(args),
-        "model": model_description(args, model, runtime),
-        "protocol": {
-            "name": "passkey retrieval (Landmark / YaRN format), ctxext docs/METHODS.md",
-            "decoding": f"greedy, {NEW_TOKENS} new tokens",
-            "success": "first integer in the output == key",
-            "key_range": [1, 50000],
-            "depths": depths,
-            "trials_per_cell": args.trials,
-            "seed": args.seed,
-            "bos": bos_info,
-        },
-        "methods": [{"label": m.label, **m.description} for m in methods],
-        "lengths": lengths,
-        "accuracy_by_length": by_length,
-        "accuracy_by_depth": by_depth,
-        "trials": records,
-        "runtime": {"processes": processes.world_size, "seconds": time.perf_counter() - started},
-        "environment": environment(),
-    }
-    with atomic_output_dir(args.output, protected, args.overwrite) as staging:
-        write_json(staging / "results.json", payload)
-        write_csv(
-            staging / "results.csv",
-            sorted(by_depth, key=lambda r: (labels.index(r["method"]), r["length"], r["depth"])),
-            ["method", "length", "depth", "trials", "correct", "accuracy"],
-        )
-        (staging / "table.txt").write_text(table + "\n")
-        plot_passkey_heatmap(
-            by_depth,
-            labels,
-            lengths,
-            depths,
-            staging / "passkey.png",
-            f"{Path(args.model).name}: passkey accuracy, {args.trials} trials per cell",
-        )
     print()
-    print(table)
+    print(result.table)
     print(f"\nresults: {Path(args.output).resolve()} (results.json, results.csv, passkey.png)")
     return 0

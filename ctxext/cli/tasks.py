@@ -127,12 +127,15 @@ def run(args: argparse.Namespace) -> int:
     method_mappings(args)  # bad method flags fail before anything is loaded
     lm_eval = import_lm_eval()
 
-    from .evaluation import check_outputs
+    from ..outputs import check_output_dir
 
-    protected = check_outputs(args)
+    protected = [args.model] if Path(args.model).exists() else []
+    check_output_dir(args.output, protected, args.overwrite)
 
     from ..assets import cache_dir
     from ..eval.report import environment, write_csv, write_json
+    from ..eval.rows import method_rows
+    from ..eval.setup import Invocation, load_model_and_tokenizer, model_description
     from ..loading import check_model_source
     from ..outputs import atomic_output_dir
     from ..runtime import Processes, cpu_processes, on_main_first
@@ -150,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         task_metadata,
     )
     from ..tasks.report import CSV_COLUMNS, EFFECTIVE_RULE, effective_lengths, plot_task_heatmap, score_tables
-    from .evaluation import arguments, build_methods, command_line, load, model_description
+    from .evaluation import method_selection, runtime_options
 
     check_model_source(args.model)  # before the task data: RULER sizes its prompts with the model's tokenizer
     processes = Processes(cpu=cpu_processes(args.device))
@@ -167,8 +170,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.cached_only:
         on_main_first(processes, check_data)  # what cannot be fetched fails here, before the model loads
 
-    model, tokenizer, runtime = load(args, processes)
-    methods = build_methods(args, model)
+    model, tokenizer, runtime = load_model_and_tokenizer(args.model, runtime_options(args), processes)
+    methods = method_rows(method_selection(args), model.config)
     cells = plan_cells(methods, specs, lengths)
     if args.no_cache:
         cache = CellCache(None)
@@ -235,9 +238,9 @@ def run(args: argparse.Namespace) -> int:
     table = score_tables(rows, labels, lengths) if rows else "(no cell has a result yet)"
     effective = effective_lengths(rows, labels)
     payload = {
-        "command": command_line(),
-        "arguments": arguments(args),
-        "model": model_description(args, model, runtime),
+        "command": Invocation().command,
+        "arguments": dict(vars(args)),
+        "model": model_description(args.model, model, runtime),
         "protocol": {
             "name": "lm-evaluation-harness tasks through lm_eval.simple_evaluate on HFLM, one call per "
             "(method, task, length)",

@@ -1,0 +1,218 @@
+"""Method flags, a method YAML or a sweep YAML -> the rows of an evaluation (`EvalMethod`s), in one place.
+
+`ctxext eval`, `ctxext passkey`, `ctxext tasks` and the `evaluate` module all build their rows here, so a
+loaded checkpoint means the same thing everywhere: a dynamic rope type is computed statelessly (each forward at
+its own length, see `ctxext.patching.rope_types.stateless_method_for`), a scaled checkpoint's recorded
+pre-training length is the L every method scales from, and `none` on a plain checkpoint is the model as loaded.
+No torch at import: the command line validates the flags with `MethodSelection.mappings` before any model loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ..errors import CtxextError, did_you_mean
+
+AS_LOADED = {"method": "none", "as_loaded": True}
+
+
+@dataclass
+class EvalMethod:
+    """A row of the results: a MethodConfig to patch in, or None for the model exactly as loaded."""
+
+    label: str
+    config: object | None = None  # ctxext.config.MethodConfig
+    description: dict = field(default_factory=dict)
+
+    def apply(self, model) -> None:
+        from ..patching import unpatch
+
+        unpatch(model) if self.config is None else self.config.apply(model)
+
+    def remove(self, model) -> None:
+        from ..patching import unpatch
+
+        unpatch(model)
+
+
+@dataclass
+class MethodSelection:
+    """Which methods to evaluate: --method names (repeatable), a method or sweep YAML (`methods:`), parameter
+    flags applied to every method that has them, and whether to add the `none` baseline. No method at all:
+    the model as loaded."""
+
+    methods: list[str] | None = None
+    config: str | None = None
+    overrides: dict = field(default_factory=dict)
+    baseline: bool = True
+
+    @property
+    def source(self) -> str | None:
+        return f"config file '{self.config}'" if self.config else None
+
+    def mappings(self) -> list[dict] | None:
+        """One validated flat mapping per method asked for (None: none asked for); an unknown method or key
+        fails here, before any model is loaded."""
+        from ..config import MethodConfig
+
+        base, entries = self._config_entries()
+        if entries is None:
+            if self.methods:
+                entries = [{"method": m} for m in self.methods]
+            elif self.config is not None:
+                entries = [{}]
+        if entries is None:
+            if self.overrides:
+                raise CtxextError(f"--{next(iter(self.overrides)).replace('_', '-')} needs a --method or --config")
+            return None
+        mappings = [{**base, **entry} for entry in entries]
+        apply_overrides(mappings, self.overrides)
+        for mapping in mappings:
+            MethodConfig.from_mapping(mapping, source=self.source)
+        return mappings
+
+    def _config_entries(self) -> tuple[dict, list[dict] | None]:
+        """(keys shared by every method, the sweep's entries or None) from the YAML, if any."""
+        from ..config import read_yaml_mapping
+
+        if self.config is None:
+            return {}, None
+        data = read_yaml_mapping(self.config)
+        if "methods" not in data:
+            return data, None
+        entries = data.pop("methods")
+        if not isinstance(entries, list) or not entries:
+            raise CtxextError(f"config file '{self.config}': 'methods' must be a non-empty list")
+        entries = [{"method": e} if isinstance(e, str) else e for e in entries]
+        if any(not isinstance(e, dict) for e in entries):
+            raise CtxextError(f"config file '{self.config}': each entry of 'methods' must be a name or a mapping")
+        if self.methods:
+            raise CtxextError("give the methods either in the sweep YAML ('methods:') or with --method, not both")
+        return data, entries
+
+
+def apply_overrides(mappings: list[dict], overrides: dict) -> None:
+    """Set each flag on every mapping whose method has that key; a flag no method has is an error."""
+    from ..config import TOP_LEVEL_KEYS
+    from ..methods import METHODS, get_method
+
+    for key, value in overrides.items():
+        used = False
+        for mapping in mappings:
+            spec = get_method(mapping.get("method", "none"))
+            if key in TOP_LEVEL_KEYS or key in [f.name for f in dataclasses.fields(spec.params_cls)]:
+                mapping[key] = value
+                used = True
+        if not used:
+            methods = ", ".join(m.get("method", "none") for m in mappings)
+            every = sorted(
+                {f.name.replace("_", "-") for m in METHODS.values() for f in dataclasses.fields(m.params_cls)}
+            )
+            name = key.replace("_", "-")
+            raise CtxextError(f"none of the methods ({methods}) has a parameter '{name}'{did_you_mean(name, every)}")
+
+
+# ------------------------------------------------------------------------------------------------- rows
+def _rope_parameters(model_config) -> dict:
+    return dict(getattr(model_config, "rope_parameters", None) or {})
+
+
+def _loaded_is_plain(model_config) -> bool:
+    return _rope_parameters(model_config).get("rope_type", "default") == "default"
+
+
+def as_loaded_row(model_config) -> EvalMethod:
+    """The model as loaded; a dynamic rope type through its stateless ctxext method (the same numbers whatever
+    order the windows come in)."""
+    from ..config import MethodConfig
+    from ..patching.rope_types import stateless_method_for
+
+    rope = _rope_parameters(model_config)
+    if _loaded_is_plain(model_config):
+        return EvalMethod("none", None, dict(AS_LOADED))
+    factor = rope.get("factor")
+    label = f"as loaded ({rope.get('rope_type')}{f' x{factor:g}' if factor else ''})"
+    stateless = stateless_method_for(rope)
+    if stateless is None:
+        return EvalMethod(label, None, {"as_loaded": True, "rope_parameters": rope})
+    name, params = stateless
+    original = rope.get("original_max_position_embeddings") or model_config.max_position_embeddings
+    config = MethodConfig.from_mapping({"method": name, **params, "original_max_position_embeddings": int(original)})
+    return EvalMethod(label, config, {"as_loaded": True, "rope_parameters": rope, "computed_as": config.to_dict()})
+
+
+def mapping_row(mapping: dict, model_config, source: str | None = None) -> EvalMethod:
+    """One method mapping as a row; a scaled checkpoint's recorded L is the default original length."""
+    from ..config import MethodConfig
+
+    loaded_original = _rope_parameters(model_config).get("original_max_position_embeddings")
+    if loaded_original and "original_max_position_embeddings" not in mapping:
+        mapping = {**mapping, "original_max_position_embeddings": int(loaded_original)}
+    config = MethodConfig.from_mapping(mapping, source=source)
+    if config.method == "none" and _loaded_is_plain(model_config):
+        return EvalMethod("none", None, dict(AS_LOADED))
+    return EvalMethod(config.label, config, config.to_dict())
+
+
+def baseline_row(model_config) -> EvalMethod:
+    """Plain RoPE: the model as loaded when it is plain, else `none` patched in."""
+    from ..config import MethodConfig
+
+    if _loaded_is_plain(model_config):
+        return EvalMethod("none", None, dict(AS_LOADED))
+    return EvalMethod("none", MethodConfig("none"), MethodConfig("none").to_dict())
+
+
+def method_rows(selection: MethodSelection, model_config) -> list[EvalMethod]:
+    """The rows in order: the `none` baseline first (unless `selection.baseline` is False), then the methods
+    asked for (the model as loaded when none is), with labels that tell every row apart."""
+    mappings = selection.mappings()
+    if mappings is None:
+        rows = [as_loaded_row(model_config)]
+    else:
+        rows = [mapping_row(mapping, model_config, selection.source) for mapping in mappings]
+    if selection.baseline and not any(row.label == "none" for row in rows):
+        rows.insert(0, baseline_row(model_config))
+    distinguish_labels(rows)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------- labels
+def _settings(row: EvalMethod) -> dict:
+    """Every setting of a row's method, defaults resolved: what two rows of one label can differ in."""
+    if row.config is None:
+        return {}
+    from ..methods import get_method
+
+    config = row.config
+    params = get_method(config.method).make_params(factor=config.factor, **config.params)
+    values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.name != "factor"}
+    return {"original_max_position_embeddings": config.original_max_position_embeddings, **values}
+
+
+def _short(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def distinguish_labels(rows: list[EvalMethod]) -> None:
+    """Rows that share a label get the settings that differ between them, e.g. 'yarn x4' and
+    'yarn x4 beta_fast=16 beta_slow=2' become 'yarn x4 beta_fast=32 beta_slow=1' and 'yarn x4 beta_fast=16
+    beta_slow=2'; rows that differ in nothing shown are numbered ('yarn x4 (2)'). Unique labels stay short."""
+    groups: dict[str, list[EvalMethod]] = {}
+    for row in rows:
+        groups.setdefault(row.label, []).append(row)
+    for label, group in groups.items():
+        if len(group) < 2:
+            continue
+        settings = [_settings(row) for row in group]
+        keys = list(dict.fromkeys(k for s in settings for k in s))
+        differing = [k for k in keys if len({repr(s.get(k)) for s in settings}) > 1]
+        for row, values in zip(group, settings):
+            shown = " ".join(f"{k}={_short(values.get(k))}" for k in differing)
+            row.label = f"{label} {shown}" if shown else label
+    seen: dict[str, int] = {}
+    for row in rows:
+        seen[row.label] = seen.get(row.label, 0) + 1
+        if seen[row.label] > 1:
+            row.label = f"{row.label} ({seen[row.label]})"

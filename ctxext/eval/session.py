@@ -1,0 +1,87 @@
+"""One loaded model ready to be evaluated: the processes, the model and tokenizer on their runtime, the method
+rows (ctxext.eval.rows), BOS; what eval, passkey and tasks do before they score and record after."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .rows import MethodSelection, method_rows
+from .setup import RuntimeOptions, bos_choice, load_model_and_tokenizer, model_description, progress_bar
+
+
+@dataclass
+class EvalSession:
+    name: str
+    model: object
+    tokenizer: object
+    runtime: dict  # ctxext.runtime.inference_runtime's answer
+    options: RuntimeOptions
+    processes: object  # ctxext.runtime.Processes
+    methods: list
+    bos_id: int | None
+    bos_info: dict
+
+    @classmethod
+    def open(cls, name: str, selection: MethodSelection, options: RuntimeOptions) -> EvalSession:
+        from ..runtime import Processes, cpu_processes
+
+        processes = Processes(cpu=cpu_processes(options.device))
+        model, tokenizer, runtime = load_model_and_tokenizer(name, options, processes)
+        methods = method_rows(selection, model.config)
+        bos_id, bos_info = bos_choice(options.bos, tokenizer)
+        return cls(name, model, tokenizer, runtime, options, processes, methods, bos_id, bos_info)
+
+    def runtime_line(self) -> str:
+        runtime, world = self.runtime, self.processes.world_size
+        return (
+            f"{runtime['dtype']} ({runtime['dtype_reason']}) on {runtime['device']}, "
+            f"{runtime['attn_implementation']}{f', {world} processes' if world > 1 else ''}"
+        )
+
+    def description(self) -> dict:
+        return model_description(self.name, self.model, self.runtime)
+
+    def progress(self, total: int, unit: str):
+        return progress_bar(self.options, self.processes, total, unit)
+
+    def environment(self) -> dict:
+        from ..outputs import provenance
+
+        return provenance()
+
+    def cell_context(self, short_docs: str) -> dict:
+        """What every cell of this session depends on besides its method, length and tokens."""
+        return {
+            "model": model_identity(self.name, self.model),
+            "dtype": str(self.runtime["dtype"]).removeprefix("torch."),
+            "device": self.runtime["device"].type,
+            "attn_implementation": self.runtime["attn_implementation"],
+            "short_docs": short_docs,
+            "protocol": "ctxext sliding-window perplexity v1",
+        }
+
+
+def model_identity(name: str, model) -> dict:
+    """What names the weights a cell was computed with: a local checkpoint's content (ctxext.outputs.
+    content_fingerprint; its files' names, sizes and times where it has no safetensors), or a hub id with the
+    commit transformers resolved."""
+    from ..outputs import content_fingerprint
+
+    path = Path(name)
+    if path.is_dir() and any(path.glob("*.safetensors")):
+        return {"content": content_fingerprint(path)}
+    if path.is_dir():
+        return {"path": str(path.resolve()), "files_sha256": checkpoint_file_stamp(path)}
+    return {"hub_id": name, "commit": getattr(model.config, "_commit_hash", None)}
+
+
+def checkpoint_file_stamp(path: Path) -> str:
+    """A hash of a folder's file names, sizes and modification times: changes when any file is rewritten,
+    without reading the files (not their content: the same weights saved again get another stamp)."""
+    files = sorted(
+        (str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns) for f in path.rglob("*") if f.is_file()
+    )
+    return hashlib.sha256(json.dumps(files).encode()).hexdigest()

@@ -1,0 +1,136 @@
+"""What the evaluation workflows share before and after they score: the runtime options, the loaded model, BOS,
+the data options, the description of the model written to results.json, and the invocation recorded with it."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import CtxextError
+from .options import check_bos
+
+
+@dataclass
+class RuntimeOptions:
+    """device, dtype and attention implementation ('auto': ctxext.runtime picks), BOS in front of each window
+    ('auto': when the tokenizer adds one), and whether to show a progress bar."""
+
+    device: str = "auto"
+    dtype: str = "auto"
+    attn_implementation: str = "auto"
+    bos: str = "auto"
+    progress: bool = True
+
+
+@dataclass
+class DataOptions:
+    """The documents: text files/folders or a dataset (exactly one), as `ctxext.eval.data.load_documents` reads."""
+
+    text_files: list[str] | None = None
+    dataset: str | None = None
+    split: str | None = None
+    dataset_config: str | None = None
+    text_field: str | None = None
+    max_docs: int | None = None
+    min_doc_tokens: int = 0
+
+    def load(self, tokenizer):
+        from .data import load_documents
+
+        return load_documents(tokenizer, **asdict(self))
+
+    def local_paths(self) -> list[str]:
+        """The inputs on disk, which an output directory must not overlap."""
+        paths = [p for p in (self.text_files or []) if Path(p).exists()]
+        return paths + ([self.dataset] if self.dataset and Path(self.dataset).exists() else [])
+
+
+@dataclass
+class Invocation:
+    """How a workflow was asked for, recorded at the top of results.json (the command line, its arguments)."""
+
+    command: str = field(default_factory=lambda: " ".join(shlex.quote(a) for a in sys.argv))
+    arguments: dict = field(default_factory=dict)
+
+
+def load_model_and_tokenizer(name: str, runtime: RuntimeOptions, processes) -> tuple:
+    """(model, tokenizer, runtime dict) for a checkpoint or hub id on the device, dtype and attention the
+    runtime picks (ctxext.runtime.inference_runtime)."""
+    from ..loading import check_model_source, load_model, load_tokenizer
+    from ..runtime import inference_runtime
+
+    check_model_source(name)
+    resolved = inference_runtime(runtime.device, runtime.dtype, runtime.attn_implementation, processes)
+    tokenizer = load_tokenizer(name)
+    model = load_model(
+        name, dtype=resolved["dtype"], device=resolved["device"], attn_implementation=resolved["attn_implementation"]
+    )
+    return model, tokenizer, resolved
+
+
+def bos_choice(bos: str, tokenizer) -> tuple[int | None, dict]:
+    """(the BOS id each window starts with or None, the protocol's description of that choice)."""
+    from .data import tokenizer_adds_bos
+
+    adds = tokenizer_adds_bos(tokenizer)
+    want = adds if check_bos(bos) == "auto" else bos == "yes"
+    if want and tokenizer.bos_token_id is None:
+        raise CtxextError("--bos yes, but the tokenizer has no BOS token")
+    bos_id = tokenizer.bos_token_id if want else None
+    return bos_id, {
+        "tokenizer_adds_bos": adds,
+        "setting": bos,
+        "windows_start_with_bos": want,
+        "bos_token_id": bos_id,
+        "bos_scored": False,
+        "note": "each window is BOS + (window - 1) text tokens; BOS is context only"
+        if want
+        else "windows are text tokens only; the first token of a document is never scored",
+    }
+
+
+def model_description(name: str, model, runtime: dict) -> dict:
+    config = model.config
+    return {
+        "path": str(Path(name).resolve()) if Path(name).exists() else name,
+        "model_type": getattr(config, "model_type", None),
+        "architecture": type(model).__name__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "max_position_embeddings": getattr(config, "max_position_embeddings", None),
+        "original_max_position_embeddings": original_length(model),
+        "rotary_dim": _rotary_dim(config),
+        "rope_parameters": dict(getattr(config, "rope_parameters", None) or {}),
+        "dtype": str(runtime["dtype"]).removeprefix("torch."),
+        "dtype_reason": runtime["dtype_reason"],
+        "device": str(runtime["device"]),
+        "attn_implementation": runtime["attn_implementation"],
+    }
+
+
+def _rotary_dim(config) -> int | None:
+    from ..patching import rotary_dim
+
+    try:
+        return rotary_dim(config)
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return None
+
+
+def original_length(model) -> int | None:
+    """L as patch() reads it; for a model ctxext cannot patch (evaluated as loaded), its max_position_embeddings."""
+    from .. import patching
+
+    try:
+        return patching.original_length(model)
+    except CtxextError:
+        return getattr(model.config, "max_position_embeddings", None)
+
+
+def progress_bar(runtime: RuntimeOptions, processes, total: int, unit: str):
+    if not runtime.progress or not processes.is_main:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit=unit, unit_scale=True, dynamic_ncols=True, file=sys.stderr)
