@@ -1,8 +1,9 @@
 """`ctxext eval`'s perplexity for texts given in Python: what the `evaluate` module (evaluate_perplexity/) computes.
 
-The same functions as `ctxext eval` run here (tokenize_documents, plan_lengths, run_perplexity), with the same
-defaults: stride 256, BOS in front of each window when the tokenizer adds one, documents shorter than the window
-skipped, the model as loaded unless a method is given.
+The same functions as `ctxext eval` run here (tokenize_documents, plan_lengths, run_perplexity, and the method rows
+of ctxext.eval.rows), with the same defaults: stride 256, BOS in front of each window when the tokenizer adds one,
+documents shorter than the window skipped, the model as loaded unless a method is given (a dynamic checkpoint
+computed statelessly, each window at its own length, as `ctxext eval` computes it).
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ def texts_perplexity(
     for the computation and removed after; None scores the model as loaded. `stride` 'window' is one pass per
     document. Returns perplexity, mean NLL, NLL sum, tokens scored, windows, documents and documents skipped.
     """
-    from ..cli.common import parse_stride
-    from ..config import MethodConfig
-    from ..eval.data import tokenize_documents, tokenizer_adds_bos
-    from ..eval.runner import EvalMethod, plan_lengths, run_perplexity
+    from ..eval.data import tokenize_documents
+    from ..eval.options import parse_stride
+    from ..eval.runner import plan_lengths, run_perplexity
+    from ..eval.setup import bos_choice
 
     if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
         raise CtxextError("texts must be a list of strings, one per document")
@@ -49,31 +50,28 @@ def texts_perplexity(
         model, tokenizer = _load(str(model), device, dtype, attn_implementation)
     elif tokenizer is None:
         raise CtxextError("a loaded model needs its tokenizer (tokenizer=...)")
-    if bos not in ("auto", "yes", "no"):
-        raise CtxextError(f"bos must be auto, yes or no, got {bos!r}")
-    adds = tokenizer_adds_bos(tokenizer)
-    bos_id = tokenizer.bos_token_id if (adds if bos == "auto" else bos == "yes") else None
+    bos_id, _ = bos_choice(bos, tokenizer)
     documents, _ = tokenize_documents(((f"text {i}", t) for i, t in enumerate(texts)), tokenizer)
     plan = plan_lengths(documents, [int(window)], parse_stride(stride), bos_id, short_docs)
-    if isinstance(method, str):
-        method = {"method": method}
-    if method is None:
-        row = EvalMethod("as loaded", None, {"as_loaded": True})
-    else:
-        config = MethodConfig.from_mapping(dict(method))
-        row = EvalMethod(config.label, config, config.to_dict())
-    score = run_perplexity(model, documents, plan, [row], bos_id)[0].to_dict()
+    score = run_perplexity(model, documents, plan, [method_row(method, model.config)], bos_id)[0].to_dict()
     keys = ("perplexity", "mean_nll", "nll_sum", "tokens_scored", "windows", "documents", "documents_skipped")
     return {key: score[key] for key in keys}
 
 
-def _load(name: str, device: str, dtype: str, attn_implementation: str):
-    from ..loading import check_model_source, load_model, load_tokenizer
-    from ..runtime import Processes, inference_runtime
+def method_row(method: dict | str | None, model_config):
+    """The row `ctxext eval` would make: the model as loaded for None, else the method (a name or a mapping)."""
+    from ..eval.rows import as_loaded_row, mapping_row
 
-    check_model_source(name)
-    runtime = inference_runtime(device, dtype, attn_implementation, Processes())
-    model = load_model(
-        name, dtype=runtime["dtype"], device=runtime["device"], attn_implementation=runtime["attn_implementation"]
+    if method is None:
+        return as_loaded_row(model_config)
+    return mapping_row({"method": method} if isinstance(method, str) else dict(method), model_config)
+
+
+def _load(name: str, device: str, dtype: str, attn_implementation: str):
+    from ..eval.setup import RuntimeOptions, load_model_and_tokenizer
+    from ..runtime import Processes
+
+    model, tokenizer, _ = load_model_and_tokenizer(
+        name, RuntimeOptions(device, dtype, attn_implementation), Processes()
     )
-    return model, load_tokenizer(name)
+    return model, tokenizer
