@@ -7,6 +7,7 @@ transformers load of the merged checkpoint, and the uninterrupted / single-proce
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -211,7 +212,7 @@ def test_run_writes_metrics_adapter_and_merged_checkpoint(reference_run, tiny_ch
     assert AutoModelForCausalLM.from_pretrained(tiny_checkpoint).config.rope_parameters["rope_type"] == "default"
 
 
-# A run that dies with no clean-up (SIGKILL) right after a given step.
+# A run that dies with no clean-up (SIGKILL) right after a given step; it logs to TensorBoard too.
 KILLED_RUN = """
 import os, signal, sys
 from ctxext.train.loop import finetune
@@ -221,19 +222,21 @@ def kill_after(step):
     if step == int(sys.argv[2]):
         os.kill(os.getpid(), signal.SIGKILL)
 
-finetune(load_recipe(sys.argv[1]), progress=False, after_step=kill_after)
+finetune(load_recipe(sys.argv[1]), progress=False, after_step=kill_after, report_to="tensorboard")
 """
 
 
-def test_resume_after_kill_gives_the_uninterrupted_metrics(reference_run, tiny_checkpoint, texts):
-    folder, reference = reference_run
+@pytest.fixture(scope="module")
+def resumed_run(reference_run, tiny_checkpoint, texts):
+    """A run killed after step 3 (its last checkpoint is step 2), then resumed; both parts with --report-to
+    tensorboard."""
+    folder, _ = reference_run
     output = folder / "killed"
     recipe = write_recipe(folder, tiny_checkpoint, texts, output)
-    # SIGKILL right after step 3: the last checkpoint is step 2, and step 3 was logged (and must be dropped).
     command = [sys.executable, "-c", KILLED_RUN, str(recipe), "3"]
     killed = subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True)
     assert killed.returncode == -9, killed.stderr[-2000:]
-    assert max(r["step"] for r in read_metrics(output)) == 3
+    assert max(r["step"] for r in read_metrics(output)) == 3  # step 3 was logged, and must be dropped
     assert not (output / "adapter").exists()
 
     # Without --resume the directory is refused, and left as it was.
@@ -241,8 +244,70 @@ def test_resume_after_kill_gives_the_uninterrupted_metrics(reference_run, tiny_c
     assert ctxext_main(["finetune", "--config", str(recipe), "--no-progress"]) == 2
     assert (output / "metrics.jsonl").read_text() == before
 
-    assert ctxext_main(["finetune", "--config", str(recipe), "--no-progress", "--resume"]) == 0
-    assert_same_numbers(read_metrics(output), read_metrics(reference), tol=1e-5)
+    resume = ["finetune", "--config", str(recipe), "--no-progress", "--resume", "--report-to", "tensorboard"]
+    assert ctxext_main(resume) == 0
+    return output
+
+
+def test_resume_after_kill_gives_the_uninterrupted_metrics(reference_run, resumed_run):
+    _, reference = reference_run
+    assert_same_numbers(read_metrics(resumed_run), read_metrics(reference), tol=1e-5)
+
+
+def test_tensorboard_reads_back_the_logged_metrics(resumed_run):
+    """TensorBoard's own reader finds the run's losses and perplexities at their steps, each step once: what the
+    killed run logged after its checkpoint (step 3) is hidden, as in metrics.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs = list((resumed_run / "trackers").glob("*/events.out.tfevents.*"))
+    assert runs and len({path.parent for path in runs}) == 1
+    assert len(runs) == 2  # the killed process's file and the resumed one's
+    events = EventAccumulator(str(runs[0].parent)).Reload()
+    records = read_metrics(resumed_run)
+    train = [r for r in records if r["kind"] == "train"]
+    logged = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert [step for step, _ in logged] == [r["step"] for r in train] == list(range(1, STEPS + 1))
+    for (_, value), record in zip(logged, train):
+        assert value == pytest.approx(record["loss"], rel=1e-6)  # TensorBoard keeps float32
+    assert [e.value for e in events.Scalars("train/lr")] == pytest.approx([r["lr"] for r in train], rel=1e-6)
+    evals = [r for r in records if r["kind"] == "eval"]
+    for length in ("256", "64"):
+        logged = [(e.step, e.value) for e in events.Scalars(f"eval/perplexity_{length}")]
+        assert logged == [(r["step"], pytest.approx(r["perplexity"][length], rel=1e-6)) for r in evals]
+    base = [r for r in records if r["kind"] == "base_reference"][0]
+    assert [(e.step, e.value) for e in events.Scalars("eval/base_perplexity_64")] == [
+        (0, pytest.approx(base["perplexity"], rel=1e-6))
+    ]
+
+
+@pytest.mark.parametrize("poisoned", ["optimizer.pt", "rng-0.pt", "trainable.pt"])
+def test_resume_refuses_a_checkpoint_file_that_would_run_code(tmp_path, reference_run, capsys, poisoned):
+    """A checkpoint file holding a pickled object whose unpickling runs code is refused, and the code never runs."""
+    _, reference = reference_run
+    output = tmp_path / "run"
+    shutil.copytree(reference, output)
+    (output / "recipe.yaml").unlink()  # the copy's recipe names another output_dir
+    recipe = yaml.safe_load((reference / "recipe.yaml").read_text())
+    recipe["output_dir"] = str(output)
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    marker = tmp_path / "code-ran"
+    checkpoint = sorted((output / "checkpoints").glob("step-*"))[-1]
+    torch.save({"state": RunsCode(marker)}, checkpoint / poisoned)
+
+    assert ctxext_main(["finetune", "--config", str(tmp_path / "recipe.yaml"), "--no-progress", "--resume"]) == 2
+    assert not marker.exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("ctxext finetune: error: refusing to load") and poisoned in err[-1], err
+
+
+class RunsCode:
+    """Unpickling this creates the file `marker` (as a pickled os.system call would run a command)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
 
 
 def test_two_processes_match_one_with_the_same_global_batch(reference_run, tiny_checkpoint, texts):

@@ -9,6 +9,7 @@ from ctxext.train.data import PackedSequences, check_held_out, tokenize_stream
 from ctxext.train.loop import lr_factor, sample_indices
 from ctxext.train.pose import pose_generator, pose_position_ids
 from ctxext.train.recipe import apply_overrides, load_recipe, parse_overrides, recipe_from_mapping
+from ctxext.train.trackers import tracker_config, tracker_names
 
 MINIMAL = {"model": "m", "output_dir": "o", "data": {"text_files": ["x.txt"]}}
 
@@ -180,13 +181,86 @@ def test_pose_positions_are_chunks_with_growing_skips(chunks):
     )
 
 
-def test_the_training_loop_plans_the_windows_ctxext_eval_plans():
-    # One stride rule: where the window is not longer than the stride, both slide by half the window.
+def test_the_training_loop_plans_the_windows_of_the_protocol():
+    """Against the protocol written out by hand (docs/METHODS.md): windows of `length` tokens starting every
+    `stride` tokens, each scoring the tokens the previous one did not reach, the first token never a target
+    (no BOS); where the window is not longer than the stride, the stride is half the window."""
     from ctxext.eval.data import Document
-    from ctxext.eval.runner import plan_lengths
     from ctxext.train.loop import plan_length
 
+    def expected(n_tokens, length, stride):
+        windows, reached = [], 1  # tokens [0, reached) are scored or cannot be (the first)
+        for begin in range(0, n_tokens, stride):
+            end = min(begin + length, n_tokens)
+            windows.append((begin, end, end - reached))
+            reached = end
+            if end == n_tokens:
+                return windows
+
     docs = [Document("d", torch.arange(300))]
-    for length, stride in [(64, 64), (64, 100), (128, 32)]:
-        assert plan_length(docs, length, stride, None).windows == plan_lengths(docs, [length], stride, None)[0].windows
-    assert plan_length(docs, 64, 64, None).stride == 32
+    for length, stride, effective in [(64, 64, 32), (64, 100, 32), (128, 32, 32), (100, 64, 64)]:
+        plan = plan_length(docs, length, stride, None)
+        assert plan.stride == effective
+        assert [(w.begin, w.end, w.scored) for w in plan.windows] == expected(300, length, effective)
+        assert plan.scored_tokens == 299  # every token but the first, once
+    assert [(w.begin, w.end, w.scored) for w in plan_length(docs, 128, 32, None).windows][-2:] == [
+        (160, 288, 32),
+        (192, 300, 12),
+    ]
+
+
+# --------------------------------------------------------------------------------------------- trackers
+def test_report_to_names_trackers_and_refuses_unknown_ones():
+    assert tracker_names(None) == tracker_names("") == tracker_names("none") == ()
+    assert tracker_names("tensorboard, TensorBoard") == ("tensorboard",)
+    assert tracker_names(["tensorboard"]) == ("tensorboard",)
+    with pytest.raises(CtxextError, match="unknown tracker 'tensorbord' \\(did you mean 'tensorboard'\\?\\)"):
+        tracker_names("tensorbord")
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "mlflow"])
+def test_report_to_a_tracker_that_is_not_installed_is_one_line_naming_the_pip_install(tmp_path, capsys, tracker):
+    import importlib.util
+
+    from ctxext.cli import main
+
+    if importlib.util.find_spec(tracker) is not None:
+        pytest.skip(f"{tracker} is installed here")
+    output = tmp_path / "run"
+    args = ["finetune", "model=m", f"output_dir={output}", "data.text_files=[x.txt]", "--report-to", tracker]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"pip install {tracker} " in err[0], err
+    assert not output.exists()
+
+
+def test_tracker_config_is_the_recipe_flattened_to_scalars():
+    recipe = recipe_from_mapping({**MINIMAL, "lora": {"r": 4}})
+    flat = tracker_config(recipe.to_dict())
+    assert flat["lora.r"] == 4 and flat["optim.lr"] == 2e-5 and flat["method.method"] == "linear"
+    assert flat["lora.target_modules"] == '["q_proj", "k_proj", "v_proj", "o_proj"]'
+    assert flat["eval.lengths"] == "null" and flat["train.gradient_checkpointing"] is True
+    assert all(isinstance(v, (bool, int, float, str)) for v in flat.values())  # what TensorBoard's hparams take
+    # Every leaf of the recipe once, under its dotted name.
+    leaves = sum(len(v) if isinstance(v, dict) else 1 for v in recipe.to_dict().values())
+    assert len(flat) == leaves
+
+
+# ------------------------------------------------------------------------------------------- run files
+def test_truncating_the_metrics_log_replaces_the_file_instead_of_rewriting_it(tmp_path):
+    """A reader of metrics.jsonl (or a crash) never sees it half written: the kept lines go to a new file that is
+    renamed onto the old one."""
+    import json
+    import os
+
+    from ctxext.train.loop import MetricsLog
+
+    log = MetricsLog(tmp_path / "metrics.jsonl", enabled=True)
+    for step in range(1, 6):
+        log.write({"kind": "train", "step": step, "loss": 1.0 / step})
+    with open(log.path) as reader:  # opened before the truncation: still reads the whole old file
+        log.truncate_after(3)
+        assert len(reader.read().splitlines()) == 5
+    assert [json.loads(line)["step"] for line in log.path.read_text().splitlines()] == [1, 2, 3]
+    assert [r["step"] for r in log.read()] == [1, 2, 3]
+    assert os.listdir(tmp_path) == ["metrics.jsonl"]  # no temporary file left behind
