@@ -32,6 +32,7 @@ from ..errors import CtxextError, did_you_mean
 from ..validate import boolean, choice, number, string_list, whole_number
 
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16")  # what ctxext.runtime.training_precision understands
+ATTENTION_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3")
 
 
 def option(default, help: str):
@@ -237,8 +238,16 @@ def validate(recipe: Recipe) -> Recipe:
         raise CtxextError("the recipe has no 'output_dir'; set it in the recipe or with output_dir=PATH")
     recipe.seq_len = whole_number("seq_len", recipe.seq_len)
     recipe.seed = whole_number("seed", recipe.seed, minimum=0)
+    _validate_lora(recipe.lora)
+    _validate_optim(recipe.optim)
+    _validate_train(recipe.train)
+    _validate_data(recipe.data)
+    _validate_eval(recipe.eval)
+    _validate_pose(recipe.pose, recipe.seq_len)
+    return recipe
 
-    lora = recipe.lora
+
+def _validate_lora(lora: LoraSection) -> None:
     lora.r = whole_number("lora.r", lora.r)
     number("lora.alpha", lora.alpha, minimum=0)
     number("lora.dropout", lora.dropout, minimum=0, maximum=1)
@@ -247,7 +256,8 @@ def validate(recipe: Recipe) -> Recipe:
         raise CtxextError("'lora.target_modules' is empty; LoRA needs at least one module, e.g. q_proj")
     boolean("lora.train_embeddings_and_norms", lora.train_embeddings_and_norms)
 
-    optim = recipe.optim
+
+def _validate_optim(optim: OptimSection) -> None:
     number("optim.lr", optim.lr, minimum=0)
     if (
         not isinstance(optim.betas, (list, tuple))
@@ -261,27 +271,26 @@ def validate(recipe: Recipe) -> Recipe:
     choice("optim.schedule", optim.schedule, ("constant", "cosine"))
     number("optim.max_grad_norm", optim.max_grad_norm, minimum=0)
 
-    train = recipe.train
+
+def _validate_train(train: TrainSection) -> None:
     train.max_steps = whole_number("train.max_steps", train.max_steps)
     train.global_batch_size = whole_number("train.global_batch_size", train.global_batch_size)
     train.micro_batch_size = whole_number("train.micro_batch_size", train.micro_batch_size)
     choice("train.precision", train.precision, PRECISIONS)
-    choice(
-        "train.attn_implementation",
-        train.attn_implementation,
-        ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"),
-    )
+    choice("train.attn_implementation", train.attn_implementation, ATTENTION_IMPLEMENTATIONS)
     train.checkpoint_every = whole_number("train.checkpoint_every", train.checkpoint_every, minimum=0)
     train.log_every = whole_number("train.log_every", train.log_every)
 
-    data = recipe.data
+
+def _validate_data(data: DataSection) -> None:
     data.text_files = string_list("data.text_files", data.text_files)
     data.exclude = string_list("data.exclude", data.exclude)
     if bool(data.dataset) == bool(data.text_files):
         raise CtxextError("give the training data with data.dataset=NAME or data.text_files=[PATH, ...] (one of them)")
     data.max_tokens = whole_number("data.max_tokens", data.max_tokens, allow_none=True)
 
-    ev = recipe.eval
+
+def _validate_eval(ev: EvalSection) -> None:
     ev.every = whole_number("eval.every", ev.every, minimum=0)
     ev.text_files = string_list("eval.text_files", ev.text_files)
     if ev.every and bool(ev.dataset) == bool(ev.text_files):
@@ -297,15 +306,16 @@ def validate(recipe: Recipe) -> Recipe:
         ev.lengths = [whole_number("eval.lengths", value) for value in ev.lengths]
     ev.stride = whole_number("eval.stride", ev.stride)
 
-    pose = recipe.pose
-    if pose.enabled:
-        pose.train_window = whole_number("pose.train_window", pose.train_window)
-        pose.num_chunks = whole_number("pose.num_chunks", pose.num_chunks)
-        if pose.train_window > recipe.seq_len:
-            raise CtxextError(f"pose.train_window ({pose.train_window}) must not exceed seq_len ({recipe.seq_len})")
-        if pose.num_chunks > pose.train_window:
-            raise CtxextError("pose.num_chunks must not exceed pose.train_window")
-    return recipe
+
+def _validate_pose(pose: PoseSection, seq_len: int) -> None:
+    if not pose.enabled:
+        return
+    pose.train_window = whole_number("pose.train_window", pose.train_window)
+    pose.num_chunks = whole_number("pose.num_chunks", pose.num_chunks)
+    if pose.train_window > seq_len:
+        raise CtxextError(f"pose.train_window ({pose.train_window}) must not exceed seq_len ({seq_len})")
+    if pose.num_chunks > pose.train_window:
+        raise CtxextError("pose.num_chunks must not exceed pose.train_window")
 
 
 def recipe_from_mapping(mapping: dict[str, Any], source: str | None = None) -> Recipe:
