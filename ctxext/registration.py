@@ -17,6 +17,8 @@ from __future__ import annotations
 import sys
 from importlib.abc import Loader, MetaPathFinder
 
+from .compat import module_is_initializing
+
 TRIGGER = "transformers.configuration_utils"  # every config and model class imports it
 TARGET = "ctxext.patching"
 WATCHED = ("transformers", "ctxext")
@@ -26,18 +28,12 @@ def _watched(name: str) -> bool:
     return name.partition(".")[0] in WATCHED
 
 
-def _half_imported(module) -> bool:
-    # importlib marks a module's spec with `_initializing` while the module's code runs (CPython 3.4+; it is
-    # how importlib itself tells a partially initialized module).
-    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
-
-
 def _ready(just_loaded: str | None) -> bool:
     """transformers' config module is loaded and no transformers/ctxext module is still being imported."""
     if TRIGGER not in sys.modules:
         return False
     return not any(
-        _watched(name) and name not in (just_loaded, "ctxext") and _half_imported(module)
+        _watched(name) and name not in (just_loaded, "ctxext") and module_is_initializing(module)
         for name, module in list(sys.modules.items())
     )
 

@@ -7,7 +7,6 @@ causal softmax. It shares nothing with ctxext's regions or kernel.
 """
 
 import math
-import sys
 import types
 
 import pytest
@@ -302,29 +301,6 @@ def test_left_padded_batch_decodes_like_each_row_alone(method, params):
         alone = [torch.stack(model.generate(row, **settings).logits, dim=1) for row in (long_row, short_row)]
     assert torch.allclose(together[0], alone[0][0], atol=1e-5)
     assert torch.allclose(together[1], alone[1][0], atol=1e-5), (together[1] - alone[1][0]).abs().max()
-
-
-def test_compat_module_names_the_private_apis_it_wraps():
-    """Each private API ctxext relies on still exists with the shape ctxext uses (fails loudly on upgrades)."""
-    from accelerate.state import AcceleratorState, GradientState
-    from transformers.modeling_rope_utils import RotaryEmbeddingConfigMixin
-
-    from ctxext import compat
-
-    assert compat.cpu_attention_with_lse_available()
-    q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
-    out, lse = compat.cpu_attention_with_lse(q, k, v, None, 0.5)
-    scores = (q @ k.transpose(-1, -2)) * 0.5
-    assert torch.allclose(out, torch.softmax(scores, -1) @ v, atol=1e-5)
-    assert torch.allclose(lse.reshape(1, 2, 5), torch.logsumexp(scores, -1), atol=1e-5)
-    model = tiny_model("llama")
-    assert compat.attention_implementation(model.config) == "sdpa"
-    assert (
-        compat.family_eager_attention(model.model.layers[0].self_attn)
-        is sys.modules["transformers.models.llama.modeling_llama"].eager_attention_forward
-    )
-    assert hasattr(RotaryEmbeddingConfigMixin, "_validate_yarn_rope_parameters")  # the hook naming we extend
-    assert callable(AcceleratorState._reset_state) and callable(GradientState._reset_state)
 
 
 def test_a_static_cache_is_refused_before_any_forward():
