@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ctxext.cli import COMMANDS, build_parser, main, parse_args
+from ctxext.errors import CtxextError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,11 +49,47 @@ def test_import_ctxext_is_light_and_registers_once_transformers_is_imported():
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
 
 
-def test_command_table_help_is_each_modules_help():
+def without_spaces(text: str) -> str:
+    """`text` with all whitespace gone: argparse re-wraps lines (and breaks words at hyphens)."""
+    return "".join(text.split())
+
+
+def required_argv(parser) -> list[str]:
+    """A value for each required argument of `parser` (its first choice where it has choices)."""
+    argv = []
+    for action in parser._actions:
+        if action.nargs in (0, "?", "*") or (action.option_strings and not action.required):
+            continue
+        argv += action.option_strings[:1] + [str(next(iter(action.choices)) if action.choices else "1")]
+    return argv
+
+
+def test_help_lists_each_command_with_its_help_and_shows_its_description():
+    top = without_spaces(build_parser()[0].format_help())
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
         assert help_text == module.HELP, name
-        assert callable(module.add_arguments) and callable(module.run) and module.DESCRIPTION
+        assert without_spaces(f"{name} {help_text}") in top, name
+        text = build_parser(name)[1].format_help()
+        assert text.startswith(f"usage: ctxext {name} "), name
+        assert without_spaces(module.DESCRIPTION) in without_spaces(text), name
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_each_command_runs_its_modules_run_and_reports_its_errors_in_one_line(name, monkeypatch, capsys):
+    module = importlib.import_module(COMMANDS[name][0])
+    argv = [name, *required_argv(build_parser(name)[1])]
+    seen = []
+    monkeypatch.setattr(module, "run", lambda args: seen.append(args.command) or 7)
+    assert main(argv) == 7 and seen == [name]
+
+    def refuse(args):
+        raise CtxextError("the input is wrong")
+
+    monkeypatch.setattr(module, "run", refuse)
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"ctxext {name}: error: the input is wrong\n"
 
 
 def method_parameter_flags() -> set[str]:
