@@ -134,9 +134,9 @@ def pretrain(settings: TinyPretrainSettings, output: Path, progress: bool = True
     """Train the tokenizer and the model from scratch and save both to `output` (an existing empty dir)."""
     import resource
 
-    from tqdm.auto import tqdm
     from transformers import LlamaForCausalLM
 
+    from ..outputs import write_json
     from ..runtime import resolve_device, training_precision
 
     started = time.perf_counter()
@@ -146,11 +146,33 @@ def pretrain(settings: TinyPretrainSettings, output: Path, progress: bool = True
     stream = token_stream([text for _, text in texts], tokenizer)
 
     torch.manual_seed(settings.seed)
-    config = tiny_llama_config(settings, tokenizer.eos_token_id)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(tiny_llama_config(settings, tokenizer.eos_token_id))
     device = resolve_device("auto")
     model.to(device).train()
     bf16 = training_precision(settings.precision, device, sharded=False) != "fp32"  # autocast over fp32 weights
+    losses = train_from_scratch(model, stream, settings, device, bf16, progress)
+    model.eval()
+    model.save_pretrained(output)
+    tokenizer.save_pretrained(output)
+    record = {
+        "what": "tiny LLaMA pretrained on Shakespeare by ctxext.train.pretrain_tiny",
+        "settings": dataclasses.asdict(settings),
+        "training_texts": [stem for stem, _ in texts],
+        "training_tokens": len(stream),
+        "tokens_seen": settings.steps * settings.batch_size * settings.context,
+        "bf16_autocast": bf16,
+        "torch_threads": torch.get_num_threads(),
+        "seconds": round(time.perf_counter() - started, 1),
+        "cpu_seconds": round(_cpu_seconds_since(cpu_started), 1),  # wall time depends on other jobs; this less so
+        "loss_every_step": losses,
+    }
+    write_json(output / "pretrain.json", record)
+    return record
+
+
+def train_from_scratch(model, stream: torch.Tensor, settings: TinyPretrainSettings, device, bf16: bool, progress):
+    """AdamW with the cosine schedule on random windows of the stream; returns the loss of every step."""
+    from tqdm.auto import tqdm
 
     # Weight decay on matrices only (not on norms), as nanoGPT does.
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -179,24 +201,7 @@ def pretrain(settings: TinyPretrainSettings, output: Path, progress: bool = True
         losses.append(round(loss.item(), 4))
         if step % 50 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
-
-    model.eval()
-    model.save_pretrained(output)
-    tokenizer.save_pretrained(output)
-    record = {
-        "what": "tiny LLaMA pretrained on Shakespeare by ctxext.train.pretrain_tiny",
-        "settings": dataclasses.asdict(settings),
-        "training_texts": [stem for stem, _ in texts],
-        "training_tokens": len(stream),
-        "tokens_seen": settings.steps * settings.batch_size * settings.context,
-        "bf16_autocast": bf16,
-        "torch_threads": torch.get_num_threads(),
-        "seconds": round(time.perf_counter() - started, 1),
-        "cpu_seconds": round(_cpu_seconds_since(cpu_started), 1),  # wall time depends on other jobs; this less so
-        "loss_every_step": losses,
-    }
-    (output / "pretrain.json").write_text(json.dumps(record, indent=1))
-    return record
+    return losses
 
 
 def _cpu_seconds_since(start) -> float:
