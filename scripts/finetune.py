@@ -3,7 +3,7 @@
     python scripts/finetune.py --config configs/recipes/tiny-cpu.yaml [key=value ...] [--resume]
     accelerate launch --config_file configs/accelerate/fsdp.yaml scripts/finetune.py --config RECIPE.yaml
 
-Everything is in ctxext.train (recipe.py, data.py, lora.py, loop.py); `--help` lists the options and
+Everything is in ctxext.train (recipe.py, data.py, lora.py, loop.py, trackers.py); `--help` lists the options and
 `--show-keys` every recipe key.
 """
 

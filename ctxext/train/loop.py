@@ -1,16 +1,22 @@
 """The fine-tuning loop: a patched model, LoRA, packed data, AdamW with the PI warm-up, in-loop perplexity.
 
-Read it top to bottom: `finetune(recipe)` sets everything up (checking all input before anything is
-written), then `train` runs the steps. It runs as one process, or under `accelerate launch` (DDP, FSDP,
-DeepSpeed) with the same numbers: the global batch is fixed by the recipe, and every process takes its
-share of every step's samples by index, so 1 process and N processes see the same data.
+Read it top to bottom: `finetune(recipe)` calls `prepare`, which sets everything up (checking all input
+before anything is written), then `train`, whose loop is the whole story of a step: learning rate,
+`train_step` (micro-batches, backward, clip, AdamW), log, evaluate, checkpoint. It runs as one process, or
+under `accelerate launch` (DDP, FSDP, DeepSpeed) with the same numbers: the global batch is fixed by the
+recipe, and every process takes its share of every step's samples by index, so 1 process and N processes
+see the same data.
 
 The output directory:
 
     recipe.yaml          the resolved recipe          metrics.jsonl   one JSON line per log / evaluation
     run.json             environment, sizes, timing   metrics.png     perplexity against step
     checkpoints/step-N/  resumable state              adapter/        the PEFT adapter (+ ctxext.yaml)
-                                                      merged/         base + LoRA folded in, rope config included
+    trackers/            TensorBoard's event files    merged/         base + LoRA folded in, rope config included
+                         (--report-to tensorboard)
+
+Checkpoint files hold tensors and plain containers only and are loaded weights-only: a resume never runs code
+from a file.
 """
 
 from __future__ import annotations
