@@ -284,20 +284,35 @@ def test_tensorboard_reads_back_the_logged_metrics(resumed_run):
 def test_resume_refuses_a_checkpoint_file_that_would_run_code(tmp_path, reference_run, capsys, poisoned):
     """A checkpoint file holding a pickled object whose unpickling runs code is refused, and the code never runs."""
     _, reference = reference_run
-    output = tmp_path / "run"
-    shutil.copytree(reference, output)
-    (output / "recipe.yaml").unlink()  # the copy's recipe names another output_dir
-    recipe = yaml.safe_load((reference / "recipe.yaml").read_text())
-    recipe["output_dir"] = str(output)
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    recipe, output = copy_of_run(reference, tmp_path)
     marker = tmp_path / "code-ran"
     checkpoint = sorted((output / "checkpoints").glob("step-*"))[-1]
     torch.save({"state": RunsCode(marker)}, checkpoint / poisoned)
 
-    assert ctxext_main(["finetune", "--config", str(tmp_path / "recipe.yaml"), "--no-progress", "--resume"]) == 2
+    assert ctxext_main(["finetune", "--config", str(recipe), "--no-progress", "--resume"]) == 2
     assert not marker.exists()
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("ctxext finetune: error: refusing to load") and poisoned in err[-1], err
+
+
+def test_resuming_a_finished_run_changes_nothing(tmp_path, reference_run):
+    _, reference = reference_run
+    recipe, output = copy_of_run(reference, tmp_path)
+    checkpoints = sorted(p.name for p in (output / "checkpoints").iterdir())
+    assert ctxext_main(["finetune", "--config", str(recipe), "--no-progress", "--resume"]) == 0
+    assert read_metrics(output) == read_metrics(reference)
+    assert sorted(p.name for p in (output / "checkpoints").iterdir()) == checkpoints
+
+
+def copy_of_run(run: Path, folder: Path) -> tuple[Path, Path]:
+    """(recipe, output) of a copy of a finished run in `folder`, to resume without touching the original."""
+    output = folder / "run"
+    shutil.copytree(run, output)
+    (output / "recipe.yaml").unlink()  # the copy's recipe names the original's output_dir
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    recipe["output_dir"] = str(output)
+    (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return folder / "recipe.yaml", output
 
 
 class RunsCode:
