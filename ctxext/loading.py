@@ -1,13 +1,44 @@
-"""Loading models and tokenizers as clear one-line errors (ctxext.runtime picks device, dtype and attention)."""
+"""Loading models and tokenizers as clear one-line errors (ctxext.runtime picks device, dtype and attention).
+
+A load that fails is one line that names what could not be loaded and why: the error's type and first line, and
+the innermost error it wraps (a JSON syntax error behind transformers' "not a valid JSON file", say), each
+shortened; the original error stays chained (`raise ... from`), for a traceback where one is wanted.
+"""
 
 from __future__ import annotations
 
 import os
+import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from .errors import CtxextError, first_line
+
+CAUSE_CHARS = 200  # each error's part of a one-line load error is shortened to this
+
+
+def _error_chain(error: BaseException) -> Iterator[BaseException]:
+    """`error`, the error it was raised from or while handling, that one's, and so on (each once)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+
+
+def _one_error(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {first_line(error)}" if str(error).strip() else type(error).__name__
+    return textwrap.shorten(text, CAUSE_CHARS, placeholder=" ...")
+
+
+def describe_failure(error: BaseException) -> str:
+    """One line for a failed load: 'Type: message' of `error`, and of the innermost error it wraps."""
+    innermost = list(_error_chain(error))[-1]
+    if innermost is error:
+        return _one_error(error)
+    return f"{_one_error(error)} (caused by {_one_error(innermost)})"
 
 
 def check_model_source(name_or_path: str) -> None:
@@ -32,7 +63,7 @@ def load_config(name_or_path: str):
     try:
         return AutoConfig.from_pretrained(name_or_path)
     except (OSError, ValueError, KeyError) as error:
-        raise CtxextError(f"could not load the config of '{name_or_path}': {first_line(error)}") from None
+        raise CtxextError(f"could not load the config of '{name_or_path}': {describe_failure(error)}") from error
 
 
 def load_model(
@@ -42,13 +73,15 @@ def load_model(
     attn_implementation: str | None = None,
 ):
     """A causal LM from a local directory or a hub id, as a clear CtxextError when it cannot be loaded."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     check_model_source(name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn_implementation)
-    except (OSError, ValueError, KeyError) as error:
-        raise CtxextError(f"could not load model '{name_or_path}': {first_line(error)}") from None
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as error:
+        # RuntimeError: weights whose shapes differ from the config's; SafetensorError: a damaged weights file
+        raise CtxextError(f"could not load model '{name_or_path}': {describe_failure(error)}") from error
     return model.to(device).eval()
 
 
@@ -58,4 +91,4 @@ def load_tokenizer(name_or_path: str):
     try:
         return AutoTokenizer.from_pretrained(name_or_path)
     except (OSError, ValueError, KeyError) as error:
-        raise CtxextError(f"could not load a tokenizer for '{name_or_path}': {first_line(error)}") from None
+        raise CtxextError(f"could not load a tokenizer for '{name_or_path}': {describe_failure(error)}") from error
