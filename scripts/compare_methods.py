@@ -366,7 +366,8 @@ def main() -> int:
     from ctxext.outputs import CellCache, content_fingerprint, write_json
     from ctxext.runtime import machine_description
     from ctxext.search.loop import best_trial
-    from ctxext.search.objective import _CheckedMethod, score_perplexity
+    from ctxext.search.objective import CheckedMethod, score_perplexity
+    from ctxext.search.store import read_trials
 
     started = time.perf_counter()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -404,9 +405,7 @@ def main() -> int:
         trials_file = folder / "trials.jsonl"
         if not trials_file.exists():
             return Variant(method, "searched", None, "not started"), None
-        from ctxext.search.loop import TrialLog
-
-        history = TrialLog(trials_file).read()
+        history = read_trials(trials_file)
         best = best_trial(history)
         settings = json.loads((folder / "search.json").read_text())
         if len(history) < args.search_trials:  # a partial search's best would be scored, then superseded
@@ -469,7 +468,7 @@ def main() -> int:
 
     def search_finished(method: str, length: int) -> bool:
         trials_file = search_dir(method, length) / "trials.jsonl"
-        return trials_file.exists() and len(trials_file.read_text().splitlines()) >= args.search_trials
+        return trials_file.exists() and len(read_trials(trials_file)) >= args.search_trials
 
     cells, passkey, missing = {}, {}, []
 
@@ -514,7 +513,7 @@ def main() -> int:
         found = cache.get(fields)
         if found is None and compute and not out_of_time():
             began = time.perf_counter()
-            method = _CheckedMethod(label, MethodConfig.from_mapping(config) if config else None)
+            method = CheckedMethod(label, MethodConfig.from_mapping(config) if config else None)
             records = run_passkey(get_model(), tokenizer, trials, [method], bos)
             found = cache.put(
                 fields,
@@ -575,10 +574,8 @@ def main() -> int:
     def report(rows: list[dict]) -> None:
         search_seconds, search_trials = 0.0, 0
         for folder in (root / "searches").glob("*") if (root / "searches").exists() else []:
-            for line in (
-                (folder / "trials.jsonl").read_text().splitlines() if (folder / "trials.jsonl").exists() else []
-            ):
-                search_seconds += json.loads(line).get("seconds", 0.0)
+            for trial in read_trials(folder / "trials.jsonl") if (folder / "trials.jsonl").exists() else []:
+                search_seconds += trial.get("seconds", 0.0)
                 search_trials += 1
         build_report(
             {

@@ -2,6 +2,8 @@
 
 import json
 import math
+import socket
+import subprocess
 import sys
 
 import numpy as np
@@ -13,8 +15,9 @@ import ctxext
 from ctxext.cli import main
 from ctxext.errors import CtxextError
 from ctxext.methods import METHODS, get_method
-from ctxext.search.loop import TrialLog, best_trial, scalar_search
+from ctxext.search.loop import best_trial, propose_tpe, scalar_search
 from ctxext.search.space import Range, build_space, searchable_fields
+from ctxext.search.store import TrialStore
 from tests.conftest import save_tiny_checkpoint, tiny_model
 
 pytest.importorskip("optuna")
@@ -46,6 +49,11 @@ def naive_perplexity(model, documents, window):
             total += float(F.cross_entropy(logits, ids[0, 1:], reduction="sum"))
             count += ids.shape[1] - 1
     return math.exp(total / count)
+
+
+def new_store(path, settings=None):
+    """A study in a journal file: what the loops record their trials in."""
+    return TrialStore.open(str(path), "test", settings or {})
 
 
 def read_trials(out):
@@ -230,7 +238,7 @@ def test_tpe_finds_a_planted_minimum_through_the_search_loop(tmp_path):
         return {"value": math.log(params["beta_fast"] / 20) ** 2 + math.log(params["beta_slow"] / 1.5) ** 2}
 
     history = scalar_search(
-        space, {"beta_fast": 32.0, "beta_slow": 1.0}, objective, TrialLog(tmp_path / "t.jsonl"), trials=40, seed=0
+        space, {"beta_fast": 32.0, "beta_slow": 1.0}, objective, new_store(tmp_path / "t.journal"), trials=40, seed=0
     )
     best = best_trial(history)
     # The minimum is 0 at (20, 1.5); trial 0 (32, 1) scores 0.39.
@@ -240,7 +248,7 @@ def test_tpe_finds_a_planted_minimum_through_the_search_loop(tmp_path):
 
 
 # -------------------------------------------------------------------------------------------------- resume
-def test_a_resumed_search_continues_the_log_and_matches_an_uninterrupted_one(tmp_path):
+def test_a_resumed_search_continues_the_study_and_matches_an_uninterrupted_one(tmp_path):
     space = [Range("x", -5.0, 5.0), Range("n", 1, 50, integer=True, log=True)]
     calls = []
 
@@ -248,18 +256,37 @@ def test_a_resumed_search_continues_the_log_and_matches_an_uninterrupted_one(tmp
         calls.append(params)
         return {"value": (params["x"] - 1.2) ** 2 + abs(math.log(params["n"] / 7))}
 
-    whole = scalar_search(space, {"x": 0.0, "n": 3}, objective, TrialLog(tmp_path / "whole.jsonl"), trials=14, seed=3)
+    whole = scalar_search(
+        space, {"x": 0.0, "n": 3}, objective, new_store(tmp_path / "whole.journal"), trials=14, seed=3
+    )
     calls.clear()
-    log = TrialLog(tmp_path / "parts.jsonl")
-    scalar_search(space, {"x": 0.0, "n": 3}, objective, log, trials=6, seed=3)
-    with open(log.path, "a") as handle:  # a crash in the middle of writing trial 6
-        handle.write('{"number": 6, "role": "sea')
-    resumed = scalar_search(space, {"x": 0.0, "n": 3}, objective, log, trials=14, seed=3)
-    assert len(calls) == 6 + 8 - sum("repeat_of" in t for t in resumed)  # no logged trial scored again
+    store = new_store(tmp_path / "parts.journal")
+    scalar_search(space, {"x": 0.0, "n": 3}, objective, store, trials=6, seed=3)
+    # A worker that died in the middle of trial 6 (its process is gone), then one stopped by Ctrl-C retrying it.
+    claim = store.claim(14)
+    store.begin(claim, "search", propose_tpe(space, store.history(), 3, 6, 5), {})
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    claim.trial.set_user_attr("worker", {"host": socket.gethostname(), "pid": gone.pid, "token": "gone"})
+
+    def interrupted(params):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        scalar_search(space, {"x": 0.0, "n": 3}, interrupted, store, trials=14, seed=3)
+    resumed = scalar_search(space, {"x": 0.0, "n": 3}, objective, store, trials=14, seed=3)
+    assert len(calls) == 6 + 8 - sum("repeat_of" in t for t in resumed)  # no finished trial scored again
     assert [t["number"] for t in resumed] == list(range(14))
     strip = [{k: v for k, v in t.items() if k != "seconds"} for t in resumed]
     assert strip == [{k: v for k, v in t.items() if k != "seconds"} for t in whole]
-    assert best_trial(resumed) == best_trial(whole) or best_trial(resumed)["number"] == best_trial(whole)["number"]
+    # The lost trials are in the study as failures with their reason, and their slot was run again.
+    failed = [t for t in store.frozen() if t.state.name == "FAIL" and "state" not in t.user_attrs]
+    assert [t.user_attrs["slot"] for t in failed] == [6, 6]
+    assert "KeyboardInterrupt" in failed[1].user_attrs["error"]
+    retries = {t.user_attrs["retry_of"]: t.user_attrs["reason"] for t in store.frozen() if "retry_of" in t.user_attrs}
+    assert f"{gone.pid} ended without finishing" in retries[failed[0].number]
+    with pytest.raises(CtxextError, match="does not match this search"):
+        scalar_search(space, {"x": 0.0, "n": 3}, objective, store, trials=14, seed=4)
 
 
 def test_resume_from_the_command_line(tiny, tmp_path, capsys):
@@ -352,7 +379,7 @@ def test_invalid_combinations_are_logged_and_avoided(tmp_path):
         return {"value": float(params["chunk_size"])}
 
     history = scalar_search(
-        space, {"chunk_size": 48, "local_window": 4}, objective, TrialLog(tmp_path / "t.jsonl"), trials=12, seed=0
+        space, {"chunk_size": 48, "local_window": 4}, objective, new_store(tmp_path / "t.journal"), trials=12, seed=0
     )
     assert all(t["state"] in ("complete", "invalid") for t in history)
     assert all((t["state"] == "invalid") == (t["params"]["chunk_size"] <= t["params"]["local_window"]) for t in history)

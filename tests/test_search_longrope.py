@@ -14,7 +14,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 import ctxext
 from ctxext.cli import main
 from ctxext.search.longrope import factors_from, is_monotone, knot_positions, start_factors
-from ctxext.search.loop import TrialLog, best_trial, longrope_search
+from ctxext.search.loop import best_trial, longrope_search
+from ctxext.search.store import TrialStore
 from tests.conftest import save_tiny_checkpoint, tiny_model
 
 pytest.importorskip("optuna")
@@ -153,7 +154,14 @@ def test_cma_es_finds_the_planted_curve_and_resumes_exactly(tmp_path):
     target = factors_from(np.array([0.3, 0.5, 0.0, -0.4, 0.2, 0.6]), start, knot_positions(32, 6), 8.0)
     objective = target_objective(target)
     whole = longrope_search(
-        start, [4.0] * 32, objective, TrialLog(tmp_path / "whole.jsonl"), trials=90, seed=0, knots=6, upper=8.0
+        start,
+        [4.0] * 32,
+        objective,
+        TrialStore.open(str(tmp_path / "whole.journal"), "test", {}),
+        trials=90,
+        seed=0,
+        knots=6,
+        upper=8.0,
     )
     # 90 trials are 10 generations of 9: not convergence, but 4x closer than the start for any seed tried (the
     # squared log distance fell to 0.03-0.22 of the start's), and 25x for this one.
@@ -164,7 +172,7 @@ def test_cma_es_finds_the_planted_curve_and_resumes_exactly(tmp_path):
         calls.append(1)
         return objective(params)
 
-    log = TrialLog(tmp_path / "parts.jsonl")
+    log = TrialStore.open(str(tmp_path / "parts.journal"), "test", {})
     longrope_search(start, [4.0] * 32, counting, log, trials=13, seed=0, knots=6, upper=8.0)  # stops mid-generation
     resumed = longrope_search(start, [4.0] * 32, counting, log, trials=90, seed=0, knots=6, upper=8.0)
     assert len(calls) == 90  # nothing scored twice

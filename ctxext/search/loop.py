@@ -1,81 +1,55 @@
-"""The search loops: TPE (Optuna) over scalar ranges, CMA-ES over LongRoPE's knots; every trial in trials.jsonl.
+"""The search loops: TPE (Optuna) over scalar ranges, CMA-ES over LongRoPE's knots, on a study in an Optuna storage.
 
 Both loops share one contract:
 
 - **Trial 0 is the method's defaults** (with any parameter the user gave as a flag), so the best trial is never
   worse than the defaults on the calibration data.
-- **Every trial is appended to trials.jsonl** as soon as it is scored (one JSON object a line, flushed and
-  fsynced), before the next one is proposed. A line cut off by a crash is dropped when the log is read again.
-- **A proposal depends only on the seed, the trial number and the trials before it.** TPE gets a fresh sampler
-  seeded from (seed, trial number) and a study rebuilt from the log; CMA-ES is replayed generation by
-  generation from the log. So a resumed search proposes exactly what an uninterrupted one would have, and no
-  logged trial is ever scored twice. A proposal equal to an earlier trial reuses that trial's score.
+- **Every trial is an Optuna trial** in the search's study (`store.TrialStore`), recorded as soon as it is scored;
+  any number of processes on any number of machines can run trials of one study at once, and a search killed
+  mid-trial resumes by opening its study again (the lost trial's slot is run again).
+- **A proposal depends only on the seed, the slot and the trials in earlier slots.** TPE gets a fresh sampler
+  seeded from (seed, slot) and an in-memory study of the finished trials before the slot; CMA-ES is replayed
+  generation by generation from them (a slot of a later generation waits for the earlier generations). So one
+  process, resumed or not, proposes exactly what an uninterrupted search does, and no finished trial is ever
+  scored twice. Several processes propose from what is finished when they ask, as in any parallel TPE. A
+  proposal equal to an earlier trial reuses that trial's score.
 
 `evaluate(params) -> {"value": float, ...metrics}` scores one proposal (lower is better) and raises
-`InvalidParams` for parameters the method rejects (e.g. beta_fast <= beta_slow): such a trial is logged as
-`invalid` and the optimizer learns to avoid it.
+`InvalidParams` for parameters the method rejects (e.g. beta_fast <= beta_slow): such a trial is recorded as
+`invalid` and the search goes on. Any other error stops the search (its slot is queued again for a resume).
+
+**Why pycma for LongRoPE and not Optuna's CmaEsSampler:** the knots are searched by pycma, as before the studies,
+with every candidate an Optuna trial (its knot corrections `z` and factors as user attributes) in the same study.
+Optuna's CmaEsSampler (the `cmaes` package) would propose other candidates for the same seed, so the committed
+LongRoPE searches and their numbers could not be resumed or reproduced; and it reads its state back from the
+trials' system attributes, where pycma is replayed from the recorded trials, which the slots keep exact.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
 from ..errors import CtxextError
 from .space import Range
 
-TRIALS_FILE = "trials.jsonl"
+POLL_SECONDS = 1.0  # how often a worker with nothing to run looks at the study again
 
 
 class InvalidParams(CtxextError):
     """The method rejects these parameter values: the trial is recorded as invalid, the search goes on."""
 
 
-class TrialLog:
-    """trials.jsonl: one trial a line, appended and fsynced as each trial finishes."""
+class NotReady(Exception):
+    """A proposal needs trials in earlier slots that are not finished yet."""
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-
-    def read(self) -> list[dict]:
-        """The logged trials in order; a cut-off last line (a crash mid-write) is dropped from the file too."""
-        if not self.path.exists():
-            return []
-        raw = self.path.read_bytes()
-        records, good_bytes = [], 0
-        for line in raw.splitlines(keepends=True):
-            if not line.endswith(b"\n"):
-                break
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            records.append(record)
-            good_bytes += len(line)
-        if good_bytes != len(raw):
-            with open(self.path, "r+b") as handle:
-                handle.truncate(good_bytes)
-        for index, record in enumerate(records):
-            if record.get("number") != index:
-                raise CtxextError(
-                    f"{self.path} is not a trial log of ctxext search (trial {index} is numbered "
-                    f"{record.get('number')!r})"
-                )
-        return records
-
-    def append(self, record: dict) -> None:
-        line = json.dumps(record, allow_nan=False) + "\n"
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(line)
-            handle.flush()
-            os.fsync(handle.fileno())
+    def __init__(self, slots: list[int]):
+        super().__init__(f"waiting for slots {slots}")
+        self.slots = slots
 
 
 def derived_seed(seed: int, number: int) -> int:
@@ -89,54 +63,66 @@ def best_trial(history: list[dict]) -> dict | None:
     return min(complete, key=lambda t: (t["value"], t["number"])) if complete else None
 
 
-class _Runner:
-    """Scores proposals in order, logging each one; replays logged trials instead of scoring them again."""
+# -------------------------------------------------------------------------------------------- the loop
+def run_search_loop(store, propose, evaluate: Callable[[dict], dict], trials: int, progress=None) -> list[dict]:
+    """Claim, propose, score and record trials until `trials` slots are finished (by this process or others);
+    returns every finished trial. `propose(slot, history) -> (role, params, extra)` may raise NotReady."""
+    while True:
+        store.release_lost()
+        history = store.history()
+        _show(progress, history, trials)
+        if sum(t["number"] < trials for t in history) >= trials:
+            return history
+        claim = store.claim(trials)
+        if claim is None:
+            time.sleep(POLL_SECONDS)  # the other slots are running elsewhere
+            continue
+        with store.heartbeat(claim):
+            record = _run_claim(store, claim, propose, evaluate)
+        if record is not None:
+            store.finish(claim, record)
 
-    def __init__(self, evaluate: Callable[[dict], dict], log: TrialLog, trials: int, progress=None):
-        self.evaluate, self.log, self.trials, self.progress = evaluate, log, trials, progress
-        self.history = log.read()
 
-    def logged(self, number: int) -> dict | None:
-        return self.history[number] if number < len(self.history) else None
+def _run_claim(store, claim, propose, evaluate) -> dict | None:
+    """The record of the claimed slot, or None when the claim was given back (waiting on a queued slot)."""
+    while "params" not in claim.carried:
+        history = store.history()
+        try:
+            role, params, extra = propose(claim.slot, [t for t in history if t["number"] < claim.slot])
+        except NotReady as waiting:
+            store.release_lost()
+            if not _someone_runs(store, waiting.slots):
+                store.give_back(claim, f"slot {claim.slot} waits for slots {waiting.slots}, which are queued")
+                return None
+            time.sleep(POLL_SECONDS)
+            continue
+        store.begin(claim, role, params, extra)
+    try:
+        return score(claim.carried["params"], store.history(), evaluate)
+    except BaseException as error:
+        store.give_back(claim, f"{type(error).__name__}: {error}".splitlines()[0])
+        raise
 
-    def run(self, number: int, role: str, params: dict, extra: dict | None = None) -> dict | None:
-        """Trial `number`: the logged one if there is one, else scored now (None once the budget is used)."""
-        logged = self.logged(number)
-        if logged is not None:
-            return logged
-        if number >= self.trials:
-            return None
-        repeat = next((t for t in self.history if t["params"] == params), None)
-        started = time.perf_counter()
-        if repeat is not None:
-            record = {k: repeat[k] for k in ("state", "value", "metrics", "error") if k in repeat}
-            record["repeat_of"] = repeat["number"]
-        else:
-            try:
-                metrics = dict(self.evaluate(params))
-                value = metrics.pop("value")
-                if value is None or not math.isfinite(value):
-                    record = {"state": "diverged", "value": None, "metrics": _finite(metrics)}
-                else:
-                    record = {"state": "complete", "value": float(value), "metrics": _finite(metrics)}
-            except InvalidParams as error:
-                record = {"state": "invalid", "value": None, "metrics": {}, "error": str(error)}
-        record = {
-            "number": number,
-            "role": role,
-            **record,
-            "params": params,
-            **(extra or {}),
-            "seconds": round(time.perf_counter() - started, 3),
-        }
-        self.log.append(record)
-        self.history.append(record)
-        if self.progress is not None:
-            best = best_trial(self.history)
-            self.progress.update(1)
-            if best is not None:
-                self.progress.set_postfix(best=f"{best['value']:.4g}", trial=best["number"], refresh=False)
-        return record
+
+def _someone_runs(store, slots: list[int]) -> bool:
+    running = {t.user_attrs.get("slot") for t in store.frozen() if t.state.name == "RUNNING"}
+    return all(slot in running for slot in slots)
+
+
+def score(params: dict, history: list[dict], evaluate) -> dict:
+    """A trial's outcome: its state, value and metrics (an earlier trial's, when it had the same parameters)."""
+    repeat = next((t for t in history if t["params"] == params), None)
+    if repeat is not None:
+        record = {k: repeat[k] for k in ("state", "value", "metrics", "error") if k in repeat}
+        return {**record, "repeat_of": repeat["number"]}
+    try:
+        metrics = dict(evaluate(params))
+    except InvalidParams as error:
+        return {"state": "invalid", "value": None, "metrics": {}, "error": str(error)}
+    value = metrics.pop("value")
+    if value is None or not math.isfinite(value):
+        return {"state": "diverged", "value": None, "metrics": _finite(metrics)}
+    return {"state": "complete", "value": float(value), "metrics": _finite(metrics)}
 
 
 def _finite(metrics: dict) -> dict:
@@ -144,31 +130,36 @@ def _finite(metrics: dict) -> dict:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
 
 
+def _show(progress, history: list[dict], trials: int) -> None:
+    if progress is None:
+        return
+    progress.n = min(len(history), trials)
+    best = best_trial(history)
+    if best is not None:
+        progress.set_postfix(best=f"{best['value']:.4g}", trial=best["number"], refresh=False)
+    progress.refresh()
+
+
 # ------------------------------------------------------------------------------------------- scalar (TPE)
 def scalar_search(
     space: list[Range],
     start: dict,
     evaluate: Callable[[dict], dict],
-    log: TrialLog,
+    store,
     trials: int,
     seed: int = 0,
     startup_trials: int = 5,
     progress=None,
 ) -> list[dict]:
-    """Trial 0 = `start` (the defaults), then TPE proposals until `trials` trials are logged. Returns them all."""
-    runner = _Runner(evaluate, log, trials, progress)
-    if runner.run(0, "defaults", start) is None:
-        return runner.history
-    number = 1
-    while number < trials or runner.logged(number) is not None:
-        params = (
-            runner.logged(number)["params"]
-            if runner.logged(number)
-            else propose_tpe(space, runner.history[:number], seed, number, startup_trials)
-        )
-        runner.run(number, "search", params)
-        number += 1
-    return runner.history
+    """Trial 0 = `start` (the defaults), then TPE proposals until `trials` trials are finished. Returns them all."""
+    store.require("ctxext_loop", {"kind": "tpe", "seed": seed, "startup_trials": startup_trials}, "another search")
+
+    def propose(slot: int, earlier: list[dict]):
+        if slot == 0:
+            return "defaults", start, {}
+        return "search", propose_tpe(space, earlier, seed, slot, startup_trials), {}
+
+    return run_search_loop(store, propose, evaluate, trials, progress)
 
 
 def propose_tpe(space: list[Range], history: list[dict], seed: int, number: int, startup_trials: int) -> dict:
@@ -206,7 +197,7 @@ def longrope_search(
     start: np.ndarray,
     defaults: list[float],
     evaluate: Callable[[dict], dict],
-    log: TrialLog,
+    store,
     trials: int,
     seed: int = 0,
     knots: int = 8,
@@ -217,38 +208,41 @@ def longrope_search(
 ) -> list[dict]:
     """Trial 0 = the defaults (every long factor = s), trial 1 = the starting curve (z = 0), then CMA-ES over the
     knot corrections z (see `ctxext.search.longrope`). Each trial's params are {"long_factor": [...]}."""
-    from .longrope import CmaProposer, factors_from, knot_positions
+    from .longrope import factors_from, knot_positions
 
-    pairs = len(start)
-    positions = knot_positions(pairs, knots)
+    positions = knot_positions(len(start), knots)
     upper = float(upper if upper is not None else max(start.max(), 1.0))
-    runner = _Runner(evaluate, log, trials, progress)
+    plan = {"kind": "cma-es", "seed": seed, "knots": knots, "sigma": sigma, "upper": upper, "popsize": popsize}
+    store.require("ctxext_loop", plan, "another search")
 
-    def run(number: int, role: str, z) -> dict | None:
-        factors = defaults if z is None else [float(f) for f in factors_from(z, start, positions, upper)]
-        extra = {} if z is None else {"z": [float(v) for v in z]}
-        logged = runner.logged(number)
-        if logged is not None and (logged["role"] != role or not np.allclose(logged.get("z", []), extra.get("z", []))):
-            raise CtxextError(
-                f"{log.path} does not match this search (trial {number} differs); resume it with the "
-                "settings it was started with, or start a new search in another directory"
-            )
-        return runner.run(number, role, {"long_factor": factors}, extra)
+    def propose(slot: int, earlier: list[dict]):
+        if slot == 0:
+            return "defaults", {"long_factor": list(defaults)}, {}
+        z = np.zeros(knots) if slot == 1 else cma_candidate(slot, earlier, knots, sigma, seed, popsize)
+        factors = [float(f) for f in factors_from(z, start, positions, upper)]
+        return ("start" if slot == 1 else "search"), {"long_factor": factors}, {"z": [float(v) for v in z]}
 
-    if run(0, "defaults", None) is None or run(1, "start", np.zeros(knots)) is None:
-        return runner.history
+    return run_search_loop(store, propose, evaluate, trials, progress)
+
+
+def cma_candidate(slot: int, earlier: list[dict], knots: int, sigma: float, seed: int, popsize: int | None):
+    """The knot corrections CMA-ES proposes for `slot` (>= 2): the earlier generations replayed from their trials
+    (NotReady while one of them is unfinished), then this generation's candidate."""
+    from .longrope import CmaProposer
+
     proposer = CmaProposer(knots, sigma, seed, popsize)
-    number = 2
-    while True:
+    generation, index = divmod(slot - 2, proposer.popsize)
+    first = 2 + generation * proposer.popsize  # the first slot of this generation
+    by_slot = {t["number"]: t for t in earlier}
+    missing = [s for s in range(first) if s not in by_slot]
+    if missing:
+        raise NotReady(missing)
+    ordered = [by_slot[s] for s in range(first)]
+    for g in range(generation):
         candidates = proposer.ask()
-        values = []
-        for z in candidates:
-            record = run(number, "search", z)
-            if record is None:
-                return runner.history
-            values.append(_cma_value(record, runner.history[:number]))
-            number += 1
-        proposer.tell(candidates, values)
+        slots = range(2 + g * proposer.popsize, 2 + (g + 1) * proposer.popsize)
+        proposer.tell(candidates, [_cma_value(ordered[s], ordered[:s]) for s in slots])
+    return proposer.ask()[index]
 
 
 def _cma_value(record: dict, earlier: list[dict]) -> float:

@@ -65,7 +65,7 @@ def score_perplexity(model, config, documents, length: int, stride: int | None, 
 def score_passkey(model, tokenizer, config, trials, bos_token_id: int | None) -> dict:
     from ..eval.passkey import run_passkey
 
-    records = run_passkey(model, tokenizer, trials, [_CheckedMethod("trial", config)], bos_token_id)
+    records = run_passkey(model, tokenizer, trials, [CheckedMethod("trial", config)], bos_token_id)
     correct = sum(r["correct"] for r in records)
     return {"passkey_accuracy": correct / len(records), "passkey_correct": correct, "passkey_trials": len(records)}
 
@@ -85,20 +85,37 @@ def score_needle(model, tokenizer, config, trials, bos_token_id: int | None) -> 
     return {"needle_nll": nll, "needle_perplexity": math.exp(nll), "needle_tokens": tokens}
 
 
+def check_params(model, config) -> None:
+    """InvalidParams where `config`'s parameters are rejected for this model: the checks `patch` makes on the
+    parameters themselves (validation, the length-dependent values resolved against L, DPE's groups against the
+    rotary pairs). What `patch` refuses about the model (its attention implementation, a sliding window, ...) is
+    not a parameter's fault: it stops the search."""
+    from ..methods import get_method
+    from ..methods.attention import AttentionSettings
+    from ..patching.patch import check_shape, original_length
+
+    L = config.original_max_position_embeddings or original_length(model)
+    try:
+        params = get_method(config.method).make_params(factor=config.factor, **config.params)
+        AttentionSettings.for_method(config.method, params, config.logn, L)
+        check_shape(model.config, params, L)
+    except CtxextError as error:
+        raise InvalidParams(str(error)) from None
+
+
 def _apply(model, config) -> None:
     from ..patching import unpatch
 
     if config is None:
         unpatch(model)
         return
-    try:
-        config.apply(model)  # a remapping method checks its resolved parameters against L only here
-    except CtxextError as error:
-        raise InvalidParams(str(error)) from None
+    check_params(model, config)
+    config.apply(model)
 
 
-class _CheckedMethod:
-    """An EvalMethod whose parameter errors at patch time are InvalidParams."""
+class CheckedMethod:
+    """An EvalMethod (`ctxext.eval.runner`) whose parameters are checked first: a parameter the model rejects
+    raises InvalidParams (an invalid trial); any other error at patch time propagates."""
 
     def __init__(self, label, config):
         self.label, self.config = label, config

@@ -1,36 +1,38 @@
 """One search end to end, in an output directory that a later run can resume:
 
     OUT/search.json     what the search is (model, method, s, N, L, space, objective, data, dtype); a resume must match
-    OUT/trials.jsonl    every trial, appended as it finishes (see `loop`)
+    OUT/study.journal   the trials, as an Optuna study (the default storage; see `store`; --storage puts it elsewhere)
+    OUT/trials.jsonl    every finished trial, one a line in trial order: written from the study after each trial
     OUT/results.json    the best trial, and the defaults and the best re-scored on held-out documents
     OUT/objective.png   the objective per trial, with the running best
     OUT/factors.png     (longrope) the per-pair factors found, against the defaults and the starting curve
     OUT/checkpoint/     the best parameters as a checkpoint, written by the same code as `ctxext patch`
 
-Every file is written whole to a temporary name and renamed into place; trials.jsonl is appended line by line.
+Every file is written whole to a temporary name and renamed into place (`ctxext.outputs`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import CtxextError
-from ..outputs import atomic_write_text  # noqa: F401  (re-exported: scripts import it from here)
-from .loop import TRIALS_FILE, TrialLog, best_trial
+from ..outputs import new_figure, save_figure, write_json
+from .loop import best_trial
 from .space import Range
+from .store import JOURNAL_FILE
 
 SEARCH_FILE = "search.json"
 RESULTS_FILE = "results.json"
 CHECKPOINT_DIR = "checkpoint"
 OBJECTIVE_PLOT = "objective.png"
 FACTORS_PLOT = "factors.png"
-OUTPUT_NAMES = (SEARCH_FILE, TRIALS_FILE, RESULTS_FILE, OBJECTIVE_PLOT, FACTORS_PLOT, CHECKPOINT_DIR)
+TRIALS_FILE = "trials.jsonl"
+OUTPUT_NAMES = (SEARCH_FILE, JOURNAL_FILE, TRIALS_FILE, RESULTS_FILE, OBJECTIVE_PLOT, FACTORS_PLOT, CHECKPOINT_DIR)
 
 
 @dataclass
@@ -73,10 +75,6 @@ class SearchSettings:
 
 
 # --------------------------------------------------------------------------------------------- files
-def write_json(path: Path, payload: dict) -> None:
-    atomic_write_text(path, json.dumps(payload, indent=2, allow_nan=False, default=str) + "\n")
-
-
 def check_output(out: str | Path, settings: dict, resume: bool, overwrite: bool, protected=()) -> str:
     """'new' or 'resume' for the output directory, or a one-line CtxextError. Writes nothing."""
     from ..outputs import check_overlap
@@ -128,32 +126,20 @@ def start_output(out: Path, settings: dict, mode: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------- the trials
-def run_trials(
-    settings: SearchSettings, objective, out: Path, trials: int, rotary_dim: int, base: float, progress=None
-) -> list[dict]:
-    """Run (or continue) the search until `trials` trials are logged; returns every logged trial."""
+def run_trials(settings: SearchSettings, objective, store, trials: int, rotary_dim: int, base: float, progress=None):
+    """Run (or join, or continue) the search in `store` until `trials` trials are finished; every finished trial."""
     from .loop import longrope_search, scalar_search
 
-    log = TrialLog(Path(out) / TRIALS_FILE)
     if settings.method == "longrope":
         start, defaults, upper = longrope_curves(settings, rotary_dim, base)
         lr = settings.longrope
         return longrope_search(
-            start,
-            defaults,
-            objective,
-            log,
-            trials,
-            settings.seed,
-            lr["knots"],
-            lr["sigma"],
-            upper,
-            lr.get("popsize"),
-            progress,
-        )
+            start, defaults, objective, store, trials, settings.seed, lr["knots"], lr["sigma"], upper,
+            lr.get("popsize"), progress,
+        )  # fmt: skip
     start = {r.name: settings.start.get(r.name, _default(settings.method, r.name)) for r in settings.space}
     return scalar_search(
-        settings.space, start, objective, log, trials, settings.seed, settings.startup_trials, progress
+        settings.space, start, objective, store, trials, settings.seed, settings.startup_trials, progress
     )
 
 
@@ -274,9 +260,7 @@ def summarize(
 
 
 def plot_objective(history: list[dict], path: Path, title: str, objective: str) -> None:
-    from ..eval.report import _figure
-
-    fig = _figure(figsize=(7.5, 4.2))
+    fig = new_figure(figsize=(7.5, 4.2))
     ax = fig.subplots()
     done = [t for t in history if t["state"] == "complete"]
     failed = [t["number"] for t in history if t["state"] != "complete"]
@@ -317,14 +301,12 @@ def plot_objective(history: list[dict], path: Path, title: str, objective: str) 
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def plot_factors(curves: dict[str, list[float]], path: Path, title: str) -> None:
     """Per-pair factors θ_i/θ'_i (1 = kept, s = interpolated like PI), one line per curve."""
-    from ..eval.report import _figure
-
-    fig = _figure(figsize=(7.5, 4.2))
+    fig = new_figure(figsize=(7.5, 4.2))
     ax = fig.subplots()
     for (label, factors), style in zip(curves.items(), ("--", ":", "-", "-.")):
         ax.plot(range(len(factors)), factors, style, marker="." if style == "-" else None, label=label)
@@ -335,15 +317,7 @@ def plot_factors(curves: dict[str, list[float]], path: Path, title: str) -> None
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def save_plot(plot, data, path: Path, *rest) -> None:
-    """`plot(data, path, *rest)` drawn to a temporary file that is then renamed into place."""
-    path = Path(path)
-    staging = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    plot(data, staging, *rest)
-    os.replace(staging, path)
+    save_figure(fig, path, dpi=120)
 
 
 def elapsed(started: float) -> float:

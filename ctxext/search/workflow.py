@@ -1,0 +1,237 @@
+"""`run_search(request)`: one search end to end, the library behind `ctxext search`.
+
+plan (no model) -> output directory -> the study -> trials (this process and `workers - 1` more on this machine;
+any other process on the same storage and study joins in) -> held-out re-scoring -> checkpoint -> results.json,
+trials.jsonl and the plots. The returned `SearchResult` carries the settings (search.json) and results.json.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import CtxextError
+from .plan import SearchPlan, SearchRequest, plan_search
+from .store import TrialStore, read_trials, storage_url
+
+
+@dataclass
+class SearchResult:
+    """A finished search: where it was written, its settings (its protocol), results.json and every trial."""
+
+    output: Path
+    settings: object  # session.SearchSettings
+    results: dict
+    history: list[dict] = field(default_factory=list)
+    resumed: bool = False
+
+    @property
+    def protocol(self) -> dict:
+        return self.settings.to_dict()
+
+
+def run_search(request: SearchRequest, log: Callable[[str], None] | None = None) -> SearchResult:
+    """Plan, search and write the results of `request`; `log` receives a few lines of progress."""
+    from . import session
+
+    started = time.perf_counter()
+    say = log or (lambda line: None)
+    plan = plan_search(request)  # every check that needs no model: bad input fails here, before anything is written
+    out = Path(request.output)
+    settings = plan.settings.to_dict()
+    mode = session.check_output(out, settings, request.resume, request.overwrite, plan.protected)
+    store = open_store(request, settings) if request.storage else None  # a study elsewhere is checked first
+    model = load_search_model(plan)
+    session.start_output(out, settings, mode)
+    store = store or open_store(request, settings)
+    if not store.frozen() and (out / session.TRIALS_FILE).is_file():
+        store.import_records(read_trials(out / session.TRIALS_FILE))  # a search from before the studies
+    store.export_to = out / session.TRIALS_FILE
+    say(header(plan, mode))
+    history = run_with_workers(plan, model, store)
+    best = session.best_trial(history)
+    if best is None:
+        raise CtxextError(f"no trial of the search in '{out}' gave a score (see {session.TRIALS_FILE})")
+    store.export(out / session.TRIALS_FILE)
+    held_out = {}
+    if plan.held_out:
+        say(f"re-scoring on {len(plan.held_out)} held-out documents ...")
+        held_out = session.held_out_scores(
+            plan.settings, history, model, plan.held_out, plan.bos_id, baseline=request.baseline
+        )
+    del model  # the checkpoint is written from the source's weights
+    checkpoint = write_checkpoint(plan, best, out) if request.checkpoint else None
+    results = write_results(plan, store, history, held_out, checkpoint, time.perf_counter() - started)
+    return SearchResult(out, plan.settings, results, history, resumed=mode == "resume")
+
+
+def open_store(request: SearchRequest, settings: dict) -> TrialStore:
+    return TrialStore.open(storage_url(request.storage, request.output), request.study_name, settings)
+
+
+def load_search_model(plan: SearchPlan):
+    from ..loading import load_model
+
+    runtime = plan.runtime
+    return load_model(
+        plan.request.model,
+        dtype=runtime["dtype"],
+        device=runtime["device"],
+        attn_implementation=runtime["attn_implementation"],
+    )
+
+
+def header(plan: SearchPlan, mode: str) -> str:
+    settings, request = plan.settings, plan.request
+    text = (
+        f"ctxext search: {settings.method} x{settings.factor:g} at {settings.length} tokens (L = "
+        f"{settings.original_max_position_embeddings}), objective {settings.objective}, {request.trials} trials"
+        f"{' (resumed)' if mode == 'resume' else ''}; calibration: {', '.join(d.name for d in plan.calibration)}"
+        f"; held out: {', '.join(d.name for d in plan.held_out) or 'none'}; {settings.dtype} on "
+        f"{plan.runtime['device']}"
+    )
+    if request.workers > 1:
+        text += f"; {request.workers} workers"
+    if settings.space:
+        text += "\n  space: " + ", ".join(f"{r.name} {r.describe()}" for r in settings.space)
+    return text
+
+
+def search_trials(plan: SearchPlan, model, store, progress=None) -> list[dict]:
+    """This process's share of the trials: until the study has the requested number finished."""
+    from ..patching import rotary_dim
+    from .objective import Objective
+    from .session import run_trials
+
+    settings = plan.settings
+    objective = Objective(
+        settings.objective,
+        settings.base,
+        model,
+        plan.tokenizer,
+        plan.calibration,
+        settings.length,
+        settings.stride,
+        plan.bos_id,
+        plan.passkey_trials,
+    )
+    base = float(model.config.rope_parameters["rope_theta"])
+    return run_trials(settings, objective, store, plan.request.trials, rotary_dim(model.config), base, progress)
+
+
+def run_with_workers(plan: SearchPlan, model, store) -> list[dict]:
+    """The trials, run here and in `workers - 1` more processes (spawned: each loads the model itself)."""
+    import multiprocessing
+
+    request = plan.request
+    context = multiprocessing.get_context("spawn")
+    helpers = [context.Process(target=run_worker, args=(request,)) for _ in range(request.workers - 1)]
+    for helper in helpers:
+        helper.start()
+    progress = _progress(request, plan.settings.method)
+    try:
+        search_trials(plan, model, store, progress)
+    except BaseException:
+        for helper in helpers:
+            helper.terminate()  # their running trials are queued again when the search resumes
+        raise
+    finally:
+        if progress is not None:
+            progress.close()
+        for helper in helpers:
+            helper.join()
+    failed = [h.exitcode for h in helpers if h.exitcode != 0]
+    if failed:
+        raise CtxextError(f"{len(failed)} of the {len(helpers)} other workers stopped with an error (see above)")
+    return store.history()
+
+
+def run_worker(request: SearchRequest) -> None:
+    """A spawned worker: the same plan, its own model, trials of the same study until the search has its trials;
+    an error is one line on stderr and exit code 2."""
+    import sys
+
+    try:
+        plan = plan_search(request)
+        search_trials(plan, load_search_model(plan), open_store(request, plan.settings.to_dict()))
+    except CtxextError as error:
+        print(f"ctxext: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _progress(request: SearchRequest, method: str):
+    if not request.runtime.progress:
+        return None
+    import sys
+
+    from tqdm.auto import tqdm
+
+    return tqdm(total=request.trials, unit="trial", desc=f"{method} search", dynamic_ncols=True, file=sys.stderr)
+
+
+def write_checkpoint(plan: SearchPlan, best: dict, out: Path) -> dict:
+    """The best trial's parameters as a checkpoint in OUT/checkpoint (the code of `ctxext patch`)."""
+    from ..checkpoint import write_patched_checkpoint
+    from .objective import method_config
+    from .session import CHECKPOINT_DIR
+
+    settings = plan.settings
+    written = write_patched_checkpoint(
+        plan.request.model,
+        method_config(settings.base, best["params"]),
+        out / CHECKPOINT_DIR,
+        overwrite=True,
+        written_by="ctxext search",
+        extra_record={
+            "search": {
+                "output": str(out.resolve()),
+                "trial": best["number"],
+                "objective": settings.objective,
+                "value": best["value"],
+                "length": settings.length,
+            }
+        },
+    )
+    return {
+        "path": str(written.output),
+        "rope_type": written.form.rope_parameters["rope_type"],
+        "written_as": written.form.how,
+        "loads_in_plain_transformers": written.loads_in_plain_transformers,
+    }
+
+
+def write_results(plan: SearchPlan, store, history, held_out: dict, checkpoint, seconds: float) -> dict:
+    """results.json, objective.png and (longrope) factors.png; returns results.json's content."""
+    from ..outputs import provenance, write_json
+    from . import session
+
+    settings, out = plan.settings, Path(plan.request.output)
+    results = session.summarize(settings, history, held_out, seconds, provenance(), checkpoint)
+    results["study"] = {"storage": store.url, "name": store.study.study_name}
+    write_json(out / session.RESULTS_FILE, results)
+    title = (
+        f"{Path(plan.request.model).name}: {settings.method} x{settings.factor:g} at {settings.length} "
+        f"(L={settings.original_max_position_embeddings})"
+    )
+    session.plot_objective(history, out / session.OBJECTIVE_PLOT, title, settings.objective)
+    if settings.method == "longrope":
+        best = results["best"]
+        pairs = len(best["params"]["long_factor"])
+        start, defaults, _ = session.longrope_curves(settings, 2 * pairs, _rope_base(plan.request.model))
+        curves = {
+            "defaults (every pair / s)": defaults,
+            f"start ({settings.longrope['start_method']})": [float(f) for f in start],
+            f"best (trial {best['number']})": best["params"]["long_factor"],
+        }
+        session.plot_factors(curves, out / session.FACTORS_PLOT, title)
+    return results
+
+
+def _rope_base(model: str) -> float:
+    from ..loading import load_config
+
+    config = load_config(model)
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    return float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
