@@ -100,3 +100,22 @@ def test_bos_detection(tokenizer, smollm2_path):
     with_bos.add_bos_token = True
     assert with_bos("a").input_ids[0] == with_bos.bos_token_id
     assert tokenizer_adds_bos(with_bos) is True
+
+
+def test_a_bug_while_loading_a_dataset_surfaces_and_a_missing_dataset_is_one_line(tokenizer, monkeypatch):
+    """Only what loading can be expected to raise becomes a one-line error; anything else is a bug to see."""
+    import datasets
+
+    def missing(*args, **kwargs):
+        raise datasets.exceptions.DatasetNotFoundError("Dataset 'someone/nothing' doesn't exist on the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", missing)
+    with pytest.raises(CtxextError, match="could not load dataset 'someone/nothing': Dataset .* doesn't exist"):
+        load_documents(tokenizer, dataset="someone/nothing")
+
+    def bug(*args, **kwargs):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(datasets, "load_dataset", bug)
+    with pytest.raises(ZeroDivisionError):
+        load_documents(tokenizer, dataset="someone/nothing")

@@ -190,7 +190,9 @@ def load_hf_dataset(name: str, split: str | None, config: str | None, streaming:
         return loaded, source, preset.field if preset else None, bool(preset and preset.join_rows)
     except CtxextError:
         raise
-    except Exception as error:  # datasets raises many types (ConnectionError, DatasetNotFoundError, ...)
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as error:
+        # OSError: no network, offline mode, a missing file or dataset (DatasetNotFoundError is a FileNotFoundError);
+        # ValueError: an unknown split or configuration; DatasetsError: a dataset that cannot be built
         offline = "offline? use --text-file, --dataset shakespeare, or a local dataset path"
         if path.exists():
             hint = ""

@@ -25,10 +25,10 @@ class EvalSession:
     bos_info: dict
 
     @classmethod
-    def open(cls, name: str, selection: MethodSelection, options: RuntimeOptions) -> EvalSession:
+    def open(cls, name: str, selection: MethodSelection, options: RuntimeOptions, processes=None) -> EvalSession:
         from ..runtime import Processes, cpu_processes
 
-        processes = Processes(cpu=cpu_processes(options.device))
+        processes = processes or Processes(cpu=cpu_processes(options.device))
         model, tokenizer, runtime = load_model_and_tokenizer(name, options, processes)
         methods = method_rows(selection, model.config)
         bos_id, bos_info = bos_choice(options.bos, tokenizer)

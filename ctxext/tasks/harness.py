@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import io
 import json
 import logging
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CtxextError, did_you_mean, first_line
+from ..outputs import CellCache
 
 INSTALL_HINT = 'pip install "ctxext[tasks]"'
 # HFLM left-truncates a prompt to max_length minus the task's generation budget. RULER sizes its prompts so that
@@ -176,7 +174,7 @@ def check_task_data(spec: TaskSpec, manager, length: int | None) -> None:
         ) from None
     except OSError as error:  # ConnectionError, requests' errors, a missing file
         raise CtxextError(f"task '{spec.name}' needs data that could not be fetched: {fetch_failure(error)}") from None
-    except Exception as error:  # noqa: BLE001  (lm-eval raises ValueError, AssertionError, KeyError, ...)
+    except (ValueError, KeyError, AssertionError, TypeError) as error:  # what lm-eval's task builders raise
         at = f" at length {length}" if length else ""
         raise CtxextError(
             f"lm-eval could not build task '{spec.name}'{at}: {type(error).__name__}: {first_line(error)}"
@@ -255,27 +253,26 @@ def cell_key(cell: Cell, common: dict, max_length: int) -> dict:
     }
 
 
-class CellCache:
-    """One JSON file per cell, named by the hash of its key, written atomically; None: no cache."""
+class TaskCellCache(CellCache):
+    """ctxext.outputs.CellCache for task cells: a file holds {"key": ..., "result": lm-eval's result}, named by
+    the first 20 hex digits of the key's hash (the names task cells have always had), and lm-eval's own request
+    cache per cell, for resuming inside a cell."""
 
-    def __init__(self, directory: str | Path | None):
-        self.directory = Path(directory).expanduser() if directory is not None else None
+    def __init__(self, folder: str | Path | None):
+        super().__init__(folder, {}, digits=20, default=jsonable)
 
-    @staticmethod
-    def canonical(key: dict) -> dict:
-        return json.loads(json.dumps(key, sort_keys=True, default=str))
+    def load(self, key: dict) -> dict | None:
+        record = self.get(key)
+        return None if record is None else record.get("result")
 
-    def digest(self, key: dict) -> str:
-        return hashlib.sha256(json.dumps(self.canonical(key), sort_keys=True).encode()).hexdigest()[:20]
-
-    def path(self, key: dict) -> Path | None:
-        return self.directory / f"{self.digest(key)}.json" if self.directory is not None else None
+    def save(self, key: dict, result: dict) -> None:
+        self.put(key, {"result": result})
 
     def requests_path(self, key: dict) -> str | None:
         """Where lm-eval's own request cache for this cell lives (its CachingLM adds `_rank<N>.db`): every sample
         is stored as soon as it is answered, so an interrupted cell resumes at its next sample. The name is the
         cell's digest, so a change of method, parameters, model, length or lm-eval version starts afresh."""
-        return None if self.directory is None else str(self.directory / "requests" / self.digest(key))
+        return None if self.folder is None else str(self.folder / "requests" / self.digest(key))
 
     def drop_requests(self, key: dict) -> None:
         """Remove a finished cell's request cache (its result is cached whole)."""
@@ -284,51 +281,42 @@ class CellCache:
             for db in Path(prefix).parent.glob(f"{Path(prefix).name}_rank*.db"):
                 db.unlink(missing_ok=True)
 
-    def load(self, key: dict) -> dict | None:
-        path = self.path(key)
-        if path is None or not path.is_file():
-            return None
-        try:
-            stored = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None  # a damaged entry is computed again
-        return stored.get("result") if stored.get("key") == self.canonical(key) else None
 
-    def save(self, key: dict, result: dict) -> None:
-        path = self.path(key)
-        if path is None:
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(handle, "w") as out:
-                json.dump({"key": self.canonical(key), "result": result}, out, default=_jsonable)
-            os.replace(temporary, path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
-
-
-def _jsonable(value):
+def jsonable(value):
+    """What lm-eval writes for a value JSON cannot hold (its own rule)."""
     from lm_eval.utils import handle_non_serializable
 
     return handle_non_serializable(value)
 
 
-def model_fingerprint(name_or_path: str, model) -> dict:
-    """What identifies the weights without reading them: a local checkpoint's files (name, size, mtime), or a
-    hub id with the commit transformers resolved."""
+def model_files_key(name_or_path: str, model) -> dict:
+    """The model in a task cell's key, without reading the weights: a local checkpoint's path and the stamp of
+    its files (names, sizes, modification times; ctxext.eval.session.checkpoint_file_stamp), or a hub id with
+    the commit transformers resolved. (Not the content: so the cells cached so far keep their names.)"""
+    from ..eval.session import checkpoint_file_stamp
+
     path = Path(name_or_path)
     if path.is_dir():
-        files = sorted(
-            (str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns) for f in path.rglob("*") if f.is_file()
-        )
-        digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()
-        return {"path": str(path.resolve()), "files_sha256": digest}
+        return {"path": str(path.resolve()), "files_sha256": checkpoint_file_stamp(path)}
     return {"hub_id": name_or_path, "commit": getattr(model.config, "_commit_hash", None)}
 
 
 # -------------------------------------------------------------------------------------------------- run
+# What results.json keeps of simple_evaluate's config.
+CONFIG_KEPT = (
+    "limit",
+    "bootstrap_iters",
+    "gen_kwargs",
+    "random_seed",
+    "numpy_seed",
+    "torch_seed",
+    "fewshot_seed",
+    "batch_size",
+    "model_dtype",
+    "model_num_parameters",
+)
+
+
 def harness_model(model, tokenizer, max_length: int, batch_size, processes):
     """lm-eval's HFLM around the (patched) model. Under several processes it gets lm-eval's data-parallel setup
     (which HFLM makes only for a model it loads itself): each process answers every world_size-th request."""
@@ -380,22 +368,8 @@ def evaluate_cell(
         "versions": out.get("versions", {}),
         "n-shot": out.get("n-shot", {}),
         "higher_is_better": out.get("higher_is_better", {}),
-        "configs": json.loads(json.dumps(out.get("configs", {}), default=_jsonable)),
-        "config": {
-            k: config.get(k)
-            for k in (
-                "limit",
-                "bootstrap_iters",
-                "gen_kwargs",
-                "random_seed",
-                "numpy_seed",
-                "torch_seed",
-                "fewshot_seed",
-                "batch_size",
-                "model_dtype",
-                "model_num_parameters",
-            )
-        },
+        "configs": json.loads(json.dumps(out.get("configs", {}), default=jsonable)),
+        "config": {k: config.get(k) for k in CONFIG_KEPT},
         "max_length": out.get("max_length"),
         "lm_eval_version": out.get("lm_eval_version"),
         # In doc order: under several processes lm-eval gathers them rank by rank.
@@ -426,7 +400,7 @@ def sample_record(sample: dict) -> dict:
     }
     if "length" in doc:
         record["ruler_length"] = doc["length"]  # RULER's count: prompt tokens + the generation budget
-    return json.loads(json.dumps(record, default=_jsonable))
+    return json.loads(json.dumps(record, default=jsonable))
 
 
 def run_cells(
@@ -434,7 +408,7 @@ def run_cells(
     model,
     tokenizer,
     managers: TaskManagers,
-    cache: CellCache,
+    cache: TaskCellCache,
     *,
     lengths: list[int],
     tokenizer_name: str,
@@ -454,7 +428,7 @@ def run_cells(
     found = _broadcast(found, processes)
     todo = sum(f is None for f in found)
     if processes.is_main and todo < len(cells):
-        report(f"{len(cells) - todo} of {len(cells)} cells from the cache ({cache.directory})")
+        report(f"{len(cells) - todo} of {len(cells)} cells from the cache ({cache.folder})")
     for index, (cell, result) in enumerate(zip(cells, found), 1):
         if result is not None:
             cell.result, cell.cached = result, True
