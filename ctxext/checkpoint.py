@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import __version__
 from .errors import CtxextError
 
 if TYPE_CHECKING:
@@ -51,74 +53,31 @@ def write_patched_checkpoint(
     rope form where one exists (`format='native'`, see ctxext.serving.forms), in both config spellings.
     `pair_selection` (calibration text file, k): DPE's selected pairs, the top k per layer by |q||k| on the text
     (ctxext.patching.pair_selection), measured on the unpatched model and recorded with the method."""
-    import json
-
-    import yaml
-
-    from . import __version__
-    from .loading import load_config, load_model, load_tokenizer
-    from .methods import get_method
-    from .outputs import atomic_output_dir, check_output_dir
+    from .loading import load_model, load_tokenizer
+    from .outputs import check_output_dir
     from .patching import applied_method
-    from .patching.families import check_supported
-    from .patching.patch import check_shape
-    from .serving.forms import FORMATS, write_config_for_serving
+    from .serving.forms import FORMATS
 
     if format not in FORMATS:
         raise CtxextError(f"unknown --format '{format}'; choose one of: {', '.join(FORMATS)}")
 
     protected = [source] if Path(source).exists() else []
     check_output_dir(output, protected, overwrite)
-    config = load_config(source)
-    check_supported(config, f"'{source}' (model type '{config.model_type}')")
-    spec = get_method(method_config.method)
-    check_shape(
-        config,
-        spec.make_params(factor=method_config.factor, **method_config.params),
-        method_config.original_max_position_embeddings or config.max_position_embeddings,
-    )
+    check_source(source, method_config)
 
     model = load_model(source, dtype="auto", device="cpu")
     tokenizer = load_tokenizer(source)
     original_length = model.config.max_position_embeddings
     extra_record = dict(extra_record or {})
     if pair_selection is not None:
-        import dataclasses
-
-        from .patching.pair_selection import select_pairs
-
-        text, k = pair_selection
-        tokens = min(4096, method_config.original_max_position_embeddings or original_length)
-        chosen = select_pairs(model, tokenizer, Path(text).read_text(encoding="utf-8"), k, tokens)
-        method_config = dataclasses.replace(method_config, params={**method_config.params, "selected_pairs": chosen})
-        extra_record["pair_selection"] = {
-            "text": str(text),
-            "top_pairs": k,
-            "max_tokens": tokens,
-            "rule": "top k pairs per layer by mean |q_p||k_p| over tokens and heads",
-        }
+        method_config, extra_record["pair_selection"] = with_selected_pairs(
+            model, tokenizer, method_config, pair_selection, original_length
+        )
     method_config.apply(model)
     applied = applied_method(model)
 
-    with atomic_output_dir(output, protected, overwrite) as staging:
-        model.save_pretrained(staging)
-        form = write_config_for_serving(model, staging, format)
-        tokenizer.save_pretrained(staging)
-        record = {
-            "source_model": source,
-            "ctxext_version": __version__,
-            **method_config.to_dict(),
-            "original_max_position_embeddings": applied["original_max_position_embeddings"],
-            "rope_parameters": dict(model.config.rope_parameters),
-            "max_position_embeddings": model.config.max_position_embeddings,
-            "written_as": {"format": format, "rope_type": form.rope_parameters["rope_type"], "how": form.how},
-            **extra_record,
-        }
-        record = json.loads(json.dumps(record))  # plain data: YAML without anchors for lists used twice
-        (staging / "ctxext.yaml").write_text(
-            f"# Written by `{written_by}`: what was applied to the source model.\n"
-            + yaml.safe_dump(record, sort_keys=False)
-        )
+    record = lambda form: checkpoint_record(source, method_config, model, applied, format, form, extra_record)
+    form = save_checkpoint(model, tokenizer, output, protected, overwrite, format, record, written_by)
     return PatchedCheckpoint(
         Path(output).resolve(),
         method_config.label,
@@ -128,3 +87,78 @@ def write_patched_checkpoint(
         applied,
         form,
     )
+
+
+def checkpoint_record(source: str, method_config, model, applied: dict, format: str, form: RopeForm, extra: dict):
+    """What ctxext.yaml records: the source, the method and its parameters, the lengths, how it was written."""
+    return {
+        "source_model": source,
+        "ctxext_version": __version__,
+        **method_config.to_dict(),
+        "original_max_position_embeddings": applied["original_max_position_embeddings"],
+        "rope_parameters": dict(model.config.rope_parameters),
+        "max_position_embeddings": model.config.max_position_embeddings,
+        "written_as": {"format": format, "rope_type": form.rope_parameters["rope_type"], "how": form.how},
+        **extra,
+    }
+
+
+def check_source(source: str, method_config) -> None:
+    """What the source's config alone refuses (an unsupported family, a shape the method cannot take), before
+    any weights load."""
+    from .loading import load_config
+    from .methods import get_method
+    from .patching.families import check_supported
+    from .patching.patch import check_shape
+
+    config = load_config(source)
+    check_supported(config, f"'{source}' (model type '{config.model_type}')")
+    spec = get_method(method_config.method)
+    check_shape(
+        config,
+        spec.make_params(factor=method_config.factor, **method_config.params),
+        method_config.original_max_position_embeddings or config.max_position_embeddings,
+    )
+
+
+def with_selected_pairs(model, tokenizer, method_config, pair_selection: tuple[str, int], original_length: int):
+    """(`method_config` with DPE's `selected_pairs` measured on the unpatched `model`, the record of how)."""
+    import dataclasses
+
+    from .patching.pair_selection import select_pairs
+
+    text, k = pair_selection
+    tokens = min(4096, method_config.original_max_position_embeddings or original_length)
+    chosen = select_pairs(model, tokenizer, Path(text).read_text(encoding="utf-8"), k, tokens)
+    method_config = dataclasses.replace(method_config, params={**method_config.params, "selected_pairs": chosen})
+    how = {
+        "text": str(text),
+        "top_pairs": k,
+        "max_tokens": tokens,
+        "rule": "top k pairs per layer by mean |q_p||k_p| over tokens and heads",
+    }
+    return method_config, how
+
+
+def save_checkpoint(
+    model, tokenizer, output, protected: list, overwrite: bool, format: str, record: Callable, written_by: str
+) -> RopeForm:
+    """Write weights, config.json in `format`, tokenizer and ctxext.yaml (`record(form)`) to `output`, atomically;
+    the rope form written."""
+    import json
+
+    import yaml
+
+    from .outputs import atomic_output_dir
+    from .serving.forms import write_config_for_serving
+
+    with atomic_output_dir(output, protected, overwrite) as staging:
+        model.save_pretrained(staging)
+        form = write_config_for_serving(model, staging, format)
+        tokenizer.save_pretrained(staging)
+        values = json.loads(json.dumps(record(form)))  # plain data: YAML without anchors for lists used twice
+        (staging / "ctxext.yaml").write_text(
+            f"# Written by `{written_by}`: what was applied to the source model.\n"
+            + yaml.safe_dump(values, sort_keys=False)
+        )
+    return form
