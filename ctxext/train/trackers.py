@@ -13,7 +13,6 @@ trackers too, as flat scalars at its step (`tracker_metrics`), and the resolved 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,7 +21,7 @@ from ..errors import CtxextError, did_you_mean
 
 PROJECT = "ctxext-finetune"  # the W&B project, the MLflow experiment, TensorBoard's folder
 TRACKERS_DIR = "trackers"  # under the run's output directory
-PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # tracker -> module = pip name
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # tracker -> what to pip install
 
 
 def tracker_names(report_to: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -42,12 +41,20 @@ def tracker_names(report_to: str | Sequence[str] | None) -> tuple[str, ...]:
                 f"--report-to: unknown tracker '{name}'{did_you_mean(name, list(PACKAGES))}; "
                 f"choose from {', '.join(PACKAGES)} (comma-separated), or none"
             )
-        if importlib.util.find_spec(PACKAGES[name]) is None:
+        if not installed(name):
             raise CtxextError(
                 f"--report-to {name} needs the {PACKAGES[name]} package: pip install {PACKAGES[name]} "
                 "(or pip install 'ctxext[trackers]' for all three)"
             )
     return tuple(dict.fromkeys(names))
+
+
+def installed(tracker: str) -> bool:
+    """Whether accelerate finds the tracker's package (it would leave the tracker out, silently, otherwise)."""
+    from accelerate.utils import is_mlflow_available, is_tensorboard_available, is_wandb_available
+
+    available = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available, "mlflow": is_mlflow_available}
+    return bool(available[tracker]())
 
 
 def tracker_config(mapping: dict, prefix: str = "") -> dict:
