@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from ctxext.cli.common import parse_lengths, parse_stride
 from ctxext.config import MethodConfig
 from ctxext.errors import CtxextError
-from ctxext.eval.data import Document
+from ctxext.eval.data import Document, tokens_fingerprint
+from ctxext.eval.options import parse_lengths, parse_stride
 from ctxext.eval.runner import EvalMethod, plan_lengths, run_perplexity
 from tests.conftest import tiny_model
 from tests.test_eval_perplexity import naive_nll
@@ -36,7 +36,18 @@ def test_runner_matches_naive_loop_per_document_and_method():
     methods = [EvalMethod("none"), EvalMethod("yarn x2", MethodConfig("yarn", factor=2))]
     scores = run_perplexity(model, documents, plans, methods, None)
     assert [s.method for s in scores] == ["none", "yarn x2"]
-    assert scores[0].tokens_sha256 == scores[1].tokens_sha256
+    # The targets, as the HF-docs loop scores them (written out here): every token once, the first of a document
+    # never; the truncated short document in one window of its own.
+    targets = []
+    for doc, (window, stride) in zip(documents, ((64, 16), (40, 40))):
+        previous = 0
+        for begin in range(0, len(doc), stride):
+            end = min(begin + window, len(doc))
+            targets.append(doc.ids[max(previous, 1) : end])
+            previous = end
+            if end == len(doc):
+                break
+    assert scores[0].tokens_sha256 == scores[1].tokens_sha256 == tokens_fingerprint(targets)
     none = scores[0]
     parts = [naive_nll(model, documents[0].ids, 64, 16), naive_nll(model, documents[1].ids, 40, 40)]
     assert none.tokens == sum(c for _, c in parts) and none.truncated == ["d1"]

@@ -179,16 +179,18 @@ def method_rows(selection: MethodSelection, model_config) -> list[EvalMethod]:
 
 
 # ----------------------------------------------------------------------------------------------- labels
-def _settings(row: EvalMethod) -> dict:
-    """Every setting of a row's method, defaults resolved: what two rows of one label can differ in."""
+def _settings(row: EvalMethod, defaults: bool = False) -> dict:
+    """Every setting of a row's method with the defaults resolved (`defaults`: the method's defaults at the
+    row's factor instead): what rows of one label can differ in."""
     if row.config is None:
         return {}
     from ..methods import get_method
 
     config = row.config
-    params = get_method(config.method).make_params(factor=config.factor, **config.params)
+    params = get_method(config.method).make_params(factor=config.factor, **({} if defaults else config.params))
     values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.name != "factor"}
-    return {"original_max_position_embeddings": config.original_max_position_embeddings, **values}
+    original = None if defaults else config.original_max_position_embeddings
+    return {"original_max_position_embeddings": original, **values}
 
 
 def _short(value) -> str:
@@ -196,9 +198,9 @@ def _short(value) -> str:
 
 
 def distinguish_labels(rows: list[EvalMethod]) -> None:
-    """Rows that share a label get the settings that differ between them, e.g. 'yarn x4' and
-    'yarn x4 beta_fast=16 beta_slow=2' become 'yarn x4 beta_fast=32 beta_slow=1' and 'yarn x4 beta_fast=16
-    beta_slow=2'; rows that differ in nothing shown are numbered ('yarn x4 (2)'). Unique labels stay short."""
+    """Rows that share a label get the settings that set them apart: of the settings that differ between them,
+    those a row does not leave at the method's default, e.g. 'yarn x4' (the defaults) and 'yarn x4 beta_fast=16
+    beta_slow=2'. Rows that differ in nothing are numbered ('yarn x4 (2)'). A unique label stays as it is."""
     groups: dict[str, list[EvalMethod]] = {}
     for row in rows:
         groups.setdefault(row.label, []).append(row)
@@ -209,8 +211,9 @@ def distinguish_labels(rows: list[EvalMethod]) -> None:
         keys = list(dict.fromkeys(k for s in settings for k in s))
         differing = [k for k in keys if len({repr(s.get(k)) for s in settings}) > 1]
         for row, values in zip(group, settings):
-            shown = " ".join(f"{k}={_short(values.get(k))}" for k in differing)
-            row.label = f"{label} {shown}" if shown else label
+            default = _settings(row, defaults=True)
+            shown = [f"{k}={_short(values[k])}" for k in differing if k in values and values[k] != default.get(k)]
+            row.label = " ".join([label, *shown])
     seen: dict[str, int] = {}
     for row in rows:
         seen[row.label] = seen.get(row.label, 0) + 1
