@@ -1,19 +1,13 @@
-"""Results as a table (stdout), results.json (with provenance), results.csv and PNG plots."""
+"""Results as a table (stdout), results.csv and PNG plots (in ctxext.outputs' one plot style); results.json is
+written by ctxext.outputs.write_json."""
 
 from __future__ import annotations
 
 import csv
-import json
 import math
-import os
-import platform
-import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-
-from ..runtime import machine_description
+from ..outputs import atomic_file, new_figure, save_figure
 
 
 def format_perplexity(value: float) -> str:
@@ -64,64 +58,25 @@ def passkey_table(rows: list[dict], methods: list[str], lengths: list[int]) -> s
 
 
 def environment() -> dict:
-    """Library versions, machine and time: enough to tell where a number came from."""
-    import accelerate
-    import datasets
-    import transformers
+    """Library versions, machine and time (ctxext.outputs.provenance)."""
+    from ..outputs import provenance
 
-    from .. import __version__
-
-    info = {
-        "ctxext": __version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "accelerate": accelerate.__version__,
-        "datasets": datasets.__version__,
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "machine": machine_description(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    if torch.cuda.is_available():
-        info["cuda"] = torch.version.cuda
-        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return info
-
-
-def write_json(path: Path, payload: dict) -> None:
-    path.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
-
-
-def _jsonable(value):
-    if isinstance(value, (Path, torch.device, torch.dtype)):
-        return str(value)
-    if hasattr(value, "item"):
-        return value.item()
-    raise TypeError(f"cannot write {type(value).__name__} to JSON")
+    return provenance()
 
 
 def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
-    with open(path, "w", newline="") as handle:
+    with atomic_file(path) as staging, open(staging, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
             writer.writerow({k: (";".join(v) if isinstance(v, list) else v) for k, v in row.items()})
 
 
-def _figure(**kwargs):
-    """A figure that needs no GUI and leaves pyplot's backend alone (it may be a notebook's inline one)."""
-    from matplotlib.figure import Figure
-
-    return Figure(**kwargs)
-
-
 def plot_perplexity(
     rows: list[dict], methods: list[str], path: Path, title: str, original_length: int | None = None
 ) -> None:
     """Perplexity against evaluated length, one line per method (log y: unscaled RoPE blows up past L)."""
-    fig = _figure(figsize=(7.5, 4.8))
+    fig = new_figure(figsize=(7.5, 4.8))
     ax = fig.subplots()
     for method in methods:
         points = sorted(
@@ -148,14 +103,14 @@ def plot_perplexity(
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def plot_passkey_heatmap(
     rows: list[dict], methods: list[str], lengths: list[int], depths: list[float], path: Path, title: str
 ) -> None:
     """One panel per method: accuracy by depth (rows) and length (columns)."""
-    fig = _figure(figsize=(1.6 + 1.3 * len(lengths) * len(methods), 3.8))
+    fig = new_figure(figsize=(1.6 + 1.3 * len(lengths) * len(methods), 3.8), layout="constrained")
     axes = fig.subplots(1, len(methods), squeeze=False, sharey=True)
     by_key = {(r["method"], r["length"], r["depth"]): r["accuracy"] for r in rows}
     image = None
@@ -174,4 +129,4 @@ def plot_passkey_heatmap(
     axes[0][0].set_ylabel("passkey depth")
     fig.colorbar(image, ax=axes[0].tolist(), label="accuracy")
     fig.suptitle(title, fontsize=10)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    save_figure(fig, path, dpi=120)

@@ -1,6 +1,6 @@
 """Task scores side by side: one table per (task, metric) with methods as rows and lengths as columns, and a
-heat map with one panel per (task, metric). results.json, results.csv and the JSON/CSV writers are
-ctxext.eval.report's."""
+heat map with one panel per (task, metric). results.csv is written by ctxext.eval.report.write_csv, results.json
+by ctxext.outputs.write_json."""
 
 from __future__ import annotations
 
@@ -112,12 +112,15 @@ def _effective_line(effective: dict) -> str:
 def plot_task_heatmap(rows: list[dict], methods: list[str], path: Path, title: str) -> None:
     """One panel per (task, metric): methods (rows) x lengths (columns), coloured 0-1 (or the panel's range when
     its values leave 0-1)."""
-    from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
+
+    from ..outputs import new_figure, save_figure
 
     panels = _panels(rows)
     widths = [len({r["length"] for r in rows if (r["task"], r["metric"]) == p}) for p in panels]
-    fig = Figure(figsize=(2.2 + sum(1.1 * w + 0.6 for w in widths), 1.8 + 0.45 * len(methods)), layout="constrained")
+    fig = new_figure(
+        figsize=(2.2 + sum(1.1 * w + 0.6 for w in widths), 1.8 + 0.45 * len(methods)), layout="constrained"
+    )
     axes = fig.subplots(1, len(panels), squeeze=False, sharey=True, gridspec_kw={"width_ratios": widths})
     image = None
     for ax, (task, metric) in zip(axes[0], panels):
@@ -150,4 +153,4 @@ def plot_task_heatmap(rows: list[dict], methods: list[str], path: Path, title: s
         f"shortest length)",
         fontsize=10,
     )
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    save_figure(fig, path, dpi=120)
