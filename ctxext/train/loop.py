@@ -591,7 +591,8 @@ def train(setup: Setup, resume: bool, progress: bool = True, after_step=None) ->
     log = open_run(setup, resume)
     model, optimizer = prepare_training(setup)
     state = restore(setup, model, optimizer, log) if resume else RunState()
-    start_run_record(setup, model, resume, state.step)
+    start_trackers(setup, resume_step=state.step if resume else None)
+    write_run_record(setup, model, resume, state.step)
     if state.step == 0 and recipe.eval.every:
         evaluate_before_training(setup, model, log)
 
@@ -681,20 +682,22 @@ def due(step: int, every: int, max_steps: int) -> bool:
 
 
 def open_run(setup: Setup, resume: bool) -> MetricsLog:
-    """The output directory with its recipe.yaml, the metrics log, and the trackers (`--report-to`) started."""
-    from .trackers import start_trackers
-
+    """The output directory with its recipe.yaml, and the metrics log (which feeds the trackers, if any)."""
     runtime = setup.runtime
     if runtime.is_main:
         setup.output.mkdir(parents=True, exist_ok=True)
         write_or_check_recipe(setup.output / "recipe.yaml", setup.recipe, resume)
     runtime.accelerator.wait_for_everyone()
-    resume_step = None
-    if resume:
-        resume_step = json.loads((latest_checkpoint(setup.output) / "state.json").read_text())["step"]
-    start_trackers(runtime.accelerator, setup.recipe.to_dict(), setup.output, resume_step)
     tracked = runtime.accelerator if runtime.trackers else None
     return MetricsLog(setup.output / "metrics.jsonl", runtime.is_main, tracked)
+
+
+def start_trackers(setup: Setup, resume_step: int | None) -> None:
+    """Open the `--report-to` trackers with the recipe as the run's config (ctxext.train.trackers)."""
+    from . import trackers
+
+    if setup.runtime.trackers:
+        trackers.start_trackers(setup.runtime.accelerator, setup.recipe.to_dict(), setup.output, resume_step)
 
 
 def prepare_training(setup: Setup):
@@ -724,14 +727,6 @@ def restore(setup: Setup, model, optimizer, log: MetricsLog) -> RunState:
     log.truncate_after(saved["step"])
     setup.runtime.accelerator.print(f"resuming from {folder} (step {saved['step']})")
     return RunState(saved["step"], saved["tokens"], saved["seconds"])
-
-
-def start_run_record(setup: Setup, model, resume: bool, start_step: int) -> None:
-    from .lora import count_parameters
-
-    n_trainable, n_total = count_parameters(setup.runtime.accelerator.unwrap_model(model))
-    if setup.runtime.is_main:
-        write_run_record(setup, n_trainable, n_total, resume, start_step)
 
 
 def evaluate_before_training(setup: Setup, model, log: MetricsLog) -> None:
@@ -886,10 +881,15 @@ def write_or_check_recipe(path: Path, recipe: Recipe, resume: bool) -> None:
     atomic_write_text(path, recipe.to_yaml())
 
 
-def write_run_record(setup: Setup, n_trainable: int, n_total: int, resume: bool, start_step: int) -> None:
+def write_run_record(setup: Setup, model, resume: bool, start_step: int) -> None:
+    """run.json: what ran where (sizes, data, evaluation, provenance); a resume appends to its `resumed` list."""
     from ..outputs import provenance, write_json
+    from .lora import count_parameters
 
     runtime = setup.runtime
+    n_trainable, n_total = count_parameters(runtime.accelerator.unwrap_model(model))
+    if not runtime.is_main:
+        return
     record = {
         "model": setup.recipe.model,
         "model_path": setup.model_path,

@@ -95,8 +95,7 @@ def tracker_options(output: Path, resume_step: int | None) -> dict:
 
 
 def start_trackers(accelerator, recipe_mapping: dict, output: Path, resume_step: int | None) -> None:
-    """Open the trackers the Accelerator was made with (`log_with`); a no-op when there are none."""
-    if accelerator.log_with:
-        accelerator.init_trackers(
-            PROJECT, config=tracker_config(recipe_mapping), init_kwargs=tracker_options(output, resume_step)
-        )
+    """Open the trackers the Accelerator was made with (`log_with`), with the recipe as the run's config."""
+    accelerator.init_trackers(
+        PROJECT, config=tracker_config(recipe_mapping), init_kwargs=tracker_options(output, resume_step)
+    )
