@@ -555,7 +555,7 @@ def _within_first_region(remap, positions: torch.Tensor) -> bool:
 def _remapped_forward(module, state: AttentionState, plan: ForwardPlan, query, key, value, kwargs):
     """Attention under a remapping method, for (batch, heads, q_len, d) rotated queries and all rotated keys."""
     remap = state.settings.remap
-    q_len, total = query.shape[2], key.shape[2]
+    q_len = query.shape[2]
     if module.training and kwargs.get("dropout", 0.0) > 0:
         raise CtxextError(f"{state.settings.method} does not implement attention dropout; set attention_dropout=0")
     key_allowed = plan.values["padding"]
@@ -566,17 +566,37 @@ def _remapped_forward(module, state: AttentionState, plan: ForwardPlan, query, k
             "(DynamicCache, the default), not a StaticCache or a sliding-window cache"
         )
 
-    host = state.host
     positions = plan.values["positions"]
-    query_positions = positions[:, total - q_len :]
     region_plans = plan.remember(
         ("regions", state.query_block), lambda: _region_plans(remap, positions, q_len, key_allowed, state.query_block)
     )
+    queries, keys = _region_queries_and_keys(module, state, plan, query, key, positions)
+    outputs = [
+        attend_regions(
+            queries if rows is None else [q[rows] for q in queries],
+            keys if rows is None else [k[rows] for k in keys],
+            value if rows is None else value[rows],
+            region_plan,
+            module.scaling,
+            state.kernel,
+        )
+        for rows, region_plan in region_plans
+    ]
+    attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+    return attn.transpose(1, 2), None
+
+
+def _region_queries_and_keys(module, state: AttentionState, plan: ForwardPlan, query, key, positions: torch.Tensor):
+    """([queries], [keys]), one of each per region of the method: rotated by the region's rules (the model's own
+    rotation where a region keeps it), from the rotated query and keys and the model's (cos, sin)."""
+    host = state.host
+    q_len, total = query.shape[2], key.shape[2]
+    query_positions = positions[:, total - q_len :]
     cos_k, sin_k = _rotary_entry(plan, host, query, "keys", lambda: positions)
     plain_query = undo_rotation(query, cos_k[:, total - q_len :], sin_k[:, total - q_len :])
     plain_key = None  # unrotated keys, made once a region rotates keys by a rule of its own (STRING's never does)
     queries, keys, rotated_keys = [], [], {}
-    for index, region in enumerate(remap.regions()):
+    for index, region in enumerate(state.settings.remap.regions()):
         if region.pair_scales is not None:  # DPE: every rotary pair at its own scale
             scales = region.pair_scales(cos_k.shape[-1] // 2, module.layer_idx)
             query_rule, key_rule = region.query_position, region.key_position
@@ -613,23 +633,7 @@ def _remapped_forward(module, state: AttentionState, plan: ForwardPlan, query, k
                 cos, sin = _rotary_entry(plan, host, plain_key, ("key", index), lambda rule=rule: rule(positions))
                 rotated_keys[rule] = apply_rotation(plain_key, cos, sin).to(key.dtype)
             keys.append(rotated_keys[rule])
-    outputs = []
-    for rows, region_plan in region_plans:
-        if rows is None:
-            outputs.append(attend_regions(queries, keys, value, region_plan, module.scaling, state.kernel))
-        else:
-            outputs.append(
-                attend_regions(
-                    [q[rows] for q in queries],
-                    [k[rows] for k in keys],
-                    value[rows],
-                    region_plan,
-                    module.scaling,
-                    state.kernel,
-                )
-            )
-    attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
-    return attn.transpose(1, 2), None
+    return queries, keys
 
 
 def _rotated_per_pair(
