@@ -79,3 +79,23 @@ def test_a_loaded_checkpoint_is_one_row_and_a_dynamic_one_is_computed_statelessl
         MethodSelection(methods=["yarn"], overrides={"factor": 4}), tiny_config("llama", rope_parameters=scaled)
     )
     assert rows[1].config.original_max_position_embeddings == 32  # the checkpoint's recorded L
+
+
+def test_a_rows_check_runs_before_its_method_is_patched_in():
+    from ctxext.config import MethodConfig
+    from ctxext.eval.rows import EvalMethod
+    from tests.conftest import tiny_model
+
+    model = tiny_model("llama")
+    seen = []
+
+    def refuse(model, config):
+        seen.append(config.method)
+        raise CtxextError("refused")
+
+    row = EvalMethod("yarn x2", MethodConfig("yarn", factor=2.0), check=refuse)
+    with pytest.raises(CtxextError, match="refused"):
+        row.apply(model)
+    assert seen == ["yarn"] and type(model.model.rotary_emb).__name__ != "ScaledRotaryEmbedding"  # not patched
+    EvalMethod("none", None, check=refuse).apply(model)  # the model as loaded: nothing to check
+    assert seen == ["yarn"]

@@ -10,6 +10,7 @@ No torch at import: the command line validates the flags with `MethodSelection.m
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import CtxextError, did_you_mean
@@ -19,16 +20,25 @@ AS_LOADED = {"method": "none", "as_loaded": True}
 
 @dataclass
 class EvalMethod:
-    """A row of the results: a MethodConfig to patch in, or None for the model exactly as loaded."""
+    """A row of the results: a MethodConfig to patch in, or None for the model exactly as loaded.
+
+    `check(model, config)`, when given, runs before the config is patched in and may raise (a search uses it to
+    turn parameters the model rejects into an invalid trial); it plays no part in what the row computes."""
 
     label: str
     config: object | None = None  # ctxext.config.MethodConfig
     description: dict = field(default_factory=dict)
+    check: Callable[[object, object], None] | None = field(default=None, compare=False, repr=False)
 
     def apply(self, model) -> None:
         from ..patching import unpatch
 
-        unpatch(model) if self.config is None else self.config.apply(model)
+        if self.config is None:
+            unpatch(model)
+            return
+        if self.check is not None:
+            self.check(model, self.config)
+        self.config.apply(model)
 
     def remove(self, model) -> None:
         from ..patching import unpatch

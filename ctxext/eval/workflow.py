@@ -174,7 +174,8 @@ def _score_all(request: PerplexityRequest, session, documents, plans) -> tuple[l
     from ..outputs import CellCache
     from .runner import iter_scores
 
-    cells = CellCache(request.cell_folder(), session.cell_context(request.short_docs))
+    folder = request.cell_folder()
+    cells = None if folder is None else CellCache(folder, session.cell_context(request.short_docs))
     total = sum(w.length for p in plans for w in p.windows[session.processes.rank :: session.processes.world_size])
     progress = session.progress(total * len(session.methods), "tok")
     scores = []

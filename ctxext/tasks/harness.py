@@ -218,7 +218,7 @@ def _lm_eval_logging(level: int):
 class Cell:
     """One (method, task, length) and, once run or read from the cache, lm-eval's result."""
 
-    method: object  # ctxext.eval.runner.EvalMethod
+    method: object  # ctxext.eval.rows.EvalMethod
     task: TaskSpec
     length: int | None
     key: dict = field(default_factory=dict)
