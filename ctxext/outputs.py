@@ -104,7 +104,7 @@ def check_output_dir(output: str | Path, protected: list[str | Path] = (), overw
     return output
 
 
-def _new_directory_beside(output: Path, tag: str) -> Path:
+def new_directory_beside(output: Path, tag: str) -> Path:
     """An empty directory next to `output`, with the permissions of any new directory (the umask applies)."""
     path = output.parent / f".{output.name}.{tag}-{uuid.uuid4().hex[:12]}"
     path.mkdir(mode=0o777)
@@ -120,12 +120,12 @@ def atomic_output_dir(output: str | Path, protected: list[str | Path] = (), over
     """
     output = check_output_dir(output, protected, overwrite)
     output.parent.mkdir(parents=True, exist_ok=True)
-    staging = _new_directory_beside(output, "tmp")
+    staging = new_directory_beside(output, "tmp")
     try:
         yield staging
         (staging / MARKER).write_text("written by ctxext; `--overwrite` may replace this directory\n")
         if output.exists():
-            retired = _new_directory_beside(output, "old")
+            retired = new_directory_beside(output, "old")
             os.rename(output, retired / output.name)
             os.rename(staging, output)
             shutil.rmtree(retired, ignore_errors=True)

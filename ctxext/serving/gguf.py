@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CtxextError
 from ..methods import Method, MethodParams, get_method
 from ..methods.frequency import yarn_mscale
+from ..outputs import atomic_file
 from .forms import no_native_form, per_pair_factors
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF names: LLaMA and Mistral files say "llama"
@@ -258,16 +257,8 @@ def patch_gguf(source, method_config, output, overwrite: bool = False, outtype: 
             gguf.LlamaFileType.ALL_F32 if outtype == "f32" else gguf.LlamaFileType.MOSTLY_F16
         )
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fd, staging = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
-    os.close(fd)
-    try:
-        _write(reader, Path(staging), arch, changed, rope.rope_freqs, outtype)
-        os.chmod(staging, 0o644)
-        os.replace(staging, output)
-    finally:
-        if os.path.exists(staging):
-            os.unlink(staging)
+    with atomic_file(output) as staging:
+        _write(reader, staging, arch, changed, rope.rope_freqs, outtype)
     return PatchedGguf(output.resolve(), method_config.label, rope, model.context_length, new_length, outtype)
 
 
