@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 import socket
 import subprocess
 import sys
@@ -309,6 +310,8 @@ def test_resume_from_the_command_line(tiny, tmp_path, capsys):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert run_cli(capsys, *common, "--trials", 7, "-o", whole)[0] == 0
     assert run_cli(capsys, *common, "--trials", 3, "-o", parts)[0] == 0
+    legacy = tmp_path / "legacy"  # a search from before the studies: search.json and trials.jsonl only
+    shutil.copytree(parts, legacy, ignore=shutil.ignore_patterns("study.journal"))
     code, _, err = run_cli(capsys, *common, "--trials", 3, "-o", parts)  # the output exists: resume or overwrite
     assert code == 2 and "--resume" in err
     code, stdout, err = run_cli(capsys, *common, "--trials", 7, "-o", parts, "--resume")
@@ -319,6 +322,10 @@ def test_resume_from_the_command_line(tiny, tmp_path, capsys):
     assert [(t["params"], t["value"]) for t in a] == [(t["params"], t["value"]) for t in b]
     results = json.loads((parts / "results.json").read_text())
     assert results["best"]["number"] == best_trial(a)["number"]
+    # Resuming the old kind of search imports its trials.jsonl into a new study and goes on from there.
+    assert run_cli(capsys, *common, "--trials", 7, "-o", legacy, "--resume")[0] == 0
+    assert read_trials(legacy)[:3] == read_trials(parts)[:3]  # imported as they were, seconds included
+    assert [(t["params"], t["value"]) for t in read_trials(legacy)] == [(t["params"], t["value"]) for t in a]
     # A resume with other settings is refused, and changes nothing.
     before = (parts / "trials.jsonl").read_bytes()
     code, _, err = run_cli(capsys, *common, "--trials", 9, "-o", parts, "--resume", "--seed", 1)
@@ -538,3 +545,42 @@ def test_dpe_searches_one_power_of_two_scale_per_group(tiny, tmp_path, capsys):
     model = ctxext.patch(tiny_model("llama"), "dpe", factor=4.0, window=8, group_scales=[2, 8, 2, 8])
     ids = [torch.tensor([int(w[1:]) for w in (docs / "doc0.txt").read_text().split()])]
     assert trials[0]["value"] == pytest.approx(naive_perplexity(model, ids, 256), rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------ errors at patch time
+def test_a_parameter_the_model_rejects_is_an_invalid_trial_and_any_other_patch_error_stops(tiny, tmp_path, capsys):
+    from ctxext.eval.data import Document
+    from ctxext.search.loop import InvalidParams
+    from ctxext.search.objective import Objective
+
+    docs = [Document("d", torch.randint(0, WORDS, (300,), generator=torch.Generator().manual_seed(0)))]
+    base = {"method": "dpe", "factor": 4.0, "original_max_position_embeddings": 64, "logn": False, "window": 8}
+    objective = Objective("ppl", base, tiny_model("llama"), None, docs, 256)
+    assert objective({"group_scales": [2, 2, 2, 2]})["value"] > 0
+    with pytest.raises(InvalidParams, match="group"):  # 3 groups do not divide the 8 rotary pairs
+        objective({"group_scales": [2, 2, 2]})
+    # A model the method cannot run on is not a parameter's fault: the search stops at once, with one line.
+    source = save_tiny_checkpoint(tmp_path / "windowed", tiny_model("mistral", sliding_window=32))
+    capsys.readouterr()  # the checkpoint's progress bars
+    out = tmp_path / "out"
+    code, _, err = run_cli(
+        capsys, "search", source, "--method", "self_extend", "--length", 256, "--text-file", tiny[1], "--trials", 4,
+        "--dtype", "fp32", "--no-progress", "-o", out,
+    )  # fmt: skip
+    lines = [line for line in err.strip().splitlines() if "Loading weights" not in line]  # transformers' bar
+    assert code == 2 and len(lines) == 1 and "error: self_extend cannot run with sliding-window" in lines[0], err
+    from tests.test_search_distributed import trials_of
+
+    trials = trials_of(out / "study.journal")
+    assert len(trials) == 2 and trials[0].state.name == "FAIL" and "sliding-window" in trials[0].user_attrs["error"]
+    assert "state" not in trials[0].user_attrs and trials[1].state.name == "WAITING"  # queued for a resume
+
+
+def test_reading_a_trial_log_leaves_the_file_as_it_is(tmp_path):
+    from ctxext.search.store import read_trials
+
+    path = tmp_path / "trials.jsonl"
+    whole = json.dumps({"number": 0, "state": "complete", "value": 1.0}) + "\n"
+    path.write_text(whole + '{"number": 1, "sta')  # an old search killed mid-write
+    assert read_trials(path) == [json.loads(whole)]
+    assert path.read_text() == whole + '{"number": 1, "sta'
