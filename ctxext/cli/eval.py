@@ -106,6 +106,9 @@ def run(args) -> int:
             f"skipped at {length}: {len(names)} documents shorter than the window ({', '.join(names[:3])}"
             f"{', ...' if len(names) > 3 else ''})"
         )
+    if result.cells_cached:
+        cache = result.payload["runtime"]["cell_cache"]
+        print(f"\n{result.cells_cached} of {len(result.rows)} cells from the cache ({cache}), not computed again")
     print(f"\nresults: {Path(args.output).resolve()} (results.json, results.csv, perplexity.png)")
     return 0
 
