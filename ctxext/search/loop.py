@@ -80,7 +80,7 @@ def run_search_loop(store, propose, evaluate: Callable[[dict], dict], trials: in
         with store.heartbeat(claim):
             record = _run_claim(store, claim, propose, evaluate)
         if record is not None:
-            store.finish(claim, record)
+            store.finish(claim, record)  # False if given up meanwhile: the slot is run again
 
 
 def _run_claim(store, claim, propose, evaluate) -> dict | None:

@@ -114,7 +114,7 @@ def _apply(model, config) -> None:
 
 
 class CheckedMethod:
-    """An EvalMethod (`ctxext.eval.runner`) whose parameters are checked first: a parameter the model rejects
+    """An EvalMethod (`ctxext.eval.rows`) whose parameters are checked first: a parameter the model rejects
     raises InvalidParams (an invalid trial); any other error at patch time propagates."""
 
     def __init__(self, label, config):

@@ -43,6 +43,7 @@ DEFAULT_STUDY = "ctxext-search"
 JOURNAL_FILE = "study.journal"
 HEARTBEAT_SECONDS = 30.0  # a running trial's `heartbeat` user attribute is refreshed this often
 GRACE_SECONDS = 600.0  # a running trial of another machine is given up after this long without a heartbeat
+UNCLAIMED_SECONDS = 60.0  # a running trial whose worker never recorded itself is given up after this long
 DONE_STATES = ("complete", "invalid", "diverged")
 WORKER = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex}
 
@@ -139,6 +140,9 @@ class TrialStore:
     def frozen(self) -> list:
         return self.study.get_trials(deepcopy=False)
 
+    def running(self, number: int) -> bool:
+        return any(t.number == number and t.state.name == "RUNNING" for t in self.frozen())
+
     def history(self, trials: list | None = None) -> list[dict]:
         """The finished trials as records (trials.jsonl's lines), one per slot, in slot order."""
         done = [t for t in (self.frozen() if trials is None else trials) if _is_done(t)]
@@ -185,9 +189,12 @@ class TrialStore:
         trial.set_user_attr("worker", WORKER)
         trial.set_user_attr("heartbeat", time.time())
         claim = Claim(trial, slot, carried)
-        if slot >= trials or slot in done:
+        if slot in done:  # a queued slot finished meanwhile (it cannot be, but must not be run twice)
+            self.give_back(claim, f"slot {slot} is finished already", requeue=False)
+            return self.claim(trials)
+        if slot >= trials:  # lost a race for the last slots: queued for a search resumed with more trials
             self.give_back(claim, f"slot {slot} is not needed: the search has its {trials} trials")
-            return self.claim(trials) if slot in done and slot < trials else None
+            return None
         return claim
 
     def begin(self, claim: Claim, role: str, params: dict, extra: dict) -> None:
@@ -196,28 +203,36 @@ class TrialStore:
         for key, value in claim.carried.items():
             claim.trial.set_user_attr(key, value)
 
-    def finish(self, claim: Claim, record: dict) -> None:
-        """Record a scored trial: COMPLETE with its value, or FAIL (invalid, diverged) with `state` and `error`."""
+    def finish(self, claim: Claim, record: dict) -> bool:
+        """Record a scored trial: COMPLETE with its value, or FAIL (invalid, diverged) with `state` and `error`.
+        False when another worker gave the trial up meanwhile (no heartbeat for too long): its slot is queued."""
         from optuna.trial import TrialState
 
-        for key in ("state", "metrics", "error", "repeat_of"):
-            if key in record:
-                claim.trial.set_user_attr(key, record[key])
-        claim.trial.set_user_attr("seconds", round(time.perf_counter() - claim.started, 3))
-        if record["state"] == "complete":
-            self.study.tell(claim.trial, record["value"])
-        else:
-            self.study.tell(claim.trial, state=TrialState.FAIL)
+        try:
+            for key in ("state", "metrics", "error", "repeat_of"):
+                if key in record:
+                    claim.trial.set_user_attr(key, record[key])
+            claim.trial.set_user_attr("seconds", round(time.perf_counter() - claim.started, 3))
+            if record["state"] == "complete":
+                self.study.tell(claim.trial, record["value"])
+            else:
+                self.study.tell(claim.trial, state=TrialState.FAIL)
+        except _finished_elsewhere():
+            if self.running(claim.trial.number):
+                raise  # the storage failed, not a race
+            return False
         if self.export_to is not None:
             self.export(self.export_to)
+        return True
 
-    def give_back(self, claim: Claim, reason: str) -> None:
+    def give_back(self, claim: Claim, reason: str, requeue: bool = True) -> None:
         """End a trial without a result (FAIL with `error`) and queue its slot again."""
         from optuna.trial import TrialState
 
         claim.trial.set_user_attr("error", reason)
         self.study.tell(claim.trial, state=TrialState.FAIL)
-        self._requeue(claim.slot, claim.carried, claim.trial.number, reason)
+        if requeue:
+            self._requeue(claim.slot, claim.carried, claim.trial.number, reason)
 
     def _requeue(self, slot: int, carried: dict, number: int, reason: str) -> None:
         self.study.enqueue_trial(
@@ -236,7 +251,7 @@ class TrialStore:
                 continue
             try:
                 self.study.tell(t.number, state=TrialState.FAIL)
-            except Exception:  # noqa: BLE001 - another worker finished or released it first: not ours to queue
+            except _finished_elsewhere():  # another worker finished or released it first: not ours to queue
                 continue
             carried = {k: t.user_attrs[k] for k in ("params", "role", "z") if k in t.user_attrs}
             if "slot" in t.user_attrs:
@@ -247,6 +262,12 @@ class TrialStore:
     def heartbeat(self, claim: Claim):
         """A context manager that refreshes the trial's heartbeat in a thread while the trial runs."""
         return _Heartbeat(claim.trial)
+
+
+def _finished_elsewhere() -> tuple:
+    from optuna.exceptions import OptunaError
+
+    return (OptunaError, RuntimeError, ValueError)  # Optuna's errors for a trial another process finished
 
 
 def _is_done(trial) -> bool:
@@ -279,8 +300,9 @@ def _lost(trial) -> str | None:
         if worker.get("pid") == WORKER["pid"] or not _alive(worker.get("pid")):
             return f"worker {worker['host']}:{worker['pid']} ended without finishing the trial"
     beat = trial.user_attrs.get("heartbeat")
-    if beat is None:
-        beat = trial.datetime_start.timestamp() if trial.datetime_start else time.time()
+    if beat is None:  # a worker records itself right after it asks: one that has not in a minute is gone
+        started = trial.datetime_start.timestamp() if trial.datetime_start else time.time()
+        return "the worker never recorded itself" if time.time() - started > UNCLAIMED_SECONDS else None
     if time.time() - beat > GRACE_SECONDS:
         return f"no heartbeat for {time.time() - beat:.0f} s"
     return None
@@ -303,7 +325,10 @@ class _Heartbeat:
 
     def _beat(self) -> None:
         while not self.stop.wait(HEARTBEAT_SECONDS):
-            self.trial.set_user_attr("heartbeat", time.time())
+            try:
+                self.trial.set_user_attr("heartbeat", time.time())
+            except _finished_elsewhere():
+                return  # given up by another worker: `finish` will say so
 
     def __enter__(self):
         self.thread.start()
