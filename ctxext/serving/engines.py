@@ -239,8 +239,26 @@ def export_checkpoint(model: ServedModel, engine: str, output, overwrite: bool =
     import shutil
 
     from ..outputs import atomic_output_dir, check_output_dir
-    from .forms import rope_form, with_both_spellings
+    from .forms import with_both_spellings
 
+    check_exportable(model, engine)
+    rope, extra, how = engine_rope(model, engine)
+    check_output_dir(output, [model.path], overwrite)
+    with atomic_output_dir(output, [model.path], overwrite) as staging:
+        for item in model.path.iterdir():
+            if item.is_file():
+                shutil.copy2(item, staging / item.name)
+        (staging / "config.json").write_text(
+            json.dumps({**with_both_spellings(model.config, rope), **extra}, indent=2, sort_keys=True) + "\n"
+        )
+        if (staging / "ctxext.yaml").exists():
+            with open(staging / "ctxext.yaml", "a") as f:
+                f.write(f"exported_for: {engine}\n")
+    return how
+
+
+def check_exportable(model: ServedModel, engine: str) -> None:
+    """A one-line CtxextError when `model` cannot be exported as a checkpoint directory for `engine` at all."""
     if engine not in ENGINES:
         raise CtxextError(f"unknown --engine '{engine}'; choose one of: {', '.join(ENGINES)}")
     if model.kind == "gguf":
@@ -257,12 +275,17 @@ def export_checkpoint(model: ServedModel, engine: str, output, overwrite: bool =
             f"'{model.path}' has no ctxext.yaml, so ctxext does not know what was applied; patch the "
             f"original model with `ctxext patch`"
         )
+    if model.logn:
+        raise CtxextError(f"no serving engine runs log-n scaling; {SERVED_BY_CTXEXT}, or patch without --logn")
+
+
+def engine_rope(model: ServedModel, engine: str) -> tuple[dict, dict, str]:
+    """The rope parameters `engine` reads for the method recorded in `model`, any extra config keys, and how."""
+    from .forms import rope_form
+
     spec, params = model.method_and_params()
     L = int(model.record["original_max_position_embeddings"])
     base = float(model.record["rope_parameters"]["rope_theta"])
-    config = model.config
-    if model.logn:
-        raise CtxextError(f"no serving engine runs log-n scaling; {SERVED_BY_CTXEXT}, or patch without --logn")
     if spec.name == "dual_chunk" and engine == "sglang" and model.family == "qwen2":
         resolved = params.resolved(L)
         rope = {"rope_type": "default", "rope_theta": base}
@@ -273,29 +296,18 @@ def export_checkpoint(model: ServedModel, engine: str, output, overwrite: bool =
                 "original_max_position_embeddings": L,
             }
         }
-        how = "SGLang's dual_chunk_attention_config (approximate: SGLang also scales keys by 0.1 ln(len/L) + 1)"
-    else:
-        form = rope_form(
-            spec, params, model.rotary_dim, base, L, model.rope_parameters.get("partial_rotary_factor"), "native"
+        return (
+            rope,
+            extra,
+            "SGLang's dual_chunk_attention_config (approximate: SGLang also scales keys by 0.1 ln(len/L) + 1)",
         )
-        if not form.native:
-            hint = {
-                "dual_chunk": "--engine sglang on a Qwen2-family model",
-                "self_extend": "llama.cpp's --grp-attn-n/--grp-attn-w on a GGUF",
-            }.get(spec.name, SERVED_BY_CTXEXT)
-            raise CtxextError(
-                f"{engine} cannot serve {spec.name} exactly: {form.how.split(': ', 1)[-1]}; possible: {hint}"
-            )
-        rope, extra, how = form.rope_parameters, {}, form.how
-    check_output_dir(output, [model.path], overwrite)
-    with atomic_output_dir(output, [model.path], overwrite) as staging:
-        for item in model.path.iterdir():
-            if item.is_file():
-                shutil.copy2(item, staging / item.name)
-        (staging / "config.json").write_text(
-            json.dumps({**with_both_spellings(config, rope), **extra}, indent=2, sort_keys=True) + "\n"
-        )
-        if (staging / "ctxext.yaml").exists():
-            with open(staging / "ctxext.yaml", "a") as f:
-                f.write(f"exported_for: {engine}\n")
-    return how
+    form = rope_form(
+        spec, params, model.rotary_dim, base, L, model.rope_parameters.get("partial_rotary_factor"), "native"
+    )
+    if not form.native:
+        hint = {
+            "dual_chunk": "--engine sglang on a Qwen2-family model",
+            "self_extend": "llama.cpp's --grp-attn-n/--grp-attn-w on a GGUF",
+        }.get(spec.name, SERVED_BY_CTXEXT)
+        raise CtxextError(f"{engine} cannot serve {spec.name} exactly: {form.how.split(': ', 1)[-1]}; possible: {hint}")
+    return form.rope_parameters, {}, form.how

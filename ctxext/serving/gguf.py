@@ -50,17 +50,8 @@ def self_extend_flags(params) -> str:
     return f"llama-completion -m MODEL.gguf --grp-attn-n {G} --grp-attn-w {W}"
 
 
-def gguf_rope(
-    method: Method,
-    params: MethodParams,
-    arch: str,
-    rotary_dim: int,
-    base: float,
-    original_length: int,
-    logn: bool = False,
-) -> GgufRope:
-    """The GGUF keys and tensor that make llama.cpp compute `method` exactly, or a one-line CtxextError naming
-    the nearest thing llama.cpp can express."""
+def refuse_what_llama_cpp_cannot_run(method: Method, params: MethodParams, logn: bool) -> None:
+    """A one-line CtxextError naming the nearest thing llama.cpp can express, for what it cannot run at all."""
     name = method.name
     if logn:
         raise CtxextError(
@@ -91,6 +82,21 @@ def gguf_rope(
             "llama.cpp has no dynamic scaling; the nearest it can express is static 'ntk' "
             "at the same factor (--method ntk)"
         )
+
+
+def gguf_rope(
+    method: Method,
+    params: MethodParams,
+    arch: str,
+    rotary_dim: int,
+    base: float,
+    original_length: int,
+    logn: bool = False,
+) -> GgufRope:
+    """The GGUF keys and tensor that make llama.cpp compute `method` exactly, or a one-line CtxextError naming
+    the nearest thing llama.cpp can express."""
+    refuse_what_llama_cpp_cannot_run(method, params, logn)
+    name = method.name
     L = int(original_length)
     s = float(params.factor)
     scaled = {"rope.scaling.original_context_length": L}
