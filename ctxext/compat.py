@@ -28,8 +28,8 @@ Used in place (not wrapped, because their code is the CLI's or the harness's own
   `world_size` properties read these. If they stopped reading them, each of N processes would answer every
   request instead of every N-th: N times the work (and the wrong share of requests per process).
 - `config._commit_hash` (transformers 4.x; transformers 5.24 no longer sets it and drops it from loaded
-  configs), ctxext/tasks/harness.py and ctxext/eval/session.py, for the commit of a hub model in a result's
-  provenance: on 5.24 it is always None there. `hub_commit` below gives the commit on both.
+  configs), read only by `hub_commit` below, which ctxext/tasks/harness.py and ctxext/eval/session.py call for
+  the commit of a hub model in a result's provenance; on 5.24 it falls back to the hub cache's ref.
 """
 
 from __future__ import annotations

@@ -75,7 +75,9 @@ def model_identity(name: str, model) -> dict:
         return {"content": content_fingerprint(path)}
     if path.is_dir():
         return {"path": str(path.resolve()), "files_sha256": checkpoint_file_stamp(path)}
-    return {"hub_id": name, "commit": getattr(model.config, "_commit_hash", None)}
+    from ..compat import hub_commit
+
+    return {"hub_id": name, "commit": hub_commit(name, model.config)}
 
 
 def checkpoint_file_stamp(path: Path) -> str:

@@ -298,7 +298,9 @@ def model_files_key(name_or_path: str, model) -> dict:
     path = Path(name_or_path)
     if path.is_dir():
         return {"path": str(path.resolve()), "files_sha256": checkpoint_file_stamp(path)}
-    return {"hub_id": name_or_path, "commit": getattr(model.config, "_commit_hash", None)}
+    from ..compat import hub_commit
+
+    return {"hub_id": name_or_path, "commit": hub_commit(name_or_path, model.config)}
 
 
 # -------------------------------------------------------------------------------------------------- run
