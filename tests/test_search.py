@@ -286,6 +286,10 @@ def test_a_resumed_search_continues_the_study_and_matches_an_uninterrupted_one(t
     assert "KeyboardInterrupt" in failed[1].user_attrs["error"]
     retries = {t.user_attrs["retry_of"]: t.user_attrs["reason"] for t in store.frozen() if "retry_of" in t.user_attrs}
     assert f"{gone.pid} ended without finishing" in retries[failed[0].number]
+    # The parameters are the Optuna trials' own too (for Optuna's plots): each finished trial's, as scored.
+    finished = sorted((t for t in store.frozen() if "state" in t.user_attrs), key=lambda t: t.user_attrs["slot"])
+    assert [t.params for t in finished] == [t["params"] for t in resumed]
+    assert [t.value for t in finished] == [t["value"] for t in resumed]
     with pytest.raises(CtxextError, match="does not match this search"):
         scalar_search(space, {"x": 0.0, "n": 3}, objective, store, trials=14, seed=4)
 

@@ -64,9 +64,12 @@ def best_trial(history: list[dict]) -> dict | None:
 
 
 # -------------------------------------------------------------------------------------------- the loop
-def run_search_loop(store, propose, evaluate: Callable[[dict], dict], trials: int, progress=None) -> list[dict]:
+def run_search_loop(
+    store, propose, evaluate: Callable[[dict], dict], trials: int, progress=None, space: list[Range] = ()
+) -> list[dict]:
     """Claim, propose, score and record trials until `trials` slots are finished (by this process or others);
-    returns every finished trial. `propose(slot, history) -> (role, params, extra)` may raise NotReady."""
+    returns every finished trial. `propose(slot, history) -> (role, params, extra)` may raise NotReady. The
+    parameters in `space` are recorded as the Optuna trials' parameters too."""
     while True:
         store.release_lost()
         history = store.history()
@@ -78,30 +81,42 @@ def run_search_loop(store, propose, evaluate: Callable[[dict], dict], trials: in
             time.sleep(POLL_SECONDS)  # the other slots are running elsewhere
             continue
         with store.heartbeat(claim):
-            record = _run_claim(store, claim, propose, evaluate)
+            record = _run_claim(store, claim, propose, evaluate, space)
         if record is not None:
             store.finish(claim, record)  # False if given up meanwhile: the slot is run again
 
 
-def _run_claim(store, claim, propose, evaluate) -> dict | None:
+def _run_claim(store, claim, propose, evaluate, space) -> dict | None:
     """The record of the claimed slot, or None when the claim was given back (waiting on a queued slot)."""
-    while "params" not in claim.carried:
-        history = store.history()
+    proposal = _proposal(store, claim, propose)
+    if proposal is None:
+        return None
+    role, params, extra = proposal
+    inside = [r for r in space if r.contains(params.get(r.name))]  # a default may lie outside (or be None)
+    store.begin(claim, role, params, extra, {r.name: r.distribution() for r in inside})
+    try:
+        return score(params, store.history(), evaluate)
+    except BaseException as error:
+        store.give_back(claim, f"{type(error).__name__}: {error}".splitlines()[0])
+        raise
+
+
+def _proposal(store, claim, propose) -> tuple | None:
+    """(role, params, extra) of the claimed slot: a retried trial's own, else proposed once the earlier slots it
+    needs are finished; None when the claim was given back, its wait being on slots that are queued."""
+    if "params" in claim.carried:
+        carried = dict(claim.carried)
+        return carried.pop("role"), carried.pop("params"), carried
+    while True:
+        earlier = [t for t in store.history() if t["number"] < claim.slot]
         try:
-            role, params, extra = propose(claim.slot, [t for t in history if t["number"] < claim.slot])
+            return propose(claim.slot, earlier)
         except NotReady as waiting:
             store.release_lost()
             if not _someone_runs(store, waiting.slots):
                 store.give_back(claim, f"slot {claim.slot} waits for slots {waiting.slots}, which are queued")
                 return None
             time.sleep(POLL_SECONDS)
-            continue
-        store.begin(claim, role, params, extra)
-    try:
-        return score(claim.carried["params"], store.history(), evaluate)
-    except BaseException as error:
-        store.give_back(claim, f"{type(error).__name__}: {error}".splitlines()[0])
-        raise
 
 
 def _someone_runs(store, slots: list[int]) -> bool:
@@ -159,7 +174,7 @@ def scalar_search(
             return "defaults", start, {}
         return "search", propose_tpe(space, earlier, seed, slot, startup_trials), {}
 
-    return run_search_loop(store, propose, evaluate, trials, progress)
+    return run_search_loop(store, propose, evaluate, trials, progress, space)
 
 
 def propose_tpe(space: list[Range], history: list[dict], seed: int, number: int, startup_trials: int) -> dict:

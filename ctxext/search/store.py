@@ -197,11 +197,31 @@ class TrialStore:
             return None
         return claim
 
-    def begin(self, claim: Claim, role: str, params: dict, extra: dict) -> None:
-        """Record what the trial scores before scoring it, so that a retry after a crash scores the same."""
+    def begin(self, claim: Claim, role: str, params: dict, extra: dict, distributions: dict | None = None) -> None:
+        """Record what the trial scores before scoring it, so that a retry after a crash scores the same. The
+        parameters in `distributions` (those inside their range) become the Optuna trial's own parameters too,
+        for Optuna's plots and analyses of the study."""
         claim.carried = {"role": role, "params": params, **extra}
         for key, value in claim.carried.items():
             claim.trial.set_user_attr(key, value)
+        if distributions:
+            self._set_params(claim.trial, {k: params[k] for k in distributions if k in params}, distributions)
+
+    def _set_params(self, trial, params: dict, distributions: dict) -> None:
+        """`trial.suggest_*` answered with `params` (Optuna's PartialFixedSampler), for the trial's own record."""
+        import warnings
+
+        import optuna
+
+        sampler = self.study.sampler
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            self.study.sampler = optuna.samplers.PartialFixedSampler(params, sampler)
+        try:
+            for name in params:
+                _suggest(trial, name, distributions[name])
+        finally:
+            self.study.sampler = sampler
 
     def finish(self, claim: Claim, record: dict) -> bool:
         """Record a scored trial: COMPLETE with its value, or FAIL (invalid, diverged) with `state` and `error`.
@@ -262,6 +282,17 @@ class TrialStore:
     def heartbeat(self, claim: Claim):
         """A context manager that refreshes the trial's heartbeat in a thread while the trial runs."""
         return _Heartbeat(claim.trial)
+
+
+def _suggest(trial, name: str, distribution) -> None:
+    from optuna.distributions import CategoricalDistribution, IntDistribution
+
+    if isinstance(distribution, CategoricalDistribution):
+        trial.suggest_categorical(name, distribution.choices)
+    elif isinstance(distribution, IntDistribution):
+        trial.suggest_int(name, distribution.low, distribution.high, log=distribution.log)
+    else:
+        trial.suggest_float(name, distribution.low, distribution.high, log=distribution.log)
 
 
 def _finished_elsewhere() -> tuple:
