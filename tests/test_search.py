@@ -440,6 +440,8 @@ def test_every_declared_range_resolves_to_a_non_empty_range():
         (["--method", "theta"], "needs 'new_base'"),
         (["--method", "yarn", "--calibration-docs", 9], "--calibration-docs wants 9"),
         (["--method", "yarn", "--resume"], "holds no search to resume"),
+        (["--method", "yarn", "--workers", 0], "--workers must be at least 1"),
+        (["--method", "yarn", "--storage", "nosuchdb://x"], "--storage 'nosuchdb://x' cannot be opened"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny, tmp_path, capsys, extra, message):

@@ -4,7 +4,8 @@ processes and machines.
 The storage is a journal file (`optuna.storages.JournalStorage` over a `JournalFileBackend`; the default,
 OUT/study.journal) or any RDB URL Optuna takes (`sqlite:///search.db`, `postgresql://...`, `mysql://...`). Every
 process that opens the same study with the same settings works on the same search; the study records those
-settings (user attribute `ctxext_search`) and refuses a process that brings other ones.
+settings (user attribute `ctxext_search`) and refuses a process that brings other ones (the model's path aside:
+another machine may keep the same model elsewhere).
 
 **Slots.** A search of K trials fills slots 0..K-1; slot 0 is the defaults. A slot is what `trials.jsonl` calls a
 trial's `number`, and a proposal depends only on the seed, the slot and the trials in earlier slots (see `loop`).
@@ -15,7 +16,9 @@ Optuna numbers every trial it stores; a slot is taken by exactly one finished tr
   retry, its parameters) as user attributes; any other trial takes the next fresh slot, its number less the
   queued trials before it (those fill earlier slots again).
 - A finished trial (user attribute `state`: complete, invalid or diverged) is COMPLETE with its value, or FAIL;
-  it carries its `params`, `metrics`, `role`, `seconds`, `slot`, and `error` for an invalid one.
+  it carries its `params`, `metrics`, `role`, `seconds`, `slot`, `worker` (host, pid), and `error` for an invalid
+  one. Its parameters inside their ranges are the Optuna trial's own parameters too, so Optuna's plots and
+  importances read the study (LongRoPE's knot corrections `z` and factors are user attributes only).
 - A trial that ends without a result is FAIL without `state`, and its slot is queued again: a worker that died
   mid-trial (a process gone on this machine, or no heartbeat for `GRACE_SECONDS` from another one; the retry's
   `reason` says which), an error that stopped the search (`error`), or a slot beyond the requested count that
@@ -62,10 +65,12 @@ def open_storage(url: str):
 
         Path(url).expanduser().parent.mkdir(parents=True, exist_ok=True)
         return JournalStorage(JournalFileBackend(str(Path(url).expanduser())))
+    from sqlalchemy.exc import SQLAlchemyError
+
     engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None  # workers wait for the lock
     try:
         return optuna.storages.RDBStorage(url, engine_kwargs=engine)
-    except (ImportError, ValueError, optuna.exceptions.OptunaError) as error:
+    except (ImportError, ValueError, optuna.exceptions.OptunaError, SQLAlchemyError) as error:
         raise CtxextError(f"--storage '{url}' cannot be opened: {error}".splitlines()[0]) from error
 
 
