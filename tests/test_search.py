@@ -315,7 +315,7 @@ def test_resume_from_the_command_line(tiny, tmp_path, capsys):
     assert run_cli(capsys, *common, "--trials", 7, "-o", whole)[0] == 0
     assert run_cli(capsys, *common, "--trials", 3, "-o", parts)[0] == 0
     legacy = tmp_path / "legacy"  # a search from before the studies: search.json and trials.jsonl only
-    shutil.copytree(parts, legacy, ignore=shutil.ignore_patterns("study.journal"))
+    shutil.copytree(parts, legacy, ignore=shutil.ignore_patterns("study.*"))
     code, _, err = run_cli(capsys, *common, "--trials", 3, "-o", parts)  # the output exists: resume or overwrite
     assert code == 2 and "--resume" in err
     code, stdout, err = run_cli(capsys, *common, "--trials", 7, "-o", parts, "--resume")
@@ -590,3 +590,17 @@ def test_reading_a_trial_log_leaves_the_file_as_it_is(tmp_path):
     path.write_text(whole + '{"number": 1, "sta')  # an old search killed mid-write
     assert read_trials(path) == [json.loads(whole)]
     assert path.read_text() == whole + '{"number": 1, "sta'
+
+
+def test_a_search_on_another_storage_resumes_only_with_that_storage(tiny, tmp_path, capsys):
+    source, docs = tiny
+    out, storage = tmp_path / "out", f"sqlite:///{tmp_path / 'trials.db'}"
+    common = ["search", source, "--method", "yarn", "--factor", 4, "--length", 256, "--text-file", docs]
+    common += ["--held-out", 0, "--no-checkpoint", "--dtype", "fp32", "--no-progress", "-o", out]
+    assert run_cli(capsys, *common, "--trials", 2, "--storage", storage)[0] == 0
+    assert not (out / "study.journal").exists()
+    code, _, err = run_cli(capsys, *common, "--trials", 3, "--resume")  # forgot --storage
+    assert code == 2 and f"give --storage {storage} --study-name ctxext-search" in err, err
+    assert not (out / "study.journal").exists() and len(read_trials(out)) == 2
+    assert run_cli(capsys, *common, "--trials", 3, "--resume", "--storage", storage)[0] == 0
+    assert [t["number"] for t in read_trials(out)] == [0, 1, 2]

@@ -2,6 +2,7 @@
 
     OUT/search.json     what the search is (model, method, s, N, L, space, objective, data, dtype); a resume must match
     OUT/study.journal   the trials, as an Optuna study (the default storage; see `store`; --storage puts it elsewhere)
+    OUT/study.json      where the trials are: --storage (null: OUT/study.journal) and the study's name
     OUT/trials.jsonl    every finished trial, one a line in trial order: written from the study after each trial
     OUT/results.json    the best trial, and the defaults and the best re-scored on held-out documents
     OUT/objective.png   the objective per trial, with the running best
@@ -32,7 +33,17 @@ CHECKPOINT_DIR = "checkpoint"
 OBJECTIVE_PLOT = "objective.png"
 FACTORS_PLOT = "factors.png"
 TRIALS_FILE = "trials.jsonl"
-OUTPUT_NAMES = (SEARCH_FILE, JOURNAL_FILE, TRIALS_FILE, RESULTS_FILE, OBJECTIVE_PLOT, FACTORS_PLOT, CHECKPOINT_DIR)
+STUDY_FILE = "study.json"  # where the trials are: the storage and the study's name
+OUTPUT_NAMES = (
+    SEARCH_FILE,
+    STUDY_FILE,
+    JOURNAL_FILE,
+    TRIALS_FILE,
+    RESULTS_FILE,
+    OBJECTIVE_PLOT,
+    FACTORS_PLOT,
+    CHECKPOINT_DIR,
+)
 
 
 @dataclass
@@ -108,6 +119,21 @@ def check_output(out: str | Path, settings: dict, resume: bool, overwrite: bool,
                 "; choose another -o"
             )
     return "new"
+
+
+def check_study(out: str | Path, study: dict, mode: str) -> None:
+    """On --resume: the same study (storage and name) as the search was started on (study.json), else an error."""
+    path = Path(out) / STUDY_FILE
+    if mode != "resume" or not path.is_file():
+        return
+    recorded = json.loads(path.read_text())
+    if recorded != study:
+        storage = f"--storage {recorded['storage']}" if recorded["storage"] else "no --storage"
+        where = recorded["storage"] or Path(out) / JOURNAL_FILE
+        raise CtxextError(
+            f"--resume: the trials of the search in '{out}' are in study '{recorded['name']}' in '{where}'; "
+            f"give {storage} --study-name {recorded['name']}"
+        )
 
 
 def start_output(out: Path, settings: dict, mode: str) -> None:

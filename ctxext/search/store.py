@@ -52,8 +52,11 @@ WORKER = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4(
 
 
 def storage_url(storage: str | Path | None, output: str | Path) -> str:
-    """The storage a search uses: `storage` as given, or the journal file in the output directory."""
-    return str(storage) if storage else str(Path(output) / JOURNAL_FILE)
+    """The storage a search uses: an RDB URL as given, or a journal file (default: the one in the output
+    directory) as an absolute path."""
+    if storage and "://" in str(storage):
+        return str(storage)
+    return str(Path(storage or Path(output) / JOURNAL_FILE).expanduser().resolve())
 
 
 def open_storage(url: str):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CtxextError
+from ..outputs import write_json
 from .plan import SearchPlan, SearchRequest, plan_search
 from .store import TrialStore, read_trials, storage_url
 
@@ -42,9 +43,12 @@ def run_search(request: SearchRequest, log: Callable[[str], None] | None = None)
     out = Path(request.output)
     settings = plan.settings.to_dict()
     mode = session.check_output(out, settings, request.resume, request.overwrite, plan.protected)
+    study = {"storage": storage_url(request.storage, out) if request.storage else None, "name": request.study_name}
+    session.check_study(out, study, mode)
     store = open_store(request, settings) if request.storage else None  # a study elsewhere is checked first
     model = load_search_model(plan)
     session.start_output(out, settings, mode)
+    write_json(out / session.STUDY_FILE, study)
     store = store or open_store(request, settings)
     if not store.frozen() and (out / session.TRIALS_FILE).is_file():
         store.import_records(read_trials(out / session.TRIALS_FILE))  # a search from before the studies
