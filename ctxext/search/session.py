@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -344,7 +343,3 @@ def plot_factors(curves: dict[str, list[float]], path: Path, title: str) -> None
     ax.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
-
-
-def elapsed(started: float) -> float:
-    return time.perf_counter() - started
