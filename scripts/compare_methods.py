@@ -10,6 +10,8 @@ docs/comparison.json. SmolLM2-135M (L = 8192) at 16k (s = 2) and 32k (s = 4):
 - **Passkey** accuracy at 16k (`ctxext.eval.passkey`, seeded keys at a few depths).
 - **Searched parameters**: `ctxext search` at the same length on calibration text the report never scores
   (Hamlet followed by Richard III), resumable, `--search-trials` trials per method; the best trial so far is used.
+  The methods of `--needle-methods` are searched again with the objective needle-ppl (`--needle-trials` trials):
+  the answer tokens of seeded passkey prompts at the target length, to show what each objective costs.
 
 Every (method, document, length) cell is written as soon as it is computed to docs/comparison_cells/ (--cells),
 one small JSON file keyed by the model, dtype, method settings, tokens and protocol, and each search's trials.jsonl
@@ -40,6 +42,12 @@ CALIBRATION = "hamlet_gut+richard_iii_gut"
 HELD_OUT = ("othello_gut", "lear_gut", "coriolanus_gut")
 NATIVE = "native"
 PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
+# The objective of each kind of searched row. 'needle' rows search on the answer tokens of passkey prompts
+# (keys seeded by NEEDLE_SEED, so the report's passkey column, seed 0, asks other keys than the search saw).
+OBJECTIVES = {"searched": "ppl", "needle": "needle-ppl"}
+NEEDLE_SEED = 1
+NEEDLE_METHODS = ("dpe", "rerope", "leaky_rerope", "dual_chunk")
+PPL_SEARCH_SKIP = ("dpe",)  # searched with needle-ppl only: eight scales, and a perplexity search costs retrieval
 
 
 @dataclass
@@ -47,13 +55,15 @@ class Variant:
     """A row of the report: a method at its defaults or at searched parameters."""
 
     method: str
-    kind: str  # "defaults" | "searched"
+    kind: str  # "defaults" | "searched" (objective ppl) | "needle" (objective needle-ppl)
     config: dict | None  # the method config (None: not available yet, see note)
     note: str = ""
 
     @property
     def label(self) -> str:
-        return self.method if self.kind == "defaults" else f"{self.method} (searched)"
+        return {"defaults": self.method, "searched": f"{self.method} (searched)"}.get(
+            self.kind, f"{self.method} (searched, needle-ppl)"
+        )
 
 
 def methods_to_compare() -> list[str]:
@@ -153,7 +163,7 @@ def build_report(state: dict, out_dir: Path) -> None:
         table[length] = {"native": native, "perplexity": scored, "rank": {k: i + 1 for i, k in enumerate(ranked)}}
 
     missing = state["missing"]
-    searched_methods = {row["method"] for row in rows if row["kind"] == "searched"}
+    searched_methods = {row["method"] for row in rows if row["kind"] != "defaults"}
     unsearched = [m for m in dict.fromkeys(row["method"] for row in rows) if m not in searched_methods | {"none"}]
     lines = [
         "# Choosing a method: every ctxext method on SmolLM2-135M, at its defaults and searched",
@@ -175,7 +185,11 @@ def build_report(state: dict, out_dir: Path) -> None:
         f"{', '.join(f'{d:g}' for d in PASSKEY_DEPTHS)} (the Landmark/YaRN format).",
         f"- **Searched**: the best of `ctxext search` ({state['search_trials']} trials per method and length; "
         f"TPE, LongRoPE by CMA-ES from YaRN's factors) on calibration text the table never scores "
-        f"({CALIBRATION.replace('+', ' + ')}, first N tokens). 'search vs defaults' is the held-out change."
+        f"({CALIBRATION.replace('+', ' + ')}, first N tokens). 'search vs defaults' is the held-out change. "
+        f"**Searched, needle-ppl**: the same, {state['needle_trials']} trials, with the objective `needle-ppl`: the "
+        f"mean NLL of the answer tokens of {len(PASSKEY_DEPTHS)} passkey prompts at N (the passkey column's depths, "
+        f"keys seeded by {NEEDLE_SEED}, not its keys), meant to keep the retrieval a perplexity search can lose. "
+        f"{', '.join(PPL_SEARCH_SKIP)}: searched with needle-ppl only."
         + (
             f" {', '.join(unsearched)}: no parameter to search but the factor, so no searched row."
             if unsearched and state["search_trials"]
@@ -198,13 +212,13 @@ def build_report(state: dict, out_dir: Path) -> None:
     lines.append(native_line + " - | - |")
     by_label = {row["label"]: row for row in rows}
     for row in rows:
-        line = f"| {row['label']} | {'searched (below)' if row['kind'] == 'searched' else row['note'] or 'defaults'} |"
+        line = f"| {row['label']} | {'searched (below)' if row['kind'] != 'defaults' else row['note'] or 'defaults'} |"
         changes = []
         for length in lengths:
             value = table[length]["perplexity"].get(row["label"])
             native = table[length]["native"]
             if row["configs"].get(length) is None:
-                line += " ... | | |" if row["kind"] == "searched" else " n/a | | |"
+                line += " ... | | |" if row["kind"] != "defaults" else " n/a | | |"
                 continue
             rank = table[length]["rank"].get(row["label"])
             line += (
@@ -214,7 +228,7 @@ def build_report(state: dict, out_dir: Path) -> None:
                 if value
                 else " ... | | |"
             )
-            if row["kind"] == "searched" and value:
+            if row["kind"] != "defaults" and value:
                 default = table[length]["perplexity"].get(row["method"])
                 if default:
                     changes.append(f"{length // 1024}k {100 * (value - default) / default:+.1f}%")
@@ -224,14 +238,15 @@ def build_report(state: dict, out_dir: Path) -> None:
         lines.append(line)
     lines += ["", "Searched parameters per length:", ""]
     for row in rows:
-        if row["kind"] != "searched":
+        if row["kind"] == "defaults":
             continue
         for length in lengths:
             info = row["search"].get(length)
             if info:
+                objective = "needle NLL" if row["kind"] == "needle" else "calibration"
                 lines.append(
-                    f"- {row['method']} at {length // 1024}k: {describe_params(row['configs'].get(length), 0)}"
-                    f" (best of {info['trials']} trials, trial {info['best']}; calibration "
+                    f"- {row['label']} at {length // 1024}k: {describe_params(row['configs'].get(length), 0)}"
+                    f" (best of {info['trials']} trials, trial {info['best']}; {objective} "
                     f"{info['calibration_defaults']:.2f} -> {info['calibration_best']:.2f})"
                 )
     lines += ["", "Per document (perplexity):", ""]
@@ -320,7 +335,7 @@ def plot(table: dict, rows: list[dict], lengths: list[int], path: Path, by_label
             if label not in ratios:
                 continue
             ratio, value = ratios[label], table[length]["perplexity"][label]
-            color = "C1" if by_label[label]["kind"] == "searched" else "C0"
+            color = {"defaults": "C0", "searched": "C1"}.get(by_label[label]["kind"], "C2")
             ax.hlines(y, 1.0, ratio, color=color, lw=2)
             ax.plot([ratio], [y], "o", color=color, ms=4)
             ax.annotate(f" {ratio:.3f} ({value:.1f})", (ratio, y), fontsize=6.5, va="center")
@@ -343,6 +358,12 @@ def main() -> int:
     parser.add_argument("--held-out", default=",".join(HELD_OUT), help="Shakespeare texts scored (default %(default)s)")
     parser.add_argument("--passkey-length", type=int, default=16384)
     parser.add_argument("--search-trials", type=int, default=12, help="trials per search (default 12; 0: no searches)")
+    parser.add_argument(
+        "--needle-methods",
+        default=",".join(NEEDLE_METHODS),
+        help="methods also searched with the needle-ppl objective (default %(default)s; empty: none)",
+    )
+    parser.add_argument("--needle-trials", type=int, default=8, help="trials per needle-ppl search (default 8)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--max-minutes", type=float, default=None, help="start no new cell after this many minutes")
     parser.add_argument("--report-only", action="store_true", help="write the report from the cached cells only")
@@ -397,21 +418,31 @@ def main() -> int:
             args.max_minutes is not None and time.perf_counter() - started > 60 * args.max_minutes
         )
 
-    def search_dir(method: str, length: int) -> Path:
-        return root / "searches" / f"{method}-{length}"
+    needle_methods = [m for m in args.needle_methods.split(",") if m]
 
-    def searched_variant(method: str, length: int) -> tuple[Variant, dict | None]:
-        folder = search_dir(method, length)
+    def search_dir(method: str, length: int, kind: str) -> Path:
+        return root / "searches" / (f"{method}-{length}" + ("-needle-ppl" if kind == "needle" else ""))
+
+    def trials_wanted(kind: str) -> int:
+        return args.needle_trials if kind == "needle" else args.search_trials
+
+    def has_search(method: str, kind: str) -> bool:
+        if kind == "needle":
+            return method in needle_methods and args.needle_trials > 0
+        return bool(args.search_trials) and searchable(method) and method not in ("none", *PPL_SEARCH_SKIP)
+
+    def searched_variant(method: str, length: int, kind: str) -> tuple[Variant, dict | None]:
+        folder = search_dir(method, length, kind)
         trials_file = folder / "trials.jsonl"
         if not trials_file.exists():
-            return Variant(method, "searched", None, "not started"), None
+            return Variant(method, kind, None, "not started"), None
         history = read_trials(trials_file)
         best = best_trial(history)
         settings = json.loads((folder / "search.json").read_text())
-        if len(history) < args.search_trials:  # a partial search's best would be scored, then superseded
-            return Variant(method, "searched", None, f"{len(history)} of {args.search_trials} trials done"), None
+        if len(history) < trials_wanted(kind):  # a partial search's best would be scored, then superseded
+            return Variant(method, kind, None, f"{len(history)} of {trials_wanted(kind)} trials done"), None
         if best is None:
-            return Variant(method, "searched", None, "no valid trial"), None
+            return Variant(method, kind, None, "no valid trial"), None
         base = {
             "method": settings["method"],
             "factor": settings["factor"],
@@ -425,12 +456,12 @@ def main() -> int:
             "calibration_defaults": history[0]["value"],
             "calibration_best": best["value"],
         }
-        return Variant(method, "searched", base), info
+        return Variant(method, kind, base), info
 
-    def run_search(method: str, length: int) -> None:
+    def run_search(method: str, length: int, kind: str) -> None:
         from ctxext.cli import main as ctxext_main
 
-        folder = search_dir(method, length)
+        folder = search_dir(method, length, kind)
         argv = [
             "search",
             str(checkpoint),
@@ -445,7 +476,9 @@ def main() -> int:
             "--held-out",
             "0",
             "--trials",
-            str(args.search_trials),
+            str(trials_wanted(kind)),
+            "--objective",
+            OBJECTIVES[kind],
             "--no-checkpoint",
             "--no-progress",
             "--dtype",
@@ -459,16 +492,19 @@ def main() -> int:
         elif not model_file(folder).exists():
             folder.parent.mkdir(parents=True, exist_ok=True)
             write_json(model_file(folder), {"model_fingerprint": cache.context["model"]})
+        if kind == "needle":
+            argv += ["--seed", str(NEEDLE_SEED), "--passkey-trials", "1"]
+            argv += ["--passkey-depths", ",".join(f"{d:g}" for d in PASSKEY_DEPTHS)]
         if method == "theta":  # no default base: start where NTK-aware puts it, b * s^(d/(d-2)) (d = 64)
             argv += ["--new-base", str(1e5 * (length / L) ** (64 / 62))]
-        print(f"search: {method} at {length}", flush=True)
+        print(f"search: {method} at {length} ({OBJECTIVES[kind]})", flush=True)
         code = ctxext_main(argv)
         if code != 0:
             print(f"  search of {method} at {length} failed (exit {code})", flush=True)
 
-    def search_finished(method: str, length: int) -> bool:
-        trials_file = search_dir(method, length) / "trials.jsonl"
-        return trials_file.exists() and len(read_trials(trials_file)) >= args.search_trials
+    def search_finished(method: str, length: int, kind: str) -> bool:
+        trials_file = search_dir(method, length, kind) / "trials.jsonl"
+        return trials_file.exists() and len(read_trials(trials_file)) >= trials_wanted(kind)
 
     cells, passkey, missing = {}, {}, []
 
@@ -538,14 +574,14 @@ def main() -> int:
             for doc in docs:
                 perplexity_cell(NATIVE, None, doc, length, compute_defaults)
         for method in methods:
-            for kind in ("defaults", "searched"):
-                if kind == "searched" and not (args.search_trials and searchable(method) and method != "none"):
+            for kind in ("defaults", "searched", "needle"):
+                if kind != "defaults" and not has_search(method, kind):
                     continue
                 for length in lengths:
                     if kind == "defaults":
                         variant, info = default_variant(method, length / L), None
                     else:
-                        variant, info = searched_variant(method, length)
+                        variant, info = searched_variant(method, length, kind)
                     row = rows.setdefault(
                         variant.label,
                         {
@@ -561,7 +597,7 @@ def main() -> int:
                     if info:
                         row["search"][length] = info
                     if variant.config is None:
-                        if kind == "searched":
+                        if kind != "defaults":
                             missing.append(f"search: {method} at {length} ({variant.note})")
                         continue
                     compute = compute_defaults if kind == "defaults" else compute_searched
@@ -589,6 +625,7 @@ def main() -> int:
                 "machine": machine,
                 "passkey_length": args.passkey_length,
                 "search_trials": args.search_trials,
+                "needle_trials": args.needle_trials,
                 "search_seconds": search_seconds,
                 "search_trial_count": search_trials,
                 "run_seconds": time.perf_counter() - started,
@@ -598,13 +635,14 @@ def main() -> int:
 
     # 1. defaults (and native) everywhere, 2. searches, 3. the searched rows; the report after each stage.
     report(collect(compute_defaults=True, compute_searched=False))
-    if args.search_trials and not args.report_only:
+    if not args.report_only:
         for length in lengths:
-            for method in methods:
-                if method == "none" or not searchable(method) or search_finished(method, length) or out_of_time():
-                    continue
-                run_search(method, length)
-                report(collect(compute_defaults=False, compute_searched=True))
+            for kind in ("needle", "searched"):
+                for method in methods:
+                    if not has_search(method, kind) or search_finished(method, length, kind) or out_of_time():
+                        continue
+                    run_search(method, length, kind)
+                    report(collect(compute_defaults=False, compute_searched=True))
     report(collect(compute_defaults=False, compute_searched=True))
     print(f"\n{Path(args.output) / 'comparison.md'}: {len(missing)} cells missing", flush=True)
     return 0
