@@ -4,6 +4,7 @@ fails here instead of in a user's run."""
 
 import argparse
 import copy
+import importlib
 import inspect
 import re
 import sys
@@ -128,7 +129,7 @@ def test_a_module_is_initializing_while_its_code_runs_and_not_after(tmp_path, mo
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "ctxext_compat_probe", raising=False)
-    import ctxext_compat_probe
+    ctxext_compat_probe = importlib.import_module("ctxext_compat_probe")
 
     assert ctxext_compat_probe.DURING is True
     assert compat.module_is_initializing(ctxext_compat_probe) is False

@@ -21,6 +21,7 @@ OPTIONAL_IMPORTS = {
     "evaluate": "tasks",
     "optuna": "search",
     "cma": "search",
+    "sqlalchemy": "search",
     "llama_cpp": "llamacpp",
 }
 # Optional modules the test extra does not install (llama-cpp-python compiles llama.cpp): module -> distribution.
