@@ -25,14 +25,12 @@ def frequency_ratios(
 def plot_frequency_ratios(
     configs: list[MethodConfig], rotary_dim: int, base: float, original_length: int, path, seq_len: int | None = None
 ) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .outputs import new_figure, save_figure
 
     pairs = torch.arange(rotary_dim // 2)
     wavelengths = 2 * math.pi / rope_inv_freq(rotary_dim, base).double()
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    fig = new_figure(figsize=(8, 4.8))
+    ax = fig.subplots()
     for config in configs:
         ratio = frequency_ratios(config, rotary_dim, base, original_length, seq_len)
         ax.plot(pairs, ratio, marker=".", label=config.label)
@@ -53,5 +51,4 @@ def plot_frequency_ratios(
     ax.set_title(f"RoPE frequency scaling, d={rotary_dim}, base={base:g}, L={original_length}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
