@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 CALIBRATION = "hamlet_gut+richard_iii_gut"
 HELD_OUT = ("othello_gut", "lear_gut", "coriolanus_gut")
 NATIVE = "native"
+BASELINE = "none"
 PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
 # The objective of each kind of searched row. 'needle' rows search on the answer tokens of passkey prompts
 # (keys seeded by NEEDLE_SEED, so the report's passkey column, seed 0, asks other keys than the search saw).
@@ -142,6 +143,23 @@ def machines(state: dict) -> str:
     return "; ".join(f"{name} ({n} cells)" for name, n in counts.most_common()) or "none yet"
 
 
+def effective_passkey_lengths(passkey: dict, labels: list[str], lengths: list[int]) -> dict | None:
+    """Per row, the effective length by the rule of `ctxext tasks` on passkey accuracy (None without a baseline
+    length: the unpatched model at a passkey length within its window). 'pending': rows with cells missing."""
+    from ctxext.tasks.report import effective_lengths
+
+    shortest = min(lengths)
+    if len(lengths) < 2 or (BASELINE, shortest) not in passkey:
+        return None
+    rows = [
+        {"task": "passkey", "metric": "acc", "method": label, "length": n, "value": cell["correct"] / cell["trials"]}
+        for (label, n), cell in passkey.items()
+    ]
+    (panel,) = effective_lengths(rows, labels)
+    pending = [label for label in labels if label != BASELINE and any((label, n) not in passkey for n in lengths[1:])]
+    return {**panel, "lengths": panel["effective_length"], "pending": pending}
+
+
 def build_report(state: dict, out_dir: Path) -> None:
     """docs/comparison.md, .json and .png from the cells computed so far."""
     from ctxext.outputs import atomic_write_text, write_json
@@ -181,7 +199,8 @@ def build_report(state: dict, out_dir: Path) -> None:
         "method at that length.",
         "- **vs native**: the ratio to the unpatched model in 8192-token windows with stride 4096 over the same "
         "tokens (the model's own quality on that text, the project's reference).",
-        f"- **Passkey**: accuracy at {state['passkey_length']} tokens, {len(PASSKEY_DEPTHS)} seeded keys at depths "
+        f"- **Passkey**: accuracy at {', '.join(str(n) for n in state['passkey_lengths'])} tokens, "
+        f"{len(PASSKEY_DEPTHS)} seeded keys at depths "
         f"{', '.join(f'{d:g}' for d in PASSKEY_DEPTHS)} (the Landmark/YaRN format).",
         f"- **Searched**: the best of `ctxext search` ({state['search_trials']} trials per method and length; "
         f"TPE, LongRoPE by CMA-ES from YaRN's factors) on calibration text the table never scores "
@@ -202,14 +221,18 @@ def build_report(state: dict, out_dir: Path) -> None:
     for length in lengths:
         header += f" {length // 1024}k ppl | rank | vs native |"
         rule += "---:|---:|---:|"
-    header += f" passkey {state['passkey_length'] // 1024}k | search vs defaults |"
-    rule += "---:|---|"
+    passkey_lengths = state["passkey_lengths"]
+    effective = effective_passkey_lengths(state["passkey"], [row["label"] for row in rows], passkey_lengths)
+    header += "".join(f" passkey {n // 1024}k |" for n in passkey_lengths)
+    header += " effective length |" if effective else ""
+    header += " search vs defaults |"
+    rule += "---:|" * len(passkey_lengths) + ("---:|" if effective else "") + "---|"
     lines += [header, rule]
     native_line = "| **native** (unpatched, 8k windows) | - |"
     for length in lengths:
         value = table[length]["native"]
         native_line += f" {value:.2f} | - | 1.00 |" if value else " ... | - | - |"
-    lines.append(native_line + " - | - |")
+    lines.append(native_line + " - |" * len(passkey_lengths) + (" - |" if effective else "") + " - |")
     by_label = {row["label"]: row for row in rows}
     for row in rows:
         line = f"| {row['label']} | {'searched (below)' if row['kind'] != 'defaults' else row['note'] or 'defaults'} |"
@@ -232,10 +255,25 @@ def build_report(state: dict, out_dir: Path) -> None:
                 default = table[length]["perplexity"].get(row["method"])
                 if default:
                     changes.append(f"{length // 1024}k {100 * (value - default) / default:+.1f}%")
-        passkey = state["passkey"].get(row["label"])
-        line += f" {passkey['correct']}/{passkey['trials']} |" if passkey else " ... |"
+        for n in passkey_lengths:
+            passkey = state["passkey"].get((row["label"], n))
+            within = n <= state["original_length"] and row["label"] != BASELINE  # only the baseline runs there
+            line += f" {passkey['correct']}/{passkey['trials']} |" if passkey else " - |" if within else " ... |"
+        if effective:
+            length = effective["lengths"].get(row["label"])
+            shortest_patched = min(n for n in passkey_lengths if n > state["original_length"])
+            below = f" < {shortest_patched // 1024}k |"  # no length tested passes
+            line += f" {length // 1024}k |" if length else " ... |" if row["label"] in effective["pending"] else below
         line += f" {', '.join(changes) or '-'} |"
         lines.append(line)
+    if effective:
+        from ctxext.tasks.report import EFFECTIVE_RULE
+
+        lines += [
+            "",
+            f"{EFFECTIVE_RULE[0].upper()}{EFFECTIVE_RULE[1:]}, here passkey accuracy "
+            f"(threshold {effective['threshold']:.2f}, {BASELINE} at {effective['baseline_length']}).",
+        ]
     lines += ["", "Searched parameters per length:", ""]
     for row in rows:
         if row["kind"] == "defaults":
@@ -293,7 +331,8 @@ def build_report(state: dict, out_dir: Path) -> None:
                 | {"configs": {str(k): v for k, v in row["configs"].items()}}
                 for row in rows
             ],
-            "passkey": state["passkey"],
+            "passkey": [{"label": k[0], "length": k[1], **v} for k, v in state["passkey"].items()],
+            "effective_length": effective,
             "missing": missing,
             "machine": state["machine"],
             "dtype": state["dtype"],
@@ -356,7 +395,12 @@ def main() -> int:
     parser.add_argument("--lengths", default="16384,32768", help="comma-separated N (default 16384,32768)")
     parser.add_argument("--methods", default=None, help="comma-separated methods (default: every method)")
     parser.add_argument("--held-out", default=",".join(HELD_OUT), help="Shakespeare texts scored (default %(default)s)")
-    parser.add_argument("--passkey-length", type=int, default=16384)
+    parser.add_argument(
+        "--passkey-lengths",
+        default="8192,16384",
+        help="comma-separated passkey lengths (default %(default)s); a length within L (8192) runs only the unpatched "
+        "model, the baseline of the effective length",
+    )
     parser.add_argument("--search-trials", type=int, default=12, help="trials per search (default 12; 0: no searches)")
     parser.add_argument(
         "--needle-methods",
@@ -538,12 +582,14 @@ def main() -> int:
         else:
             cells[(label, doc, length)] = found
 
-    def passkey_cell(label: str, config: dict | None, compute: bool) -> None:
-        trials = plan_trials([args.passkey_length], list(PASSKEY_DEPTHS), 1, seed=0)
+    passkey_lengths = [int(x) for x in args.passkey_lengths.split(",")]
+
+    def passkey_cell(label: str, config: dict | None, length: int, compute: bool) -> None:
+        trials = plan_trials([length], list(PASSKEY_DEPTHS), 1, seed=0)
         fields = {
             "kind": "passkey",
             "config": config,
-            "length": args.passkey_length,
+            "length": length,
             "keys": [(t.depth, t.key) for t in trials],
         }
         found = cache.get(fields)
@@ -563,9 +609,9 @@ def main() -> int:
             )
             print(f"  passkey {label}: {found['correct']}/{found['trials']} ({found['seconds']:.0f} s)", flush=True)
         if found is None:
-            missing.append(f"passkey: {label} at {args.passkey_length}")
+            missing.append(f"passkey: {label} at {length}")
         else:
-            passkey[label] = found
+            passkey[(label, length)] = found
 
     def collect(compute_defaults: bool, compute_searched: bool) -> list[dict]:
         cells.clear(), passkey.clear(), missing.clear()
@@ -573,6 +619,9 @@ def main() -> int:
         for length in lengths:
             for doc in docs:
                 perplexity_cell(NATIVE, None, doc, length, compute_defaults)
+        for length in passkey_lengths:
+            if length <= L and BASELINE in methods:  # within the window: the baseline of the effective length
+                passkey_cell(BASELINE, {"method": BASELINE}, length, compute_defaults)
         for method in methods:
             for kind in ("defaults", "searched", "needle"):
                 if kind != "defaults" and not has_search(method, kind):
@@ -603,8 +652,8 @@ def main() -> int:
                     compute = compute_defaults if kind == "defaults" else compute_searched
                     for doc in docs:
                         perplexity_cell(variant.label, variant.config, doc, length, compute)
-                    if length == args.passkey_length:
-                        passkey_cell(variant.label, variant.config, compute)
+                    if length in passkey_lengths:
+                        passkey_cell(variant.label, variant.config, length, compute)
         return list(rows.values())
 
     def report(rows: list[dict]) -> None:
@@ -623,7 +672,8 @@ def main() -> int:
                 "missing": missing,
                 "dtype": args.dtype,
                 "machine": machine,
-                "passkey_length": args.passkey_length,
+                "passkey_lengths": passkey_lengths,
+                "original_length": L,
                 "search_trials": args.search_trials,
                 "needle_trials": args.needle_trials,
                 "search_seconds": search_seconds,
