@@ -431,7 +431,7 @@ def main() -> int:
     from ctxext.outputs import CellCache, content_fingerprint, write_json
     from ctxext.runtime import machine_description
     from ctxext.search.loop import best_trial
-    from ctxext.search.objective import CheckedMethod, score_perplexity
+    from ctxext.search.objective import checked_method, score_perplexity
     from ctxext.search.store import read_trials
 
     started = time.perf_counter()
@@ -595,7 +595,7 @@ def main() -> int:
         found = cache.get(fields)
         if found is None and compute and not out_of_time():
             began = time.perf_counter()
-            method = CheckedMethod(label, MethodConfig.from_mapping(config) if config else None)
+            method = checked_method(label, MethodConfig.from_mapping(config) if config else None)
             records = run_passkey(get_model(), tokenizer, trials, [method], bos)
             found = cache.put(
                 fields,

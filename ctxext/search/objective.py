@@ -47,7 +47,7 @@ def score_perplexity(model, config, documents, length: int, stride: int | None, 
     from ..eval.perplexity import perplexity, sliding_window_nll
     from ..patching import unpatch
 
-    _apply(model, config)
+    checked_method("trial", config).apply(model)
     try:
         per_document = []
         for doc in documents:
@@ -65,7 +65,7 @@ def score_perplexity(model, config, documents, length: int, stride: int | None, 
 def score_passkey(model, tokenizer, config, trials, bos_token_id: int | None) -> dict:
     from ..eval.passkey import run_passkey
 
-    records = run_passkey(model, tokenizer, trials, [CheckedMethod("trial", config)], bos_token_id)
+    records = run_passkey(model, tokenizer, trials, [checked_method("trial", config)], bos_token_id)
     correct = sum(r["correct"] for r in records)
     return {"passkey_accuracy": correct / len(records), "passkey_correct": correct, "passkey_trials": len(records)}
 
@@ -75,7 +75,7 @@ def score_needle(model, tokenizer, config, trials, bos_token_id: int | None) -> 
     from ..eval.passkey import answer_nll
     from ..patching import unpatch
 
-    _apply(model, config)
+    checked_method("trial", config).apply(model)
     try:
         scored = [answer_nll(model, tokenizer, trial, bos_token_id) for trial in trials]
     finally:
@@ -103,30 +103,12 @@ def check_params(model, config) -> None:
         raise InvalidParams(str(error)) from None
 
 
-def _apply(model, config) -> None:
-    from ..patching import unpatch
+def checked_method(label: str, config):
+    """The EvalMethod (`ctxext.eval.rows`) a trial runs: its parameters are checked first, so a parameter the model
+    rejects raises InvalidParams (an invalid trial); any other error at patch time propagates. None: as loaded."""
+    from ..eval.rows import EvalMethod
 
-    if config is None:
-        unpatch(model)
-        return
-    check_params(model, config)
-    config.apply(model)
-
-
-class CheckedMethod:
-    """An EvalMethod (`ctxext.eval.rows`) whose parameters are checked first: a parameter the model rejects
-    raises InvalidParams (an invalid trial); any other error at patch time propagates."""
-
-    def __init__(self, label, config):
-        self.label, self.config = label, config
-
-    def apply(self, model):
-        _apply(model, self.config)
-
-    def remove(self, model):
-        from ..patching import unpatch
-
-        unpatch(model)
+    return EvalMethod(label, config, check=check_params)
 
 
 @dataclass
