@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..errors import CtxextError
 from ..eval.setup import DataOptions, RuntimeOptions
+from .longrope import DEFAULT_KNOTS, DEFAULT_SIGMA
 from .store import DEFAULT_STUDY
 
 
@@ -22,8 +23,8 @@ class LongropeOptions:
     """--method longrope: the starting curve's method, CMA-ES's knots, initial step, factor cap and population."""
 
     start_method: str = "yarn"
-    knots: int = 8
-    sigma: float = 0.5
+    knots: int = DEFAULT_KNOTS
+    sigma: float = DEFAULT_SIGMA
     upper: float | None = None  # None: 2 x factor
     popsize: int | None = None  # None: pycma's 4 + 3 ln K
 
