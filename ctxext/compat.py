@@ -28,7 +28,7 @@ Used in place (not wrapped, because their code is the CLI's or the harness's own
   `world_size` properties read these. If they stopped reading them, each of N processes would answer every
   request instead of every N-th: N times the work (and the wrong share of requests per process).
 - `config._commit_hash` (transformers 4.x; transformers 5.24 no longer sets it and drops it from loaded
-  configs), read only by `hub_commit` below, which ctxext/tasks/harness.py and ctxext/eval/session.py call for
+  configs), read only by `hub_commit` below, which ctxext/eval/session.py `model_files_key` calls (tasks and eval) for
   the commit of a hub model in a result's provenance; on 5.24 it falls back to the hub cache's ref.
 """
 

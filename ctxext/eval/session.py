@@ -65,19 +65,26 @@ class EvalSession:
 
 
 def model_identity(name: str, model) -> dict:
-    """What names the weights a cell was computed with: a local checkpoint's content (ctxext.outputs.
-    content_fingerprint; its files' names, sizes and times where it has no safetensors), or a hub id with the
-    commit transformers resolved."""
+    """What names the weights an eval cell was computed with: a local checkpoint's content (ctxext.outputs.
+    content_fingerprint), else `model_files_key`."""
     from ..outputs import content_fingerprint
 
     path = Path(name)
     if path.is_dir() and any(path.glob("*.safetensors")):
         return {"content": content_fingerprint(path)}
+    return model_files_key(name, model)
+
+
+def model_files_key(name_or_path: str, model) -> dict:
+    """The model without reading the weights: a local checkpoint's path and the stamp of its files
+    (`checkpoint_file_stamp`), or a hub id with the commit transformers resolved. Task cells are keyed by this
+    (not by content: so the task cells cached so far keep their names)."""
+    path = Path(name_or_path)
     if path.is_dir():
         return {"path": str(path.resolve()), "files_sha256": checkpoint_file_stamp(path)}
     from ..compat import hub_commit
 
-    return {"hub_id": name, "commit": hub_commit(name, model.config)}
+    return {"hub_id": name_or_path, "commit": hub_commit(name_or_path, model.config)}
 
 
 def checkpoint_file_stamp(path: Path) -> str:

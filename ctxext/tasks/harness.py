@@ -289,20 +289,6 @@ def jsonable(value):
     return handle_non_serializable(value)
 
 
-def model_files_key(name_or_path: str, model) -> dict:
-    """The model in a task cell's key, without reading the weights: a local checkpoint's path and the stamp of
-    its files (names, sizes, modification times; ctxext.eval.session.checkpoint_file_stamp), or a hub id with
-    the commit transformers resolved. (Not the content: so the cells cached so far keep their names.)"""
-    from ..eval.session import checkpoint_file_stamp
-
-    path = Path(name_or_path)
-    if path.is_dir():
-        return {"path": str(path.resolve()), "files_sha256": checkpoint_file_stamp(path)}
-    from ..compat import hub_commit
-
-    return {"hub_id": name_or_path, "commit": hub_commit(name_or_path, model.config)}
-
-
 # -------------------------------------------------------------------------------------------------- run
 # What results.json keeps of simple_evaluate's config.
 CONFIG_KEPT = (

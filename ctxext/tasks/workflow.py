@@ -198,7 +198,7 @@ def run_tasks(request: TasksRequest, report=None) -> TasksResult:
 
 def _common_key(request: TasksRequest, session, lm_eval_version: str) -> dict:
     """What every cell depends on besides its method, task and length (the names of the cached cells)."""
-    from .harness import model_files_key
+    from ..eval.session import model_files_key
 
     return {
         "model": model_files_key(request.model, session.model),
