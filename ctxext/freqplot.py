@@ -51,4 +51,4 @@ def plot_frequency_ratios(
     ax.set_title(f"RoPE frequency scaling, d={rotary_dim}, base={base:g}, L={original_length}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    save_figure(fig, path, dpi=120)
+    save_figure(fig, path)

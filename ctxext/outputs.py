@@ -23,7 +23,7 @@ from pathlib import Path
 from .errors import CtxextError
 
 MARKER = ".ctxext-output"  # in every directory ctxext wrote whole; what --overwrite may replace
-FIGURE_DPI = 110
+FIGURE_DPI = 120  # every plot ctxext writes
 
 
 # ----------------------------------------------------------------------------------------------- files

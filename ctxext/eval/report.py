@@ -103,7 +103,7 @@ def plot_perplexity(
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    save_figure(fig, path, dpi=120)
+    save_figure(fig, path)
 
 
 def plot_passkey_heatmap(
@@ -129,4 +129,4 @@ def plot_passkey_heatmap(
     axes[0][0].set_ylabel("passkey depth")
     fig.colorbar(image, ax=axes[0].tolist(), label="accuracy")
     fig.suptitle(title, fontsize=10)
-    save_figure(fig, path, dpi=120)
+    save_figure(fig, path)

@@ -326,7 +326,7 @@ def plot_objective(history: list[dict], path: Path, title: str, objective: str) 
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    save_figure(fig, path, dpi=120)
+    save_figure(fig, path)
 
 
 def plot_factors(curves: dict[str, list[float]], path: Path, title: str) -> None:
@@ -342,4 +342,4 @@ def plot_factors(curves: dict[str, list[float]], path: Path, title: str) -> None
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    save_figure(fig, path, dpi=120)
+    save_figure(fig, path)

@@ -153,4 +153,4 @@ def plot_task_heatmap(rows: list[dict], methods: list[str], path: Path, title: s
         f"shortest length)",
         fontsize=10,
     )
-    save_figure(fig, path, dpi=120)
+    save_figure(fig, path)
