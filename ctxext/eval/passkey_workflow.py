@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CtxextError
+from ..outputs import provenance
 from .options import DEFAULT_LENGTHS, parse_lengths
 from .rows import MethodSelection
 from .setup import Invocation, RuntimeOptions
@@ -110,7 +111,7 @@ def evaluate_passkey(request: PasskeyRequest, report=None) -> PasskeyResult:
         "accuracy_by_depth": by_depth,
         "trials": records,
         "runtime": {"processes": processes.world_size, "seconds": time.perf_counter() - started},
-        "environment": session.environment(),
+        "environment": provenance(),
     }
     table = passkey_table(by_length, labels, request.lengths)
     result = PasskeyResult(payload, by_depth, by_length, labels, table, processes.is_main)

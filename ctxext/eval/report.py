@@ -57,13 +57,6 @@ def passkey_table(rows: list[dict], methods: list[str], lengths: list[int]) -> s
     return "\n".join(lines)
 
 
-def environment() -> dict:
-    """Library versions, machine and time (ctxext.outputs.provenance)."""
-    from ..outputs import provenance
-
-    return provenance()
-
-
 def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
     with atomic_file(path) as staging, open(staging, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")

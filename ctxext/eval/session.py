@@ -47,11 +47,6 @@ class EvalSession:
     def progress(self, total: int, unit: str):
         return progress_bar(self.options, self.processes, total, unit)
 
-    def environment(self) -> dict:
-        from ..outputs import provenance
-
-        return provenance()
-
     def cell_context(self, short_docs: str) -> dict:
         """What every cell of this session depends on besides its method, length and tokens."""
         return {

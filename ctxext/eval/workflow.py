@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CtxextError, first_line
+from ..outputs import provenance
 from .options import DEFAULT_LENGTHS, parse_lengths
 from .rows import MethodSelection
 from .setup import DataOptions, Invocation, RuntimeOptions
@@ -218,7 +219,7 @@ def _result(request, session, docs, plans, scores, error, started) -> Perplexity
             "cells_cached": sum(s.cached for s in scores),
             "cell_cache": str(request.cell_folder()) if request.cell_folder() else None,
         },
-        "environment": session.environment(),
+        "environment": provenance(),
     }
     return PerplexityResult(
         payload=payload,

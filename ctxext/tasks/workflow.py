@@ -11,6 +11,7 @@ from pathlib import Path
 from ..errors import CtxextError
 from ..eval.rows import MethodSelection
 from ..eval.setup import Invocation, RuntimeOptions
+from ..outputs import provenance
 
 
 def parse_task_names(text: str) -> list[str]:
@@ -236,7 +237,7 @@ def _result(request, session, specs, cells, cache, lm_eval_version, started) -> 
             "cells_run": sum(c.result is not None and not c.cached for c in cells),
             "cells_cached": sum(c.cached for c in cells),
         },
-        "environment": {**session.environment(), "lm_eval": lm_eval_version},
+        "environment": {**provenance(), "lm_eval": lm_eval_version},
     }
     table = score_tables(rows, labels, request.lengths) if rows else "(no cell has a result yet)"
     missing = payload["missing_cells"]
