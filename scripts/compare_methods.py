@@ -157,7 +157,7 @@ def effective_passkey_lengths(passkey: dict, labels: list[str], lengths: list[in
     ]
     (panel,) = effective_lengths(rows, labels)
     pending = [label for label in labels if label != BASELINE and any((label, n) not in passkey for n in lengths[1:])]
-    return {**panel, "lengths": panel["effective_length"], "pending": pending}
+    return {**panel, "pending": pending}
 
 
 def build_report(state: dict, out_dir: Path) -> None:
@@ -260,7 +260,7 @@ def build_report(state: dict, out_dir: Path) -> None:
             within = n <= state["original_length"] and row["label"] != BASELINE  # only the baseline runs there
             line += f" {passkey['correct']}/{passkey['trials']} |" if passkey else " - |" if within else " ... |"
         if effective:
-            length = effective["lengths"].get(row["label"])
+            length = effective["effective_length"].get(row["label"])
             shortest_patched = min(n for n in passkey_lengths if n > state["original_length"])
             below = f" < {shortest_patched // 1024}k |"  # no length tested passes
             line += f" {length // 1024}k |" if length else " ... |" if row["label"] in effective["pending"] else below
