@@ -11,7 +11,6 @@ with plain `from_pretrained`.
 """
 
 from .errors import CtxextError
-from .lazy import lazy_exports
 
 __version__ = "0.1.0"
 __all__ = ["METHODS", "CtxextError", "applied_method", "patch", "unpatch", "__version__"]
@@ -24,7 +23,19 @@ _LAZY = {
     "unpatch": "ctxext.patching",
 }
 
-__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'ctxext' has no attribute '{name}'")
+    import importlib
+
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 
 from . import registration  # noqa: E402  (last: it may import ctxext.patching, which needs the names above)

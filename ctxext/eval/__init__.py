@@ -7,27 +7,31 @@ Importing this package is cheap (no torch); the names below are imported on firs
 
 from __future__ import annotations
 
-from ..lazy import lazy_exports
+import importlib
 
 _EXPORTS = {
-    "Window": ".perplexity",
-    "perplexity": ".perplexity",
-    "plan_windows": ".perplexity",
-    "sliding_window_nll": ".perplexity",
-    "window_nll": ".perplexity",
-    "EvalMethod": ".rows",
-    "MethodSelection": ".rows",
-    "method_rows": ".rows",
-    "DataOptions": ".setup",
-    "RuntimeOptions": ".setup",
-    "Invocation": ".setup",
-    "PerplexityRequest": ".workflow",
-    "PerplexityResult": ".workflow",
-    "evaluate_perplexity": ".workflow",
-    "PasskeyRequest": ".passkey_workflow",
-    "PasskeyResult": ".passkey_workflow",
-    "evaluate_passkey": ".passkey_workflow",
+    "Window": "perplexity",
+    "perplexity": "perplexity",
+    "plan_windows": "perplexity",
+    "sliding_window_nll": "perplexity",
+    "window_nll": "perplexity",
+    "EvalMethod": "rows",
+    "MethodSelection": "rows",
+    "method_rows": "rows",
+    "DataOptions": "setup",
+    "RuntimeOptions": "setup",
+    "Invocation": "setup",
+    "PerplexityRequest": "workflow",
+    "PerplexityResult": "workflow",
+    "evaluate_perplexity": "workflow",
+    "PasskeyRequest": "passkey_workflow",
+    "PasskeyResult": "passkey_workflow",
+    "evaluate_passkey": "passkey_workflow",
 }
 __all__ = sorted(_EXPORTS)
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ctxext.eval' has no attribute '{name}'")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

@@ -17,17 +17,21 @@ Importing this package is cheap; Optuna and cma (the `search` extra) are importe
 
 from __future__ import annotations
 
-from ..lazy import lazy_exports
+import importlib
 
 _EXPORTS = {
-    "SearchRequest": ".plan",
-    "LongropeOptions": ".plan",
-    "plan_search": ".plan",
-    "SearchResult": ".workflow",
-    "run_search": ".workflow",
-    "TrialStore": ".store",
-    "read_trials": ".store",
+    "SearchRequest": "plan",
+    "LongropeOptions": "plan",
+    "plan_search": "plan",
+    "SearchResult": "workflow",
+    "run_search": "workflow",
+    "TrialStore": "store",
+    "read_trials": "store",
 }
 __all__ = list(_EXPORTS)
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
