@@ -262,26 +262,32 @@ def test_scores_keep_the_cells_length_and_every_metric_of_other_tasks():
 
 def test_an_interrupted_cell_resumes_at_its_next_sample(ruler_checkpoint, tmp_path, monkeypatch):
     """lm-eval's request cache stores each answer as it comes: after an interruption in the middle of a cell,
-    the next run generates only the samples not yet answered, and gives the uninterrupted run's results."""
+    the next run generates only the samples not yet answered, and gives the uninterrupted run's results. The
+    cache is keyed by content: it resumes from a copy of itself beside a copy of the checkpoint at another path,
+    with other file times (a committed cache in a fresh clone, on another machine)."""
+    import shutil
+
     from lm_eval.api.model import CacheHook
     from lm_eval.models.huggingface import HFLM
 
-    args = [
-        "tasks",
-        str(ruler_checkpoint),
-        "--tasks",
-        "niah_single_1",
-        "--lengths",
-        str(LENGTH),
-        "--limit",
-        "3",
-        "--dtype",
-        "fp32",
-        "--no-progress",
-        "--cache-dir",
-        str(tmp_path / "cells"),
-    ]
-    assert main([*args, "--no-cache", "-o", str(tmp_path / "whole")]) == 0
+    def args(checkpoint, cells):
+        return [
+            "tasks",
+            str(checkpoint),
+            "--tasks",
+            "niah_single_1",
+            "--lengths",
+            str(LENGTH),
+            "--limit",
+            "3",
+            "--dtype",
+            "fp32",
+            "--no-progress",
+            "--cache-dir",
+            str(cells),
+        ]
+
+    assert main([*args(ruler_checkpoint, tmp_path / "cells"), "--no-cache", "-o", str(tmp_path / "whole")]) == 0
     original_add = CacheHook.add_partial
 
     def interrupt_after_the_first_answer(self, attr, req, res):
@@ -290,10 +296,13 @@ def test_an_interrupted_cell_resumes_at_its_next_sample(ruler_checkpoint, tmp_pa
             raise KeyboardInterrupt
 
     monkeypatch.setattr(CacheHook, "add_partial", interrupt_after_the_first_answer)
-    assert main([*args, "-o", str(tmp_path / "first")]) == 130
+    assert main([*args(ruler_checkpoint, tmp_path / "cells"), "-o", str(tmp_path / "first")]) == 130
     assert not (tmp_path / "first").exists()
     assert list((tmp_path / "cells" / "requests").glob("*_rank0.db"))
     monkeypatch.setattr(CacheHook, "add_partial", original_add)
+    moved_checkpoint = shutil.copytree(ruler_checkpoint, tmp_path / "elsewhere" / "model", copy_function=shutil.copy)
+    moved_cells = shutil.copytree(tmp_path / "cells", tmp_path / "elsewhere" / "cells")
+    shutil.rmtree(tmp_path / "cells")
 
     generated = []
     original_generate = HFLM._model_generate
@@ -303,7 +312,7 @@ def test_an_interrupted_cell_resumes_at_its_next_sample(ruler_checkpoint, tmp_pa
         return original_generate(self, *a, **k)
 
     monkeypatch.setattr(HFLM, "_model_generate", counting)
-    assert main([*args, "-o", str(tmp_path / "resumed")]) == 0
+    assert main([*args(moved_checkpoint, moved_cells), "-o", str(tmp_path / "resumed")]) == 0
     assert len(generated) == 2  # 3 samples, 1 answered before the interruption
     resumed = json.loads((tmp_path / "resumed" / "results.json").read_text())["cells"][0]["lm_eval"]
     whole = json.loads((tmp_path / "whole" / "results.json").read_text())["cells"][0]["lm_eval"]
@@ -311,7 +320,7 @@ def test_an_interrupted_cell_resumes_at_its_next_sample(ruler_checkpoint, tmp_pa
     assert [s["response"] for s in resumed["samples"]["niah_single_1"]] == [
         s["response"] for s in whole["samples"]["niah_single_1"]
     ]
-    assert not list((tmp_path / "cells" / "requests").glob("*.db"))  # the finished cell's requests are dropped
+    assert not list((moved_cells / "requests").glob("*.db"))  # the finished cell's requests are dropped
 
 
 def test_effective_length_is_the_longest_length_within_85_percent_of_the_unpatched_short_score(tmp_path):

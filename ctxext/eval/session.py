@@ -70,10 +70,28 @@ def model_identity(name: str, model) -> dict:
     return model_files_key(name, model)
 
 
+def tokenizer_identity(name: str) -> str:
+    """What a task's prompts depend on besides the weights: for a local checkpoint, the sha256 of the bytes of its
+    files other than the weights and config.json (tokenizer, chat template, generation config), so the same
+    files at another path, in another checkout or on another machine name the same cells; a hub id as it is."""
+    path = Path(name)
+    if not path.is_dir():
+        return name
+    digest = hashlib.sha256()
+    for file in sorted(f for f in path.rglob("*") if f.is_file() and f.suffix not in WEIGHT_SUFFIXES):
+        if file.name != "config.json":
+            digest.update(f"{file.relative_to(path)}:{file.stat().st_size}:".encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
 def model_files_key(name_or_path: str, model) -> dict:
     """The model without reading the weights: a local checkpoint's path and the stamp of its files
-    (`checkpoint_file_stamp`), or a hub id with the commit transformers resolved. Task cells are keyed by this
-    (not by content: so the task cells cached so far keep their names)."""
+    (`checkpoint_file_stamp`), or a hub id with the commit transformers resolved (`model_identity`'s fallback
+    where there are no safetensors to fingerprint)."""
     path = Path(name_or_path)
     if path.is_dir():
         return {"path": str(path.resolve()), "files_sha256": checkpoint_file_stamp(path)}

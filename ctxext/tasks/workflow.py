@@ -199,11 +199,11 @@ def run_tasks(request: TasksRequest, report=None) -> TasksResult:
 
 def _common_key(request: TasksRequest, session, lm_eval_version: str) -> dict:
     """What every cell depends on besides its method, task and length (the names of the cached cells)."""
-    from ..eval.session import model_files_key
+    from ..eval.session import model_identity, tokenizer_identity
 
-    return {
-        "model": model_files_key(request.model, session.model),
-        "tokenizer": request.tokenizer_name,
+    return {  # by content, not path or file times: a cache copied to another checkout or machine resumes there
+        "model": model_identity(request.model, session.model),
+        "tokenizer": tokenizer_identity(request.model),
         "dtype": str(session.runtime["dtype"]).removeprefix("torch."),
         "device": session.runtime["device"].type,
         "attn_implementation": session.runtime["attn_implementation"],
