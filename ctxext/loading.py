@@ -71,17 +71,26 @@ def load_model(
     dtype: torch.dtype | str = "auto",
     device: torch.device | str = "cpu",
     attn_implementation: str | None = None,
+    progress: bool = True,
 ):
-    """A causal LM from a local directory or a hub id, as a clear CtxextError when it cannot be loaded."""
+    """A causal LM from a local directory or a hub id, as a clear CtxextError when it cannot be loaded.
+    `progress` False: without transformers' own bars (loading weights, downloads), as --no-progress promises."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
 
     check_model_source(name_or_path)
+    bars_were_on = transformers_logging.is_progress_bar_enabled()
+    if not progress:
+        transformers_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn_implementation)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as error:
         # RuntimeError: weights whose shapes differ from the config's; SafetensorError: a damaged weights file
         raise CtxextError(f"could not load model '{name_or_path}': {describe_failure(error)}") from error
+    finally:
+        if bars_were_on and not progress:
+            transformers_logging.enable_progress_bar()
     return model.to(device).eval()
 
 

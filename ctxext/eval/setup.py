@@ -65,7 +65,11 @@ def load_model_and_tokenizer(name: str, runtime: RuntimeOptions, processes) -> t
     resolved = inference_runtime(runtime.device, runtime.dtype, runtime.attn_implementation, processes)
     tokenizer = load_tokenizer(name)
     model = load_model(
-        name, dtype=resolved["dtype"], device=resolved["device"], attn_implementation=resolved["attn_implementation"]
+        name,
+        dtype=resolved["dtype"],
+        device=resolved["device"],
+        attn_implementation=resolved["attn_implementation"],
+        progress=runtime.progress,
     )
     return model, tokenizer, resolved
 

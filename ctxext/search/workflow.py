@@ -84,6 +84,7 @@ def load_search_model(plan: SearchPlan):
         dtype=runtime["dtype"],
         device=runtime["device"],
         attn_implementation=runtime["attn_implementation"],
+        progress=plan.request.runtime.progress,
     )
 
 

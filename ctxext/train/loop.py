@@ -164,7 +164,7 @@ def prepare(recipe: Recipe, resume: bool, progress: bool = True, report_to=None)
     output = check_run_directory(recipe, resume)
     runtime = make_runtime(recipe, output, trackers)
     set_seed(recipe.seed)  # the same LoRA init on every process and every run
-    model_path, tokenizer, model, original_length = load_patched_model(recipe, runtime)
+    model_path, tokenizer, model, original_length = load_patched_model(recipe, runtime, progress)
     model = with_lora(model, recipe)
     train_data, info = load_training_data(recipe, runtime, tokenizer, progress)
     documents, lengths, bos = load_eval_documents(recipe, tokenizer, original_length, info.get("names", []))
@@ -201,7 +201,7 @@ def check_run_directory(recipe: Recipe, resume: bool) -> Path:
     return check_overlap(output, protected)  # not inside the input model, not a file
 
 
-def load_patched_model(recipe: Recipe, runtime: Runtime):
+def load_patched_model(recipe: Recipe, runtime: Runtime, progress: bool = True):
     """(model path, tokenizer, model patched with the recipe's method, original context length)."""
     from ..loading import load_model, load_tokenizer
     from ..patching import applied_method
@@ -215,6 +215,7 @@ def load_patched_model(recipe: Recipe, runtime: Runtime):
         dtype=runtime.weights_dtype,
         device=runtime.accelerator.device,
         attn_implementation=runtime.attn_implementation,
+        progress=progress,
     )
     original_length = int(model.config.max_position_embeddings)
     recipe.method.apply(model)
