@@ -125,18 +125,12 @@ def with_selected_pairs(model, tokenizer, method_config, pair_selection: tuple[s
     """(`method_config` with DPE's `selected_pairs` measured on the unpatched `model`, the record of how)."""
     import dataclasses
 
-    from .patching.pair_selection import select_pairs
+    from .patching.pair_selection import select_pairs, selection_record
 
     text, k = pair_selection
-    tokens = min(4096, method_config.original_max_position_embeddings or original_length)
-    chosen = select_pairs(model, tokenizer, Path(text).read_text(encoding="utf-8"), k, tokens)
+    how = selection_record(text, k, method_config.original_max_position_embeddings or original_length)
+    chosen = select_pairs(model, tokenizer, Path(text).read_text(encoding="utf-8"), k, how["max_tokens"])
     method_config = dataclasses.replace(method_config, params={**method_config.params, "selected_pairs": chosen})
-    how = {
-        "text": str(text),
-        "top_pairs": k,
-        "max_tokens": tokens,
-        "rule": "top k pairs per layer by mean |q_p||k_p| over tokens and heads",
-    }
     return method_config, how
 
 

@@ -492,6 +492,7 @@ def main() -> int:
             "factor": settings["factor"],
             "original_max_position_embeddings": settings["original_max_position_embeddings"],
             **settings["fixed"],
+            **({"selected_pairs": settings["selected_pairs"]} if settings.get("selected_pairs") is not None else {}),
             **{k: v for k, v in best["params"].items() if v is not None},
         }
         info = {

@@ -604,3 +604,62 @@ def test_a_search_on_another_storage_resumes_only_with_that_storage(tiny, tmp_pa
     assert not (out / "study.journal").exists() and len(read_trials(out)) == 2
     assert run_cli(capsys, *common, "--trials", 3, "--resume", "--storage", storage)[0] == 0
     assert [t["number"] for t in read_trials(out)] == [0, 1, 2]
+
+
+def test_dpe_pairs_selected_at_search_time_are_measured_once_and_used_by_every_trial(
+    tiny, tmp_path, capsys, monkeypatch
+):
+    """--select-pairs/--top-pairs in a search: the top k pairs per layer by mean |q_p||k_p| on the text (the measure
+    test_dpe checks by hand), on the unpatched model; trial 0 scores what ctxext.patch with those pairs scores;
+    search.json and the checkpoint record them; a resume takes them from the study instead of measuring again."""
+    from ctxext.patching import pair_selection
+    from ctxext.patching.pair_selection import pair_contributions
+
+    source, docs = tiny
+    words = torch.tensor([int(w[1:]) for w in (docs / "doc0.txt").read_text().split()])
+    text = tmp_path / "calibration.txt"
+    text.write_text((docs / "doc0.txt").read_text())
+    out = tmp_path / "out"
+    argv = ["search", source, "--method", "dpe", "--factor", 4, "--length", 256, "--text-file", docs, "--dtype", "fp32"]
+    argv += ["--params", "group_scales", "--select-pairs", text, "--top-pairs", 3, "--no-progress", "-o", out]
+    code, _, err = run_cli(capsys, *argv, "--trials", 2)
+    assert code == 0, err
+
+    chosen = [
+        sorted(torch.topk(row, 3).indices.tolist()) for row in pair_contributions(tiny_model("llama"), words[None, :64])
+    ]
+    assert len({tuple(p) for p in chosen}) > 1 or chosen[0] != list(range(3))  # a real choice, not the first pairs
+    settings = json.loads((out / "search.json").read_text())
+    assert settings["selected_pairs"] == chosen and settings["pair_selection"]["top_pairs"] == 3
+    saved = json.loads((out / "checkpoint" / "config.json").read_text())["ctxext_attention"]
+    assert saved["selected_pairs"] == chosen
+    trial = read_trials(out)[0]
+    scales = [trial["params"][f"group_scales[{i}]"] for i in range(len(trial["params"]))]
+    model = ctxext.patch(tiny_model("llama"), "dpe", factor=4.0, group_scales=scales, selected_pairs=chosen)
+    assert trial["value"] == pytest.approx(naive_perplexity(model, [words], 256), rel=1e-5)
+
+    def measured_again(*args, **kwargs):
+        raise AssertionError("a resume measured the pairs again")
+
+    monkeypatch.setattr(pair_selection, "select_pairs", measured_again)
+    code, _, err = run_cli(capsys, *argv, "--trials", 3, "--resume")
+    assert code == 0, err
+    assert len(read_trials(out)) == 3
+    assert json.loads((out / "search.json").read_text())["selected_pairs"] == chosen
+
+
+@pytest.mark.parametrize(
+    "method,k,message",
+    [("yarn", 2, "--select-pairs chooses DPE's pairs; it does not apply to yarn"), ("dpe", 9, "8 rotary pairs, got 9")],
+)
+def test_a_bad_pair_selection_in_a_search_is_one_line_exit_2(tiny, tmp_path, capsys, method, k, message):
+    source, docs = tiny
+    text = tmp_path / "calibration.txt"
+    text.write_text("w1 w2 w3")
+    out = tmp_path / "out"
+    code, _, err = run_cli(
+        capsys, "search", source, "--method", method, "--factor", 4, "--length", 256, "--text-file", docs,
+        "--select-pairs", text, "--top-pairs", k, "--no-progress", "-o", out,
+    )  # fmt: skip
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not out.exists()

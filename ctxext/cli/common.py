@@ -150,6 +150,19 @@ def method_mappings(args: argparse.Namespace) -> list[dict] | None:
 
 
 # ----------------------------------------------------------------------------------- eval and passkey
+def add_pair_selection_arguments(parser) -> None:
+    """DPE's dimension selection (patch and search): --select-pairs TEXT --top-pairs K."""
+    dpe = parser.add_argument_group("dpe's dimension selection (--method dpe)")
+    dpe.add_argument(
+        "--select-pairs",
+        metavar="TEXT",
+        help="a UTF-8 calibration text: keep grouped only the "
+        "--top-pairs pairs of each layer with the largest mean |q_p||k_p| on it (DPE's selection; up "
+        "to 4096 tokens, measured on the unpatched model); the choice is recorded as selected_pairs",
+    )
+    dpe.add_argument("--top-pairs", type=int, metavar="K", help="how many pairs per layer --select-pairs keeps")
+
+
 def add_data_arguments(parser) -> None:
     group = parser.add_argument_group("data (one of --dataset / --text-file)")
     group.add_argument(

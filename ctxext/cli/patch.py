@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import HelpFormatter, add_method_arguments
+from .common import HelpFormatter, add_method_arguments, add_pair_selection_arguments
 
 HELP = "apply a method to a checkpoint and save the patched checkpoint"
 DESCRIPTION = (
@@ -47,25 +47,18 @@ def add_arguments(parser) -> None:
         help="GGUF input only: keep every tensor's type (same, default), or write f16 / f32 "
         "(dequantised; 1-D tensors stay f32)",
     )
-    dpe = parser.add_argument_group("dpe's dimension selection (--method dpe)")
-    dpe.add_argument(
-        "--select-pairs",
-        metavar="TEXT",
-        help="a UTF-8 calibration text: keep grouped only the "
-        "--top-pairs pairs of each layer with the largest mean |q_p||k_p| on it (DPE's selection; up "
-        "to 4096 tokens, measured on the unpatched model); the choice is recorded as selected_pairs",
-    )
-    dpe.add_argument("--top-pairs", type=int, metavar="K", help="how many pairs per layer --select-pairs keeps")
+    add_pair_selection_arguments(parser)
     add_method_arguments(parser)
 
 
 def run(args) -> int:
     from ..errors import CtxextError
+    from ..patching.pair_selection import check_pair_selection
     from ..serving.gguf import is_gguf
     from .common import method_config_from_args
 
     method_config = method_config_from_args(args)
-    pair_selection = _pair_selection(args, method_config)
+    pair_selection = check_pair_selection(args.select_pairs, args.top_pairs, method_config.method, method_config.params)
     if is_gguf(args.model):
         if args.format != "native":
             raise CtxextError("--format applies to checkpoint directories; a GGUF file gets llama.cpp's rope keys")
@@ -90,25 +83,6 @@ def run(args) -> int:
     print(f"  loads in plain transformers: {written.loads_in_plain_transformers}")
     print(f"  saved to {written.output}")
     return 0
-
-
-def _pair_selection(args, method_config) -> tuple[str, int] | None:
-    """(text, k) for DPE's selection, or None; a one-line error for a half-given or misplaced pair."""
-    from pathlib import Path
-
-    from ..errors import CtxextError
-
-    if args.select_pairs is None and args.top_pairs is None:
-        return None
-    if args.select_pairs is None or args.top_pairs is None:
-        raise CtxextError("--select-pairs TEXT and --top-pairs K go together")
-    if method_config.method != "dpe":
-        raise CtxextError(f"--select-pairs chooses DPE's pairs; it does not apply to {method_config.method}")
-    if "selected_pairs" in method_config.params:
-        raise CtxextError("give the pairs either with --selected-pairs or by --select-pairs/--top-pairs, not both")
-    if not Path(args.select_pairs).is_file():
-        raise CtxextError(f"--select-pairs: text file '{args.select_pairs}' does not exist")
-    return args.select_pairs, args.top_pairs
 
 
 def _patch_gguf(args, method_config) -> int:

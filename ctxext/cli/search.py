@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import textwrap
 
-from .common import HelpFormatter, add_data_arguments, add_method_arguments, add_runtime_arguments
+from .common import (
+    HelpFormatter,
+    add_data_arguments,
+    add_method_arguments,
+    add_pair_selection_arguments,
+    add_runtime_arguments,
+)
 
 HELP = "search a method's parameters (LongRoPE's per-pair factors too) on your model and data; resumable"
 DESCRIPTION = (
@@ -50,6 +56,7 @@ def add_arguments(parser) -> None:
     _add_search_arguments(parser)
     _add_scoring_arguments(parser)
     _add_longrope_arguments(parser)
+    add_pair_selection_arguments(parser)
     add_data_arguments(parser)
     add_runtime_arguments(parser)
     add_method_arguments(parser)
@@ -236,6 +243,8 @@ def request_from_args(args):
         longrope=LongropeOptions(
             args.longrope_start, args.longrope_knots, args.longrope_sigma, args.longrope_upper, args.longrope_popsize
         ),
+        select_pairs=args.select_pairs,
+        top_pairs=args.top_pairs,
         data=DataOptions(
             args.text_file,
             args.dataset,

@@ -50,10 +50,48 @@ def pair_contributions(model: nn.Module, input_ids: torch.Tensor) -> torch.Tenso
 
 def top_pairs(contributions: torch.Tensor, k: int) -> list[list[int]]:
     """Per layer, the k pairs with the largest contribution, in pair order."""
-    pairs = contributions.shape[1]
+    check_top_pairs(k, contributions.shape[1])
+    return [sorted(torch.topk(row, k).indices.tolist()) for row in contributions]
+
+
+def check_top_pairs(k: int, pairs: int) -> None:
     if not 1 <= k <= pairs:
         raise CtxextError(f"--top-pairs must be between 1 and this model's {pairs} rotary pairs, got {k}")
-    return [sorted(torch.topk(row, k).indices.tolist()) for row in contributions]
+
+
+def check_pair_selection(text: str | None, k: int | None, method: str, params: dict) -> tuple[str, int] | None:
+    """(text, k) of DPE's --select-pairs TEXT --top-pairs K (patch and search), None when neither is given; a
+    one-line CtxextError for a half-given, misplaced or doubled selection or a missing text file."""
+    from pathlib import Path
+
+    if text is None and k is None:
+        return None
+    if text is None or k is None:
+        raise CtxextError("--select-pairs TEXT and --top-pairs K go together")
+    if method != "dpe":
+        raise CtxextError(f"--select-pairs chooses DPE's pairs; it does not apply to {method}")
+    if "selected_pairs" in params:
+        raise CtxextError("give the pairs either with --selected-pairs or by --select-pairs/--top-pairs, not both")
+    if not Path(text).is_file():
+        raise CtxextError(f"--select-pairs: text file '{text}' does not exist")
+    return text, k
+
+
+def selection_record(text: str, k: int, original_length: int) -> dict:
+    """How the pairs are chosen, as ctxext.yaml and search.json record it (the text by path and content)."""
+    import hashlib
+    from pathlib import Path
+
+    return {
+        "text": str(text),
+        "text_sha256": hashlib.sha256(Path(text).read_bytes()).hexdigest(),
+        "top_pairs": k,
+        "max_tokens": min(SELECTION_TOKENS, original_length),
+        "rule": "top k pairs per layer by mean |q_p||k_p| over tokens and heads",
+    }
+
+
+SELECTION_TOKENS = 4096  # the most tokens of the calibration text measured
 
 
 def select_pairs(model: nn.Module, tokenizer, text: str, k: int, max_tokens: int) -> list[list[int]]:

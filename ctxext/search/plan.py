@@ -53,6 +53,8 @@ class SearchRequest:
     passkey_trials: int = 2
     passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
     longrope: LongropeOptions = field(default_factory=LongropeOptions)
+    select_pairs: str | None = None  # dpe: a calibration text; with top_pairs, DPE's selection, fixed for all trials
+    top_pairs: int | None = None
     data: DataOptions = field(default_factory=DataOptions)
     runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
     resume: bool = False
@@ -213,6 +215,7 @@ def plan_search(request: SearchRequest) -> SearchPlan:
         longrope, space, start, fixed = longrope_space(request, config, dim, base, L)
     else:
         longrope, space, start, fixed = scalar_space(request, spec, config, base, L)
+    selection = pair_selection(request, config, dim, L)
     base_mapping = {"method": config.method, "factor": config.factor, "original_max_position_embeddings": L}
     method_config({**base_mapping, "logn": config.logn, **fixed}, start)  # trial 0 must be a valid configuration
     tokenizer = load_tokenizer(request.model)
@@ -226,6 +229,7 @@ def plan_search(request: SearchRequest) -> SearchPlan:
         runtime.device, runtime.dtype, runtime.attn_implementation, Processes(cpu=runtime.device == "cpu" or None)
     )
     settings = _settings(request, config, L, fixed, start, space, longrope, passkey, resolved, calibration, held_out)
+    settings.pair_selection = selection
     return SearchPlan(
         request=request,
         settings=settings,
@@ -239,6 +243,18 @@ def plan_search(request: SearchRequest) -> SearchPlan:
         runtime=resolved,
         protected=[p for p in [request.model] if Path(p).exists()] + request.data.local_paths(),
     )
+
+
+def pair_selection(request: SearchRequest, config, dim: int, L: int) -> dict | None:
+    """search.json's record of DPE's --select-pairs/--top-pairs (the pairs themselves are measured on the loaded
+    model: ctxext.search.workflow.with_selected_pairs), or None; a one-line error for a bad selection."""
+    from ..patching.pair_selection import check_pair_selection, check_top_pairs, selection_record
+
+    chosen = check_pair_selection(request.select_pairs, request.top_pairs, config.method, config.params)
+    if chosen is None:
+        return None
+    check_top_pairs(chosen[1], dim // 2)
+    return selection_record(*chosen, L)
 
 
 def _settings(request, config, L, fixed, start, space, longrope, passkey, runtime, calibration, held_out):

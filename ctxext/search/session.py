@@ -24,7 +24,7 @@ from ..errors import CtxextError
 from ..outputs import new_figure, save_figure, write_json
 from .loop import best_trial
 from .space import Range
-from .store import JOURNAL_FILE
+from .store import DERIVED, JOURNAL_FILE
 
 SEARCH_FILE = "search.json"
 RESULTS_FILE = "results.json"
@@ -66,6 +66,8 @@ class SearchSettings:
     passkey: dict | None = None  # trials, depths (keys seeded by `seed`)
     data: dict = field(default_factory=dict)  # calibration / held-out document names and token fingerprints
     dtype: str = ""
+    pair_selection: dict | None = None  # dpe: how its pairs are chosen (text, k), compared like the rest
+    selected_pairs: list | None = None  # dpe: the pairs so chosen, measured once (DERIVED: recorded, not compared)
 
     @property
     def base(self) -> dict:
@@ -76,6 +78,7 @@ class SearchSettings:
             "original_max_position_embeddings": self.original_max_position_embeddings,
             "logn": self.logn,
             **self.fixed,
+            **({"selected_pairs": self.selected_pairs} if self.selected_pairs is not None else {}),
         }
 
     def to_dict(self) -> dict:
@@ -100,7 +103,9 @@ def check_output(out: str | Path, settings: dict, resume: bool, overwrite: bool,
         except json.JSONDecodeError:
             raise CtxextError(f"--resume: '{search_file}' is not valid JSON") from None
         expected = json.loads(json.dumps(settings, default=str))
-        differing = sorted(k for k in set(logged) | set(expected) if logged.get(k) != expected.get(k))
+        differing = sorted(
+            k for k in set(logged) | set(expected) if logged.get(k) != expected.get(k) and k not in DERIVED
+        )
         if differing:
             raise CtxextError(
                 f"--resume: the search in '{out}' was started with other settings (they differ in: "

@@ -42,6 +42,7 @@ from pathlib import Path
 from ..errors import CtxextError
 
 SETTINGS_ATTR = "ctxext_search"
+DERIVED = ("selected_pairs",)  # settings measured on the model once the search starts: recorded, not compared
 DEFAULT_STUDY = "ctxext-search"
 JOURNAL_FILE = "study.journal"
 HEARTBEAT_SECONDS = 30.0  # a running trial's `heartbeat` user attribute is refreshed this often
@@ -130,7 +131,7 @@ class TrialStore:
         )
         store = cls(study, url)
         # The model's path is recorded, not compared: other machines may hold the same model elsewhere.
-        store.require(SETTINGS_ATTR, settings, "a search with other settings", ignore=("model",))
+        store.require(SETTINGS_ATTR, settings, "a search with other settings", ignore=("model", *DERIVED))
         return store
 
     def require(self, key: str, value: dict, what: str, ignore=()) -> None:

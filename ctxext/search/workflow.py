@@ -52,6 +52,9 @@ def run_search(request: SearchRequest, log: Callable[[str], None] | None = None)
     store = store or open_store(request, settings)
     if not store.frozen() and (out / session.TRIALS_FILE).is_file():
         store.import_records(read_trials(out / session.TRIALS_FILE))  # a search from before the studies
+    plan = with_selected_pairs(plan, model, store)
+    if plan.settings.selected_pairs is not None:
+        write_json(out / session.SEARCH_FILE, plan.settings.to_dict())  # search.json records the pairs measured
     store.export_to = out / session.TRIALS_FILE
     say(header(plan, mode))
     history = run_with_workers(plan, model, store)
@@ -86,6 +89,27 @@ def load_search_model(plan: SearchPlan):
         attn_implementation=runtime["attn_implementation"],
         progress=plan.request.runtime.progress,
     )
+
+
+def with_selected_pairs(plan: SearchPlan, model, store) -> SearchPlan:
+    """The plan with DPE's selected pairs (--select-pairs/--top-pairs), measured on the unpatched `model` by the
+    first process of the study and kept there, so every worker and every resume uses that one measurement."""
+    import dataclasses
+
+    from ..patching.pair_selection import select_pairs
+
+    selection = plan.settings.pair_selection
+    if selection is None:
+        return plan
+    if PAIRS_ATTR not in store.study.user_attrs:
+        text = Path(selection["text"]).read_text(encoding="utf-8")
+        chosen = select_pairs(model, plan.tokenizer, text, selection["top_pairs"], selection["max_tokens"])
+        store.study.set_user_attr(PAIRS_ATTR, chosen)
+    settings = dataclasses.replace(plan.settings, selected_pairs=store.study.user_attrs[PAIRS_ATTR])
+    return dataclasses.replace(plan, settings=settings)
+
+
+PAIRS_ATTR = "ctxext_selected_pairs"  # the study's user attribute with DPE's selected pairs
 
 
 def header(plan: SearchPlan, mode: str) -> str:
@@ -160,7 +184,8 @@ def run_worker(request: SearchRequest) -> None:
 
     try:
         plan = plan_search(request)
-        search_trials(plan, load_search_model(plan), open_store(request, plan.settings.to_dict()))
+        model, store = load_search_model(plan), open_store(request, plan.settings.to_dict())
+        search_trials(with_selected_pairs(plan, model, store), model, store)
     except CtxextError as error:
         print(f"ctxext: error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
