@@ -149,7 +149,6 @@ def method_mappings(args: argparse.Namespace) -> list[dict] | None:
     return method_selection(args).mappings()
 
 
-# ----------------------------------------------------------------------------------- eval and passkey
 def add_pair_selection_arguments(parser) -> None:
     """DPE's dimension selection (patch and search): --select-pairs TEXT --top-pairs K."""
     dpe = parser.add_argument_group("dpe's dimension selection (--method dpe)")
@@ -163,6 +162,7 @@ def add_pair_selection_arguments(parser) -> None:
     dpe.add_argument("--top-pairs", type=int, metavar="K", help="how many pairs per layer --select-pairs keeps")
 
 
+# ----------------------------------------------------------------------------------- eval and passkey
 def add_data_arguments(parser) -> None:
     group = parser.add_argument_group("data (one of --dataset / --text-file)")
     group.add_argument(

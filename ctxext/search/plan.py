@@ -229,7 +229,7 @@ def plan_search(request: SearchRequest) -> SearchPlan:
         runtime.device, runtime.dtype, runtime.attn_implementation, Processes(cpu=runtime.device == "cpu" or None)
     )
     settings = _settings(request, config, L, fixed, start, space, longrope, passkey, resolved, calibration, held_out)
-    settings.pair_selection = selection
+    settings = dataclasses.replace(settings, pair_selection=selection)
     return SearchPlan(
         request=request,
         settings=settings,

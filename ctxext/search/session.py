@@ -24,7 +24,7 @@ from ..errors import CtxextError
 from ..outputs import new_figure, save_figure, write_json
 from .loop import best_trial
 from .space import Range
-from .store import DERIVED, JOURNAL_FILE
+from .store import DERIVED, JOURNAL_FILE, differing
 
 SEARCH_FILE = "search.json"
 RESULTS_FILE = "results.json"
@@ -102,14 +102,11 @@ def check_output(out: str | Path, settings: dict, resume: bool, overwrite: bool,
             logged = json.loads(search_file.read_text())
         except json.JSONDecodeError:
             raise CtxextError(f"--resume: '{search_file}' is not valid JSON") from None
-        expected = json.loads(json.dumps(settings, default=str))
-        differing = sorted(
-            k for k in set(logged) | set(expected) if logged.get(k) != expected.get(k) and k not in DERIVED
-        )
-        if differing:
+        wrong = [k for k in differing(logged, settings) if k not in DERIVED]
+        if wrong:
             raise CtxextError(
                 f"--resume: the search in '{out}' was started with other settings (they differ in: "
-                f"{', '.join(differing)}); resume with the same ones, or choose another -o"
+                f"{', '.join(wrong)}); resume with the same ones, or choose another -o"
             )
         return "resume"
     if out.is_dir() and any(out.iterdir()):
