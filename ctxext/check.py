@@ -8,7 +8,8 @@ Two parts, on a random model of the user's architecture (its config only; no wei
    score computed directly from its remapped relative position r'(i, j), in float64, one softmax. The input
    (AGREEMENT_TOKENS tokens, methods set up for L = AGREEMENT_L) crosses every region boundary. The reference
    takes r' from the methods' region rules; the test suite checks those rules against the formulas in
-   docs/METHODS.md.
+   docs/METHODS.md. The last DECODE_STEPS tokens are also fed one at a time through the KV cache (the path of
+   generation: passkey, serving), and those logits are held to the same reference.
 2. **Cost.** Time and peak memory of one prefill (optionally forward + backward) at each length, every method
    against the model's native attention (FlashAttention where installed, else SDPA), each method extending
    L = length / 4 by 4x.
@@ -33,6 +34,7 @@ from .errors import CtxextError
 AGREEMENT_L = 64
 AGREEMENT_TOKENS = 160
 AGREEMENT_MLP = 256  # the agreement model's MLP width
+DECODE_STEPS = 16  # tokens decoded one at a time through the cache after a prefill of the rest
 # Parameters at L = 64 that put every region boundary inside 160 tokens (Dual Chunk: four 40-token chunks).
 AGREEMENT_CASES: dict[str, tuple[str, dict]] = {
     "rerope": ("rerope", {"window": 16}),
@@ -249,6 +251,8 @@ class AgreementRow:
     forward_error: float
     backward_backend: str
     backward_error: float | None
+    decode_backend: str
+    decode_error: float
     ok: bool
     note: str = ""
 
@@ -277,8 +281,11 @@ def check_one(shape, implementation: str, name: str, device, options: CheckOptio
     remaps = settings.remap is not None
     forward_backend = pick_backend("auto", device, False, AGREEMENT_TOKENS) if remaps else implementation
     backward_backend = pick_backend("auto", device, True, AGREEMENT_TOKENS) if remaps else implementation
+    decode_backend = pick_backend("auto", device, False, 1) if remaps else implementation
     with torch.no_grad():
-        forward_error = _relative_error(model(tokens).logits, reference(tokens).logits)
+        want = reference(tokens).logits
+        forward_error = _relative_error(model(tokens).logits, want)
+        decode_error = _relative_error(decoded_logits(model, tokens, DECODE_STEPS), want[:, -DECODE_STEPS:])
     backward_error, note = None, ""
     try:
         grads = []
@@ -291,11 +298,37 @@ def check_one(shape, implementation: str, name: str, device, options: CheckOptio
         backward_error = max(_relative_error(g, w) for g, w in zip(*grads))
     except (NotImplementedError, RuntimeError) as error:  # e.g. an implementation with no backward here
         note = f"backward not run: {str(error).splitlines()[0][:120]}"
-    errors = [forward_error] + ([backward_error] if backward_error is not None else [])
+    errors = [forward_error, decode_error] + ([backward_error] if backward_error is not None else [])
     ok = all(math.isfinite(e) and e <= options.tolerance for e in errors)
     return AgreementRow(
-        implementation, name, forward_backend, forward_error, backward_backend, backward_error, ok, note
+        implementation,
+        name,
+        forward_backend,
+        forward_error,
+        backward_backend,
+        backward_error,
+        decode_backend,
+        decode_error,
+        ok,
+        note,
     )
+
+
+def decoded_logits(model, tokens: torch.Tensor, steps: int) -> torch.Tensor:
+    """The logits of the last `steps` tokens fed one at a time through the KV cache after a prefill of the rest."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)  # filled in place by each forward
+    # The cache argument is `cache` in recent transformers, `past_key_values` before.
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    model(tokens[:, :-steps], use_cache=True, **{name: cache})
+    steps_logits = [
+        model(tokens[:, t : t + 1], use_cache=True, **{name: cache}).logits
+        for t in range(tokens.shape[1] - steps, tokens.shape[1])
+    ]
+    return torch.cat(steps_logits, dim=1)
 
 
 # ----------------------------------------------------------------------------------------------- cost
@@ -504,14 +537,14 @@ def run_check(options: CheckOptions, progress=None) -> CheckResult:
 def agreement_table(result: CheckResult) -> str:
     lines = [
         f"{'implementation':<19}{'method':<14}{'backend':<19}{'forward err':>11}  {'train backend':<19}"
-        f"{'backward err':>12}  result"
+        f"{'backward err':>12}  {'decode backend':<19}{'decode err':>10}  result"
     ]
     for row in result.agreement:
         backward = "-" if row.backward_error is None else f"{row.backward_error:.1e}"
         lines.append(
             f"{row.implementation:<19}{row.method:<14}{row.backend:<19}{row.forward_error:>11.1e}  "
-            f"{row.backward_backend:<19}{backward:>12}  {'ok' if row.ok else 'DISAGREES'}"
-            + (f" ({row.note})" if row.note else "")
+            f"{row.backward_backend:<19}{backward:>12}  {row.decode_backend:<19}{row.decode_error:>10.1e}  "
+            f"{'ok' if row.ok else 'DISAGREES'}" + (f" ({row.note})" if row.note else "")
         )
     return "\n".join(lines)
 

@@ -40,6 +40,7 @@ def test_every_method_agrees_under_every_cpu_implementation(tiny_shape, tmp_path
         if row["method"] != "logn":  # the remapping ones run ctxext's backends: lse to infer, blockwise to train
             assert (row["backend"], row["backward_backend"]) == ("lse", "blockwise")
             assert row["backward_error"] < 1e-4
+        assert row["decode_error"] < 1e-4
     assert [row["method"] for row in result["cost"]][0] == "native"
     assert all(row["seconds"] > 0 and row["x_native_time"] > 0 for row in result["cost"])
     assert "all methods agree" in out and "DISAGREES" not in out
@@ -57,6 +58,33 @@ def test_a_wrong_backend_is_caught(tiny_shape, capsys, monkeypatch):
     assert code == 1
     assert "DISAGREEMENT: dual_chunk under sdpa" in out
     assert "logn" not in out.split("DISAGREEMENT")[1]  # log-n does not use the backend
+
+
+def test_a_backend_wrong_only_when_decoding_is_caught(tiny_shape, tmp_path, capsys, monkeypatch):
+    right = remap_kernel.REMAP_BACKENDS["lse"]
+
+    def forgets_far_keys_in_decode(queries, keys, value, plan, scale):
+        if plan.q_len == 1:  # a decode step through the cache; the prefill stays right
+            plan.key_hi[-1] = plan.key_lo[-1]
+        return right(queries, keys, value, plan, scale)
+
+    monkeypatch.setitem(remap_kernel.REMAP_BACKENDS, "lse", forgets_far_keys_in_decode)
+    code, out, _ = run_check(
+        capsys,
+        "--model",
+        str(tiny_shape),
+        "--lengths",
+        "",
+        "--methods",
+        "rerope",
+        "--implementations",
+        "sdpa",
+        "--json",
+        str(tmp_path / "check.json"),
+    )
+    (row,) = json.loads((tmp_path / "check.json").read_text())["agreement"]
+    assert code == 1 and "DISAGREEMENT: rerope under sdpa" in out
+    assert row["forward_error"] < 1e-4 and row["decode_error"] > 1e-3
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,8 @@ attention implementation available on the device (eager, sdpa, flex_attention, F
 installed) and each method (rerope, leaky_rerope, self_extend, dual_chunk, string, dpe, logn):
 
   1. agreement: the logits and weight gradients against a per-cell reference (every score from its
-     remapped relative position, float64) on 160 tokens that cross every region boundary;
+     remapped relative position, float64) on 160 tokens that cross every region boundary, and the logits
+     of the last 16 tokens decoded one at a time through the KV cache (the path of generation);
   2. cost: the time and peak memory of one prefill (--backward: forward + backward) at each --lengths,
      every method extending L = length/4 by 4x, against the model's native attention.
 
@@ -54,7 +55,7 @@ def add_arguments(parser) -> None:
         type=_names,
         default=None,
         metavar="A,B",
-        help="methods to check (default: rerope,leaky_rerope,self_extend,dual_chunk,string,logn)",
+        help="methods to check (default: rerope,leaky_rerope,self_extend,dual_chunk,string,dpe,logn)",
     )
     parser.add_argument(
         "--implementations",
