@@ -432,6 +432,7 @@ def main() -> int:
     from ctxext.runtime import machine_description
     from ctxext.search.loop import best_trial
     from ctxext.search.objective import checked_method, score_perplexity
+    from ctxext.search.space import collapse_elements
     from ctxext.search.store import read_trials
 
     started = time.perf_counter()
@@ -493,7 +494,8 @@ def main() -> int:
             "original_max_position_embeddings": settings["original_max_position_embeddings"],
             **settings["fixed"],
             **({"selected_pairs": settings["selected_pairs"]} if settings.get("selected_pairs") is not None else {}),
-            **{k: v for k, v in best["params"].items() if v is not None},
+            # per-element parameters ('group_scales[0]', ...) back into the lists the method takes
+            **collapse_elements({k: v for k, v in best["params"].items() if v is not None}),
         }
         info = {
             "trials": len(history),
