@@ -495,7 +495,7 @@ def main() -> int:
             **settings["fixed"],
             **({"selected_pairs": settings["selected_pairs"]} if settings.get("selected_pairs") is not None else {}),
             # per-element parameters ('group_scales[0]', ...) back into the lists the method takes
-            **collapse_elements({k: v for k, v in best["params"].items() if v is not None}),
+            **collapse_elements(best["params"]),
         }
         info = {
             "trials": len(history),

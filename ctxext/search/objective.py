@@ -36,7 +36,7 @@ def method_config(base: dict, params: dict):
     from .space import collapse_elements
 
     try:
-        values = collapse_elements({k: v for k, v in params.items() if v is not None})
+        values = collapse_elements(params)
         return MethodConfig.from_mapping({**base, **values})
     except CtxextError as error:
         raise InvalidParams(str(error)) from None

@@ -144,9 +144,12 @@ def element_default(method, name: str):
 
 
 def collapse_elements(params: dict) -> dict:
-    """{'g[0]': 2, 'g[1]': 8, 'w': 5} -> {'g': [2, 8], 'w': 5}: a trial's element values back into lists."""
+    """{'g[0]': 2, 'g[1]': 8, 'w': 5, 'k': None} -> {'g': [2, 8], 'w': 5}: a trial's element values back into
+    lists, leaving out the parameters it keeps at the method's default (None)."""
     out, lists = {}, {}
     for key, value in params.items():
+        if value is None:
+            continue
         found = ELEMENT.match(key)
         if found is None:
             out[key] = value
