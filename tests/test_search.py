@@ -294,6 +294,29 @@ def test_a_resumed_search_continues_the_study_and_matches_an_uninterrupted_one(t
         scalar_search(space, {"x": 0.0, "n": 3}, objective, store, trials=14, seed=4)
 
 
+def test_a_worker_that_loses_the_race_for_the_last_slot_queues_it_for_a_longer_search(tmp_path):
+    space = [Range("x", -5.0, 5.0)]
+
+    def objective(params):
+        return {"value": (params["x"] - 1.2) ** 2}
+
+    whole = scalar_search(space, {"x": 0.0}, objective, new_store(tmp_path / "whole.journal"), trials=5, seed=1)
+    store = new_store(tmp_path / "parts.journal")
+    scalar_search(space, {"x": 0.0}, objective, store, trials=3, seed=1)
+    # A second worker read the study before the last slot was taken (both saw a free slot), then asked for a trial.
+    racer = new_store(tmp_path / "parts.journal")
+    racer.frozen = lambda: []
+    assert racer.claim(3) is None
+    leftovers = [t for t in store.frozen() if t.user_attrs["slot"] >= 3]
+    assert [(t.state.name, t.user_attrs["slot"]) for t in leftovers] == [("FAIL", 3), ("WAITING", 3)]
+    assert "not needed" in leftovers[0].user_attrs["error"] and "params" not in leftovers[1].user_attrs
+    assert len(store.history()) == 3  # the 3-trial search is whole; nothing was scored for slot 3
+    # A search resumed with 5 trials fills slot 3 from the queue, then slot 4: the trials of an uninterrupted one.
+    resumed = scalar_search(space, {"x": 0.0}, objective, store, trials=5, seed=1)
+    strip = [{k: v for k, v in t.items() if k != "seconds"} for t in resumed]
+    assert strip == [{k: v for k, v in t.items() if k != "seconds"} for t in whole]
+
+
 def test_resume_from_the_command_line(tiny, tmp_path, capsys):
     source, docs = tiny
     common = [

@@ -117,15 +117,32 @@ def done(trials) -> list:
     return sorted((t for t in trials if "state" in t.user_attrs), key=lambda t: t.user_attrs["slot"])
 
 
-def check_each_slot_once(trials, count) -> None:
+def check_each_slot_once(trials, count) -> list:
     """The oracle of 'no trial run twice': the finished trials fill slots 0..count-1 once each, with parameter
-    sets that are all different; every trial in the storage is finished, with its own number."""
+    sets that are all different; every trial in the storage has its own number, and is finished or one of the
+    leftovers of two workers claiming the last slot at once (see `race_leftovers`). The trials of slots below
+    `count`."""
     finished = done(trials)
     assert [t.user_attrs["slot"] for t in finished] == list(range(count))
     params = [json.dumps(t.user_attrs["params"], sort_keys=True) for t in finished]
     assert len(set(params)) == count
-    assert all(t.state.name in ("COMPLETE", "FAIL") for t in trials)
     assert len({t.number for t in trials}) == len(trials)
+    leftovers = race_leftovers(trials, count)
+    assert all(t.state.name in ("COMPLETE", "FAIL") for t in trials if t not in leftovers)
+    return [t for t in trials if t not in leftovers]
+
+
+def race_leftovers(trials, count) -> list:
+    """The trials left by a worker that lost the race for the last slot: it asked for a trial while the others
+    ran, got slot `count`, gave it back (FAIL, 'not needed') and queued the slot (WAITING) for a search resumed
+    with more trials, as the store documents. Nothing was scored in them."""
+    beyond = [t for t in trials if t.user_attrs.get("slot", count) >= count]
+    for t in beyond:
+        assert "state" not in t.user_attrs and "params" not in t.user_attrs, t.user_attrs
+        given_back = t.state.name == "FAIL" and "is not needed" in t.user_attrs.get("error", "")
+        queued = t.state.name == "WAITING" and t.user_attrs.get("requeued")
+        assert given_back or queued, (t.state, t.user_attrs)
+    return beyond
 
 
 def test_two_processes_on_one_sqlite_study_share_its_trials(tiny, tmp_path):
@@ -139,8 +156,7 @@ def test_two_processes_on_one_sqlite_study_share_its_trials(tiny, tmp_path):
         finish(a, log_a)
         finish(b, log_b)
     trials = trials_of(storage)
-    check_each_slot_once(trials, 8)
-    assert len(trials) == 8  # nothing lost, nothing given back: 8 trials in all
+    assert len(check_each_slot_once(trials, 8)) == 8  # nothing lost, nothing given back: 8 trials in its slots
     workers = {t.user_attrs["worker"]["pid"] for t in done(trials)}
     assert workers == {a.pid, b.pid}
     exported = [(tmp_path / name / "trials.jsonl").read_text() for name in ("a", "b")]
