@@ -125,3 +125,21 @@ def test_smollm2_shape_passes(smollm2_path, capsys):
     )
     assert code == 0, out
     assert "'head_dim': 64" in out and "'num_attention_heads': 9" in out
+
+
+def test_the_help_names_the_methods_that_are_checked_by_default():
+    """The CLI spells the default list out (it must not import torch for --help); it must not drift from
+    the cases `ctxext check` runs."""
+    import argparse
+    import re
+
+    from ctxext.check import AGREEMENT_CASES, COST_CASES, CheckOptions
+    from ctxext.cli import check as check_cli
+
+    parser = argparse.ArgumentParser()
+    check_cli.add_arguments(parser)
+    methods_help = next(a.help for a in parser._actions if "--methods" in a.option_strings)
+    listed_in_help = re.search(r"default: ([\w,]+)\)", methods_help).group(1).split(",")
+    listed_in_description = re.search(r"each method \(([\w, ]+)\)", check_cli.DESCRIPTION).group(1).split(", ")
+    assert listed_in_help == listed_in_description == list(AGREEMENT_CASES) == list(COST_CASES)
+    assert CheckOptions().methods == list(AGREEMENT_CASES)
