@@ -6,16 +6,21 @@ score as (query rotated by r') . (unrotated key) in float64, scaled by the atten
 causal softmax. It shares nothing with ctxext's regions or kernel.
 """
 
+import copy
+import gc
 import math
 import types
+import weakref
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
 import ctxext
+from ctxext.check import decoded_logits
 from ctxext.errors import CtxextError
-from ctxext.patching.attention import set_attention_tuning
+from ctxext.patching import attention
+from ctxext.patching.attention import KeptKeys, set_attention_tuning
 from tests.conftest import FAMILIES, save_tiny_checkpoint, tiny_model
 
 L = 32  # the tiny models' original length: log-n acts past it
@@ -214,6 +219,96 @@ def test_the_layers_of_a_forward_share_one_rotary_computation(tuned):
 
     assert rotary_calls(2) == rotary_calls(5)
     assert rotary_calls(2)[1] > 1  # the step did remap (the model's own call is the first)
+
+
+# ---------------------------------------------------------------------- keys kept between decode steps
+KEPT = [*DECODE, ("qwen2", "rerope", {"window": 5}, True), ("mistral", "leaky_rerope", {"window": 6, "k": 2.0}, False)]
+
+
+def forget_kept_keys(model):
+    """A pre-forward hook (after ctxext's) that drops every cache layer's kept keys: each step rotates all keys
+    afresh, as decoding did before keys were kept."""
+
+    def drop(_module, _args, kwargs):
+        for layer in getattr(kwargs.get("past_key_values", kwargs.get("cache")), "layers", []):
+            layer.__dict__.pop(KeptKeys.ATTRIBUTE, None)
+
+    return model.model.register_forward_pre_hook(drop, with_kwargs=True)
+
+
+@pytest.mark.parametrize("family,method,params,logn", KEPT)
+def test_kept_keys_decode_bit_for_bit_like_keys_rotated_afresh(family, method, params, logn, monkeypatch):
+    """A decode step rotates only its new key (the earlier ones were kept on the cache layer), and its logits are
+    exactly those of a step that turns every cached key back and rotates it again."""
+    model = ctxext.patch(tiny_model(family, max_position_embeddings=L), method, logn=logn, **params)
+    tokens = torch.randint(0, 256, (1, 44), generator=torch.Generator().manual_seed(9))
+    unrotated_lengths = []
+    undo = attention.undo_rotation
+    monkeypatch.setattr(attention, "undo_rotation", lambda x, *a: unrotated_lengths.append(x.shape[2]) or undo(x, *a))
+    with torch.no_grad():
+        kept = decoded_logits(model, tokens, steps=16)
+        lengths_kept = set(unrotated_lengths)
+        unrotated_lengths.clear()
+        handle = forget_kept_keys(model)
+        afresh = decoded_logits(model, tokens, steps=16)
+        handle.remove()
+    assert torch.equal(kept, afresh)
+    prompt = tokens.shape[1] - 16
+    # the prefill turned back its queries and keys; each step one query and, but for STRING, one key
+    assert lengths_kept == {prompt, 1}
+    if method != "string":  # STRING keeps every key's own rotation: it never turns keys back
+        assert max(unrotated_lengths) == tokens.shape[1]  # afresh: every cached key, every step
+
+
+def test_kept_keys_go_with_their_cache():
+    model = ctxext.patch(tiny_model("llama", max_position_embeddings=L), "dual_chunk", chunk_size=14, local_window=3)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.randint(0, 256, (1, 40)), cache=cache, use_cache=True)
+    kept = weakref.ref(cache.layers[0].__dict__[KeptKeys.ATTRIBUTE])
+    del cache
+    gc.collect()
+    assert kept() is None
+
+
+@pytest.mark.parametrize("change", ["crop", "reorder", "copy", "repatch"])
+def test_a_cache_changed_between_steps_decodes_like_a_full_forward(change):
+    """Cropping, reordering (beam search), copying the cache or changing the method between steps: the kept
+    keys no longer fit and are rotated afresh, so decoding still equals a full forward of what the cache holds."""
+    model = ctxext.patch(tiny_model("qwen3", max_position_embeddings=L), "self_extend", group_size=3, window=6)
+    tokens = torch.randint(0, 256, (2, 44), generator=torch.Generator().manual_seed(11))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(tokens[:, :30], cache=cache, use_cache=True)
+        for t in range(30, 40):
+            model(tokens[:, t : t + 1], cache=cache, use_cache=True)
+        if change == "crop":
+            cache.crop(-4)  # drop the last 4 tokens
+            assert cache.get_seq_length() == 36
+            tokens = tokens[:, :36]
+        elif change == "reorder":
+            cache.reorder_cache(torch.tensor([1, 0]))
+            tokens = tokens.flip(0)[:, :40]
+        elif change == "copy":
+            cache = copy.deepcopy(cache)
+            tokens = tokens[:, :40]
+        else:
+            ctxext.unpatch(model)
+            ctxext.patch(model, "self_extend", group_size=2, window=9)
+        tail = torch.randint(0, 256, (2, 4), generator=torch.Generator().manual_seed(12))
+        if change == "repatch":  # the cache was filled under the other method: compare with keys rotated afresh
+            handle = forget_kept_keys(model)
+            afresh_cache = copy.deepcopy(cache)
+            afresh = [model(tail[:, s : s + 1], cache=afresh_cache, use_cache=True).logits for s in range(4)]
+            handle.remove()
+        steps = [model(tail[:, s : s + 1], cache=cache, use_cache=True).logits for s in range(4)]
+        if change != "repatch":
+            full = model(torch.cat([tokens, tail], dim=1)).logits[:, -4:]
+    decoded = torch.cat(steps, dim=1)
+    if change == "repatch":
+        assert torch.equal(decoded, torch.cat(afresh, dim=1))
+    else:
+        assert torch.allclose(decoded, full, atol=1e-4), (decoded - full).abs().max()
 
 
 # ------------------------------------------------------------------------------ where nothing changes

@@ -14,7 +14,8 @@ attention function; the wrapper then:
   (cos, sin) at their positions, rotates them per region, and runs a remapping backend
   (ctxext.patching.remap_kernel) on a region plan that the forward's first layer builds for all layers
   (`ForwardPlan`). The KV cache stays the usual one (rotated keys), so decoding with a cache equals a full
-  forward.
+  forward; each of its layers also keeps its keys as the method rotates them (`KeptKeys`), so that a decode
+  step rotates only its new keys.
 
 `remove_attention` switches the implementation back. A checkpoint keeps the settings as `ctxext_attention` in
 config.json; `register_load_hook` (run at `import ctxext`) re-installs them on any model built from such a
@@ -194,14 +195,15 @@ def install_attention(
         module.__dict__[_STATE] = AttentionState(settings, host, memo, query_block, kernel)
     if settings.remap is not None:
         host.__dict__[_CACHE_CHECK] = host.register_forward_pre_hook(
-            functools.partial(_refuse_preallocated_cache, method=settings.method), with_kwargs=True
+            functools.partial(_before_forward, method=settings.method, memo=memo), with_kwargs=True
         )
     _switch_implementation(host, register_wrapper(inner))
 
 
-def _refuse_preallocated_cache(host, args, kwargs, method: str):
+def _before_forward(host, args, kwargs, method: str, memo: ForwardMemo):
     """Before a forward: a remapping method needs a cache holding exactly the tokens seen (its regions are
-    built from every earlier key), so a StaticCache or a sliding-window cache is refused here, not mid-run."""
+    built from every earlier key), so a StaticCache or a sliding-window cache is refused here, not mid-run.
+    Then each cache layer's `KeptKeys` is marked usable or not by this forward (`KeptKeys.check`)."""
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
     layers = getattr(cache, "layers", None) or []
     if any(isinstance(layer, StaticLayer) or getattr(layer, "is_sliding", False) for layer in layers):
@@ -209,6 +211,11 @@ def _refuse_preallocated_cache(host, args, kwargs, method: str):
             f"{method} needs a cache that holds exactly the tokens seen so far (DynamicCache, the "
             f"default), not a {type(cache).__name__} with static or sliding-window layers"
         )
+    memo.note_cache(cache)
+    for layer in layers:
+        kept = layer.__dict__.get(KeptKeys.ATTRIBUTE)
+        if kept is not None:
+            kept.check(layer)
 
 
 def remove_attention(host: nn.Module) -> None:
@@ -365,6 +372,24 @@ class ForwardMemo:
     def __init__(self):
         self._local = threading.local()
 
+    def note_cache(self, cache) -> None:
+        """The cache this thread's next forward was given (None without one): its layers keep `KeptKeys`."""
+        try:
+            self._local.cache = None if cache is None else weakref.ref(cache)
+        except TypeError:  # an object that cannot be referred to weakly keeps nothing
+            self._local.cache = None
+
+    def cache_layer(self, layer_idx: int, key: torch.Tensor):
+        """The layer of this forward's cache that holds exactly `key` (the tensor the model's attention passed),
+        or None (no cache, another kind of cache, or keys that are a copy)."""
+        ref = getattr(self._local, "cache", None)
+        cache = ref() if ref is not None else None
+        layers = getattr(cache, "layers", None)
+        if layers is None or not 0 <= layer_idx < len(layers):
+            return None
+        layer = layers[layer_idx]
+        return layer if getattr(layer, "keys", None) is key else None
+
     def plan_for(self, position_ids, attention_mask, total: int, q_len: int) -> ForwardPlan:
         plan = getattr(self._local, "plan", None)
         if plan is None or not plan.serves(position_ids, attention_mask, total, q_len):
@@ -373,11 +398,16 @@ class ForwardMemo:
         return plan
 
 
+def _is_dynamic_rotary(rotary: nn.Module) -> bool:
+    """ctxext's dynamic methods and transformers' dynamic rope types: frequencies that follow the length."""
+    return bool(getattr(rotary, "dynamic", False)) or "dynamic" in str(getattr(rotary, "rope_type", ""))
+
+
 def _rotary_entry(plan: ForwardPlan, host: nn.Module, like: torch.Tensor, name, positions: Callable):
     """(cos, sin) at `positions()`, once per forward; dynamic rotary types, whose frequencies follow each call's
     positions, are asked every time."""
     rotary = host.rotary_emb
-    if getattr(rotary, "dynamic", False) or "dynamic" in str(getattr(rotary, "rope_type", "")):
+    if _is_dynamic_rotary(rotary):
         return _rotary_at(host, like, positions())
     frequencies = getattr(rotary, "inv_freq", None)
     state = frequencies.data_ptr() if isinstance(frequencies, torch.Tensor) else None
@@ -588,52 +618,138 @@ def _remapped_forward(module, state: AttentionState, plan: ForwardPlan, query, k
 
 def _region_queries_and_keys(module, state: AttentionState, plan: ForwardPlan, query, key, positions: torch.Tensor):
     """([queries], [keys]), one of each per region of the method: rotated by the region's rules (the model's own
-    rotation where a region keeps it), from the rotated query and keys and the model's (cos, sin)."""
+    rotation where a region keeps it), from the rotated query and keys and the model's (cos, sin). Keys that a
+    cache layer kept from the previous forward (`KeptKeys`) are not rotated again: only the new ones are."""
     host = state.host
     q_len, total = query.shape[2], key.shape[2]
     query_positions = positions[:, total - q_len :]
-    cos_k, sin_k = _rotary_entry(plan, host, query, "keys", lambda: positions)
-    plain_query = undo_rotation(query, cos_k[:, total - q_len :], sin_k[:, total - q_len :])
-    plain_key = None  # unrotated keys, made once a region rotates keys by a rule of its own (STRING's never does)
-    queries, keys, rotated_keys = [], [], {}
+    layer = state.memo.cache_layer(module.layer_idx, key) if _may_keep_keys(host, query, key) else None
+    kept = KeptKeys.reusable(layer, state, key, positions, q_len)
+    start = 0 if kept is None else kept.length  # keys [start, total) are rotated by this forward
+    new_positions = positions[:, start:]
+    cos_k, sin_k = _rotary_entry(plan, host, query, ("keys", start), lambda: new_positions)
+    plain_query = undo_rotation(query, cos_k[:, -q_len:], sin_k[:, -q_len:])
+    plain_key = None  # the new keys unrotated, made once a region rotates keys by a rule of its own (not STRING)
+    queries, key_slots, rotated = [], [], {}  # rotated: key rule -> (slot, the new keys rotated by it)
     for index, region in enumerate(state.settings.remap.regions()):
-        if region.pair_scales is not None:  # DPE: every rotary pair at its own scale
-            scales = region.pair_scales(cos_k.shape[-1] // 2, module.layer_idx)
-            query_rule, key_rule = region.query_position, region.key_position
+        query_rule, key_rule = region.query_position, region.key_position
+        scales = None if region.pair_scales is None else region.pair_scales(cos_k.shape[-1] // 2, module.layer_idx)
+        if scales is not None:  # DPE: every rotary pair at its own scale
             queries.append(
                 _rotated_per_pair(
-                    plan,
-                    host,
-                    plain_query,
-                    ("query", index),
-                    scales,
-                    lambda G, rule=query_rule: rule(query_positions, G),
+                    plan, host, plain_query, ("query", index), scales, lambda G, r=query_rule: r(query_positions, G)
                 ).to(query.dtype)
             )
-            plain_key = undo_rotation(key, cos_k, sin_k) if plain_key is None else plain_key
-            keys.append(
-                _rotated_per_pair(
-                    plan, host, plain_key, ("key", index), scales, lambda G, rule=key_rule: rule(positions, G)
-                ).to(key.dtype)
-            )
-            continue
-        if region.query_position is None:
+        elif query_rule is None:
             queries.append(query)
         else:
-            cos, sin = _rotary_entry(
-                plan, host, plain_query, ("query", index), lambda rule=region.query_position: rule(query_positions)
-            )
+            cos, sin = _rotary_entry(plan, host, plain_query, ("query", index), lambda r=query_rule: r(query_positions))
             queries.append(apply_rotation(plain_query, cos, sin).to(query.dtype))
-        if region.key_position is None:
-            keys.append(key)
-        else:
-            rule = region.key_position
-            if rule not in rotated_keys:  # regions that share a key rule share the rotated keys
-                plain_key = undo_rotation(key, cos_k, sin_k) if plain_key is None else plain_key
-                cos, sin = _rotary_entry(plan, host, plain_key, ("key", index), lambda rule=rule: rule(positions))
-                rotated_keys[rule] = apply_rotation(plain_key, cos, sin).to(key.dtype)
-            keys.append(rotated_keys[rule])
+        if key_rule is None:
+            key_slots.append(None)
+            continue
+        if key_rule not in rotated:  # regions that share a key rule share the rotated keys
+            plain_key = undo_rotation(key[:, :, start:], cos_k, sin_k) if plain_key is None else plain_key
+            name = ("key", index, start)
+            if scales is not None:
+                new = _rotated_per_pair(plan, host, plain_key, name, scales, lambda G, r=key_rule: r(new_positions, G))
+            else:
+                cos, sin = _rotary_entry(plan, host, plain_key, name, lambda r=key_rule: r(new_positions))
+                new = apply_rotation(plain_key, cos, sin)
+            rotated[key_rule] = (index, new.to(key.dtype))
+        key_slots.append(rotated[key_rule][0])
+    new_keys = dict(rotated.values())
+    if kept is not None:
+        rotated_keys = kept.extend(new_keys, positions, key)
+    else:
+        rotated_keys = new_keys
+        if layer is not None and new_keys:
+            KeptKeys.keep(layer, state, new_keys, positions, key)
+    keys = [key if slot is None else rotated_keys[slot] for slot in key_slots]
     return queries, keys
+
+
+def _may_keep_keys(host: nn.Module, query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether rotated keys may be kept for later forwards: not while training (in-place growth would break
+    autograd) nor under a dynamic rotary type (its frequencies, and so every key's rotation, follow the length)."""
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
+        return False
+    return not _is_dynamic_rotary(host.rotary_emb)
+
+
+class KeptKeys:
+    """One cache layer's keys as each key rule of a remapping method rotates them, kept on the cache layer
+    between forwards, so that a decode step rotates only its new keys instead of turning every cached key
+    back and rotating it again per region (at 64k tokens, most of a SmolLM2 decode step).
+
+    A key's rotation depends on its own position only (`Region`: the key at k(j)), so kept keys stay right while
+    the cache only grows. They are used only when, else all keys are rotated afresh and kept in their place:
+    - the layer held, when this forward began, the very keys tensor they were made with (`check`, run by the
+      model's pre-forward hook; DynamicCache replaces that tensor on every update, crop, reorder and batch
+      change, so keys changed in place behind the cache's back are not noticed);
+    - this forward adds its q_len keys right after the kept ones, which sit at the same positions as before;
+    - the same method settings, rotary frequencies, dtype, device and shape.
+    They go with the cache. Memory: one more copy of the layer's keys per key rule, plus an eighth to grow into.
+    """
+
+    ATTRIBUTE = "_ctxext_kept_keys"
+
+    def __init__(self, settings: AttentionSettings, signature: tuple, rotated: dict):
+        self.settings = settings
+        self.signature = signature
+        self.rotated = rotated  # slot -> (batch, kv heads, capacity, head_dim); the first `length` are valid
+        self.positions: torch.Tensor | None = None  # (batch or 1, length) int64 on the CPU
+        self.length = 0
+        self.source: weakref.ref | None = None  # the layer's keys tensor they were made with
+        self.usable = False  # set before each forward by `check`, spent by the forward's first use
+
+    @staticmethod
+    def _signature(host: nn.Module, key: torch.Tensor) -> tuple:
+        frequencies = getattr(host.rotary_emb, "inv_freq", None)
+        state = frequencies.data_ptr() if isinstance(frequencies, torch.Tensor) else None
+        return id(host.rotary_emb), state, key.dtype, key.device, key.shape[0], key.shape[1], key.shape[3]
+
+    @classmethod
+    def keep(cls, layer, state: AttentionState, rotated: dict, positions: torch.Tensor, key: torch.Tensor):
+        kept = cls(state.settings, cls._signature(state.host, key), rotated)
+        kept._made_with(positions, key)
+        layer.__dict__[cls.ATTRIBUTE] = kept
+
+    @classmethod
+    def reusable(cls, layer, state: AttentionState, key: torch.Tensor, positions: torch.Tensor, q_len: int):
+        """The layer's kept keys if this forward may extend them, else None."""
+        kept = None if layer is None else layer.__dict__.get(cls.ATTRIBUTE)
+        if kept is None:
+            return None
+        usable, kept.usable = kept.usable, False
+        done = key.shape[2] - q_len
+        if not usable or kept.length != done or done == 0 or kept.settings is not state.settings:
+            return None
+        if kept.signature != cls._signature(state.host, key):
+            return None
+        if kept.positions.shape[0] != positions.shape[0] or not torch.equal(kept.positions, positions[:, :done]):
+            return None
+        return kept
+
+    def check(self, layer) -> None:
+        source = None if self.source is None else self.source()
+        self.usable = source is not None and getattr(layer, "keys", None) is source
+
+    def extend(self, new: dict, positions: torch.Tensor, key: torch.Tensor) -> dict:
+        """Append each rule's newly rotated keys (in place, growing by an eighth when full); all of them, as views."""
+        length = positions.shape[1]
+        for slot, fresh in new.items():
+            buffer = self.rotated[slot]
+            if buffer.shape[2] < length:
+                grown = buffer.new_empty(*buffer.shape[:2], length + length // 8, buffer.shape[3])
+                grown[:, :, : self.length] = buffer[:, :, : self.length]
+                buffer = self.rotated[slot] = grown
+            buffer[:, :, self.length : length] = fresh
+        self._made_with(positions, key)
+        return {slot: buffer[:, :, :length] for slot, buffer in self.rotated.items()}
+
+    def _made_with(self, positions: torch.Tensor, key: torch.Tensor) -> None:
+        self.positions, self.length, self.source = positions, positions.shape[1], weakref.ref(key)
 
 
 def _rotated_per_pair(
