@@ -683,7 +683,7 @@ class KeptKeys:
     back and rotating it again per region (at 64k tokens, most of a SmolLM2 decode step).
 
     A key's rotation depends on its own position only (`Region`: the key at k(j)), so kept keys stay right while
-    the cache only grows. They are used only when, else all keys are rotated afresh and kept in their place:
+    the cache only grows. They are used only when all of these hold (else every key is rotated afresh and kept):
     - the layer held, when this forward began, the very keys tensor they were made with (`check`, run by the
       model's pre-forward hook; DynamicCache replaces that tensor on every update, crop, reorder and batch
       change, so keys changed in place behind the cache's back are not noticed);
