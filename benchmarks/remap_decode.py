@@ -47,7 +47,8 @@ def random_cache(config, length: int, dtype):
 
     cache = DynamicCache(config=config)
     generator = torch.Generator().manual_seed(0)
-    shape = (1, config.num_key_value_heads, length, config.hidden_size // config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shape = (1, config.num_key_value_heads, length, head_dim)
     for layer in range(config.num_hidden_layers):
         keys, values = (torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
         cache.update(keys, values, layer)
@@ -110,12 +111,12 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from sdpa, {', '.join(DECODE_PARAMS)}")
     seconds = {v: [] for v in variants}
+    random_length = args.length if args.random_cache else None
     for round_ in range(args.rounds):
         for variant in variants:
             ctxext.unpatch(model)
             if variant != "sdpa":
                 ctxext.patch(model, variant, **DECODE_PARAMS[variant])
-            random_length = args.length if args.random_cache else None
             seconds[variant].append(decode_step_seconds(model, prompt, args.steps, random_length))
             print(f"round {round_ + 1}: {variant:<13} {1000 * seconds[variant][-1]:7.1f} ms/step", flush=True)
     ctxext.unpatch(model)

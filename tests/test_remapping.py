@@ -271,17 +271,28 @@ def test_kept_keys_go_with_their_cache():
     assert kept() is None
 
 
-@pytest.mark.parametrize("change", ["crop", "reorder", "copy", "repatch"])
+def filled_cache(model, tokens):
+    """A DynamicCache after a 30-token prefill and 10 decode steps of `tokens`."""
+    cache = DynamicCache(config=model.config)
+    model(tokens[:, :30], cache=cache, use_cache=True)
+    for t in range(30, 40):
+        model(tokens[:, t : t + 1], cache=cache, use_cache=True)
+    return cache
+
+
+def decode_steps(model, cache, tail):
+    return torch.cat([model(tail[:, s : s + 1], cache=cache, use_cache=True).logits for s in range(tail.shape[1])], 1)
+
+
+@pytest.mark.parametrize("change", ["crop", "reorder", "copy"])
 def test_a_cache_changed_between_steps_decodes_like_a_full_forward(change):
-    """Cropping, reordering (beam search), copying the cache or changing the method between steps: the kept
-    keys no longer fit and are rotated afresh, so decoding still equals a full forward of what the cache holds."""
+    """Cropping, reordering (beam search) or copying the cache between steps: the kept keys no longer fit and are
+    rotated afresh, so decoding still equals a full forward of what the cache holds."""
     model = ctxext.patch(tiny_model("qwen3", max_position_embeddings=L), "self_extend", group_size=3, window=6)
     tokens = torch.randint(0, 256, (2, 44), generator=torch.Generator().manual_seed(11))
-    cache = DynamicCache(config=model.config)
+    tail = torch.randint(0, 256, (2, 4), generator=torch.Generator().manual_seed(12))
     with torch.no_grad():
-        model(tokens[:, :30], cache=cache, use_cache=True)
-        for t in range(30, 40):
-            model(tokens[:, t : t + 1], cache=cache, use_cache=True)
+        cache = filled_cache(model, tokens)
         if change == "crop":
             cache.crop(-4)  # drop the last 4 tokens
             assert cache.get_seq_length() == 36
@@ -289,26 +300,30 @@ def test_a_cache_changed_between_steps_decodes_like_a_full_forward(change):
         elif change == "reorder":
             cache.reorder_cache(torch.tensor([1, 0]))
             tokens = tokens.flip(0)[:, :40]
-        elif change == "copy":
+        else:
             cache = copy.deepcopy(cache)
             tokens = tokens[:, :40]
-        else:
-            ctxext.unpatch(model)
-            ctxext.patch(model, "self_extend", group_size=2, window=9)
-        tail = torch.randint(0, 256, (2, 4), generator=torch.Generator().manual_seed(12))
-        if change == "repatch":  # the cache was filled under the other method: compare with keys rotated afresh
-            handle = forget_kept_keys(model)
-            afresh_cache = copy.deepcopy(cache)
-            afresh = [model(tail[:, s : s + 1], cache=afresh_cache, use_cache=True).logits for s in range(4)]
-            handle.remove()
-        steps = [model(tail[:, s : s + 1], cache=cache, use_cache=True).logits for s in range(4)]
-        if change != "repatch":
-            full = model(torch.cat([tokens, tail], dim=1)).logits[:, -4:]
-    decoded = torch.cat(steps, dim=1)
-    if change == "repatch":
-        assert torch.equal(decoded, torch.cat(afresh, dim=1))
-    else:
-        assert torch.allclose(decoded, full, atol=1e-4), (decoded - full).abs().max()
+        decoded = decode_steps(model, cache, tail)
+        full = model(torch.cat([tokens, tail], dim=1)).logits[:, -4:]
+    assert torch.allclose(decoded, full, atol=1e-4), (decoded - full).abs().max()
+
+
+def test_a_method_changed_between_steps_rotates_the_kept_keys_afresh():
+    """Re-patched with other parameters, the next steps use none of the keys kept under the old ones: their logits
+    are exactly those of steps that rotate every key afresh. (The cache was filled under the old method, so no
+    full forward under the new one is a reference.)"""
+    model = ctxext.patch(tiny_model("qwen3", max_position_embeddings=L), "self_extend", group_size=3, window=6)
+    tokens = torch.randint(0, 256, (2, 44), generator=torch.Generator().manual_seed(11))
+    tail = torch.randint(0, 256, (2, 4), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        cache = filled_cache(model, tokens)
+        ctxext.unpatch(model)
+        ctxext.patch(model, "self_extend", group_size=2, window=9)
+        handle = forget_kept_keys(model)
+        afresh = decode_steps(model, copy.deepcopy(cache), tail)
+        handle.remove()
+        decoded = decode_steps(model, cache, tail)
+    assert torch.equal(decoded, afresh)
 
 
 # ------------------------------------------------------------------------------ where nothing changes

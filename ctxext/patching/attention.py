@@ -403,16 +403,21 @@ def _is_dynamic_rotary(rotary: nn.Module) -> bool:
     return bool(getattr(rotary, "dynamic", False)) or "dynamic" in str(getattr(rotary, "rope_type", ""))
 
 
+def _rotary_identity(rotary: nn.Module) -> tuple:
+    """Which rotary module, with which frequencies: (cos, sin) and rotated keys made under another differ."""
+    frequencies = getattr(rotary, "inv_freq", None)
+    return id(rotary), frequencies.data_ptr() if isinstance(frequencies, torch.Tensor) else None
+
+
 def _rotary_entry(plan: ForwardPlan, host: nn.Module, like: torch.Tensor, name, positions: Callable):
     """(cos, sin) at `positions()`, once per forward; dynamic rotary types, whose frequencies follow each call's
     positions, are asked every time."""
     rotary = host.rotary_emb
     if _is_dynamic_rotary(rotary):
         return _rotary_at(host, like, positions())
-    frequencies = getattr(rotary, "inv_freq", None)
-    state = frequencies.data_ptr() if isinstance(frequencies, torch.Tensor) else None
     return plan.remember(
-        ("rotary", name, id(rotary), state, like.dtype, like.device), lambda: _rotary_at(host, like, positions())
+        ("rotary", name, *_rotary_identity(rotary), like.dtype, like.device),
+        lambda: _rotary_at(host, like, positions()),
     )
 
 
@@ -705,9 +710,7 @@ class KeptKeys:
 
     @staticmethod
     def _signature(host: nn.Module, key: torch.Tensor) -> tuple:
-        frequencies = getattr(host.rotary_emb, "inv_freq", None)
-        state = frequencies.data_ptr() if isinstance(frequencies, torch.Tensor) else None
-        return id(host.rotary_emb), state, key.dtype, key.device, key.shape[0], key.shape[1], key.shape[3]
+        return *_rotary_identity(host.rotary_emb), key.dtype, key.device, key.shape[0], key.shape[1], key.shape[3]
 
     @classmethod
     def keep(cls, layer, state: AttentionState, rotated: dict, positions: torch.Tensor, key: torch.Tensor):
