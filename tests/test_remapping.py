@@ -20,7 +20,7 @@ import ctxext
 from ctxext.check import decoded_logits
 from ctxext.errors import CtxextError
 from ctxext.patching import attention
-from ctxext.patching.attention import KeptKeys, set_attention_tuning
+from ctxext.patching.attention import KeptKeys, installed_settings, kept_keys_bytes, set_attention_tuning
 from tests.conftest import FAMILIES, save_tiny_checkpoint, tiny_model
 
 L = 32  # the tiny models' original length: log-n acts past it
@@ -324,6 +324,28 @@ def test_a_method_changed_between_steps_rotates_the_kept_keys_afresh():
         handle.remove()
         decoded = decode_steps(model, cache, tail)
     assert torch.equal(decoded, afresh)
+
+
+def test_keys_kept_cost_one_copy_per_key_rule_and_go_when_turned_off():
+    """`kept_keys_bytes` counts one copy of the cache's keys per distinct key rule of the method, plus at most an
+    eighth to grow into; after `set_attention_tuning(keep_keys=False)` the next step drops them and decodes the
+    same logits, and later steps keep none."""
+    model = ctxext.patch(tiny_model("mistral", max_position_embeddings=L), "leaky_rerope", window=6, k=2.0)
+    rules = {region.key_position for region in installed_settings(model.model).remap.regions()} - {None}
+    tokens = torch.randint(0, 256, (2, 44), generator=torch.Generator().manual_seed(13))
+    tail = torch.randint(0, 256, (2, 3), generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        cache = filled_cache(model, tokens)
+        cached = sum(layer.keys.numel() * layer.keys.element_size() for layer in cache.layers)
+        assert len(rules) * cached <= kept_keys_bytes(cache) <= len(rules) * cached * 9 / 8
+        spare = copy.deepcopy(cache)
+        kept = decode_steps(model, spare, tail)
+        set_attention_tuning(model, keep_keys=False)
+        not_kept = decode_steps(model, cache, tail)
+    assert kept_keys_bytes(cache) == 0 and kept_keys_bytes(spare) > 0
+    assert torch.equal(kept, not_kept)
+    with pytest.raises(CtxextError, match="keep_keys"):
+        set_attention_tuning(model, keep_keys="no")
 
 
 # ------------------------------------------------------------------------------ where nothing changes

@@ -49,6 +49,7 @@ from transformers.utils.generic import is_flash_attention_requested
 from .. import compat
 from ..errors import CtxextError
 from ..methods.attention import AttentionSettings, logn_scale
+from ..validate import boolean
 from .families import SUPPORTED_FAMILIES, rotary_host
 from .remap_kernel import BACKEND_CHOICES, QUERY_BLOCK, RegionPlan, attend_regions, key_padding
 
@@ -67,7 +68,8 @@ class AttentionState:
 
     A plain object, not an nn.Module, so that the base model is not registered as a submodule of its own
     attention layers. `query_block` and `kernel` (a remapping backend, or "auto") are tuning knobs (tests
-    shrink the block to exercise it, and force each backend).
+    shrink the block to exercise it, and force each backend); `keep_keys=False` trades decode speed for the
+    memory of `KeptKeys`.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class AttentionState:
         memo: ForwardMemo,
         query_block: int = QUERY_BLOCK,
         kernel: str = "auto",
+        keep_keys: bool = True,
     ):
         if kernel not in BACKEND_CHOICES:
             raise CtxextError(f"unknown remapping backend '{kernel}'; choose one of {', '.join(BACKEND_CHOICES)}")
@@ -86,6 +89,7 @@ class AttentionState:
         self.host = host
         self.query_block = int(query_block)
         self.kernel = kernel
+        self.keep_keys = boolean("keep_keys", keep_keys)
         self.memo = memo  # one per model, shared by its layers
 
 
@@ -238,15 +242,36 @@ def installed_settings(host: nn.Module) -> AttentionSettings | None:
     return state.settings if state is not None else None
 
 
-def set_attention_tuning(model: nn.Module, query_block: int | None = None, kernel: str | None = None) -> None:
-    """Change the block size or backend of an installed remapping method (benchmarks and tests; same results)."""
+def set_attention_tuning(
+    model: nn.Module, query_block: int | None = None, kernel: str | None = None, keep_keys: bool | None = None
+) -> None:
+    """Change the block size, backend or key keeping of an installed remapping method; the results stay the same.
+
+    `keep_keys=False` stops caches from keeping their keys rotated by the method's rules (`KeptKeys`), and drops
+    what they kept at their next forward: decode steps rotate every cached key again (at 64k, about 5x slower
+    on a CPU) but need no extra memory (`kept_keys_bytes`)."""
     for module in attention_modules(rotary_host(model)):
         state = module.__dict__.get(_STATE)
         if state is None:
             raise CtxextError("no ctxext attention method is installed on this model")
         module.__dict__[_STATE] = AttentionState(
-            state.settings, state.host, state.memo, query_block or state.query_block, kernel or state.kernel
+            state.settings,
+            state.host,
+            state.memo,
+            query_block or state.query_block,
+            kernel or state.kernel,
+            state.keep_keys if keep_keys is None else keep_keys,
         )
+
+
+def kept_keys_bytes(cache) -> int:
+    """The memory a cache's layers hold in keys kept by `KeptKeys`, beyond the cache itself (0 when none)."""
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        kept = layer.__dict__.get(KeptKeys.ATTRIBUTE)
+        if kept is not None:
+            total += sum(buffer.numel() * buffer.element_size() for buffer in kept.rotated.values())
+    return total
 
 
 def sync_attention_with_config(host: nn.Module) -> None:
@@ -628,7 +653,10 @@ def _region_queries_and_keys(module, state: AttentionState, plan: ForwardPlan, q
     host = state.host
     q_len, total = query.shape[2], key.shape[2]
     query_positions = positions[:, total - q_len :]
-    layer = state.memo.cache_layer(module.layer_idx, key) if _may_keep_keys(host, query, key) else None
+    layer = state.memo.cache_layer(module.layer_idx, key)
+    if layer is not None and not (state.keep_keys and _may_keep_keys(host, query, key)):
+        layer.__dict__.pop(KeptKeys.ATTRIBUTE, None)
+        layer = None
     kept = KeptKeys.reusable(layer, state, key, positions, q_len)
     start = 0 if kept is None else kept.length  # keys [start, total) are rotated by this forward
     new_positions = positions[:, start:]
@@ -781,6 +809,7 @@ __all__ = [
     "apply_rotation",
     "install_attention",
     "installed_settings",
+    "kept_keys_bytes",
     "record_attention_in_config",
     "register_load_hook",
     "remove_attention",
