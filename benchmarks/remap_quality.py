@@ -31,6 +31,8 @@ METHODS = {
     "self_extend G16 w2048": ("self_extend", {"group_size": 16, "window": 2048}),
     "dual_chunk (defaults)": ("dual_chunk", {}),
     "dpe w1024 fast G4 slow G16": ("dpe", {"window": 1024, "group_scales": [4, 4, 4, 4, 4, 16, 16, 16]}),
+    # the best of dpe's needle-ppl search at 32k (docs/comparison.md), the moonshot's dpe at 64k
+    "dpe searched 32k w3028": ("dpe", {"window": 3028, "group_scales": [8, 4, 8, 16, 1, 32, 16, 16]}),
     "string (defaults)": ("string", {}),
 }
 NATIVE = "native (8k windows, stride 4k)"
