@@ -270,7 +270,7 @@ def kept_keys_bytes(cache) -> int:
     for layer in getattr(cache, "layers", []):
         kept = layer.__dict__.get(KeptKeys.ATTRIBUTE)
         if kept is not None:
-            total += sum(buffer.numel() * buffer.element_size() for buffer in kept.rotated.values())
+            total += sum(buffer.nbytes for buffer in kept.rotated.values())
     return total
 
 
