@@ -8,6 +8,8 @@ has the results):
   4. niah_single_1 at 4k-16k for the remapping methods (string, self_extend, dual_chunk, leaky_rerope)
   5. the moonshot's needle half: niah_single_1 at 64k (8x) for dual_chunk and dpe, 10 samples per cell, no
      baseline there; and the unpatched model at 4k, 20 samples, the accuracy to keep 90% of
+  6. niah_single_1 at 32k for dpe at its defaults and as searched at 32k with needle-ppl, 10 samples per cell, no
+     baseline (stage 3 has it): does the needle-ppl search keep RULER's needle?
 Every (method, task, length) cell is cached in $CTXEXT_CACHE_DIR/tasks (--cache-dir moves it) as soon as it is
 done, and inside a cell every answered sample, so the stages can be interrupted and run again: finished cells and
 samples are read back. The cache is keyed by the model's content, so a cache folder committed to the repository
@@ -39,6 +41,7 @@ STAGES = {
     3: [("niah_single_1", "32k", 10, "smollm2-32k.yaml", True)],
     4: [("niah_single_1", "4k,8k,16k", 20, "smollm2-remap.yaml", True)],
     5: [("niah_single_1", "4k", 20, None, True), ("niah_single_1", "64k", 10, "smollm2-64k.yaml", False)],
+    6: [("niah_single_1", "32k", 10, "smollm2-dpe-32k.yaml", False)],
 }
 
 
