@@ -4,12 +4,14 @@ to the trials an uninterrupted search has.
 
 A process is caught in the middle of a trial by pausing it (SIGSTOP) once its running trial holds its parameters
 and no result, and checking that again while it is paused: a trial's scoring holds no lock on the storage, so the
-other processes carry on.
+other processes carry on. Its heartbeat thread writes to the storage every 30 s, though, so a pause that lands
+in such a write is undone and tried again (a paused writer would hold SQLite's lock, or the journal's lock file).
 """
 
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -88,11 +90,26 @@ def pause_mid_trial(process, storage, after: int = 0, timeout: float = 240) -> i
         if scoring and sum("state" in t.user_attrs for t in trials) >= after:
             process.send_signal(signal.SIGSTOP)
             again = {t.number: t for t in trials_of(storage)}[scoring[0].number]
-            if _scoring(again, process.pid):
+            if _scoring(again, process.pid) and _unlocked(storage):
                 return again.number
-            process.send_signal(signal.SIGCONT)  # it finished the trial in between: catch the next one
+            process.send_signal(signal.SIGCONT)  # it finished the trial, or was writing: try again
         time.sleep(0.05)
     raise AssertionError("no trial of the search was caught running")
+
+
+def _unlocked(storage) -> bool:
+    """Whether no process holds the storage's write lock (SQLite's, or the journal file's lock file)."""
+    if "://" not in str(storage):
+        return not os.path.lexists(f"{storage}.lock")
+    connection = sqlite3.connect(str(storage).removeprefix("sqlite:///"), timeout=0.2, isolation_level=None)
+    try:
+        connection.execute("BEGIN IMMEDIATE")
+        connection.execute("ROLLBACK")
+        return True
+    except sqlite3.OperationalError:  # database is locked
+        return False
+    finally:
+        connection.close()
 
 
 def _scoring(trial, pid) -> bool:
