@@ -50,9 +50,25 @@ def search_argv(tiny, out, trials, *extra):
     ]  # fmt: skip
 
 
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    """A failed test leaves none of its searches running, or paused (SIGKILL ends a stopped process too)."""
+    yield
+    while STARTED:
+        process = STARTED.pop()
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+
+
 def start(argv, log):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    STARTED.append(process)
+    return process
 
 
 def finish(process, log, timeout=300):
