@@ -157,6 +157,28 @@ def test_stride_window_is_one_pass_and_sweep_yaml(tiny_checkpoint, texts, tmp_pa
     assert row["nll_sum"] == pytest.approx(nll, rel=1e-5)
 
 
+def test_a_setting_that_reaches_past_l_is_named_with_the_one_that_does_not(tiny_checkpoint, texts, tmp_path, capsys):
+    """SelfExtend G 2, w 64 on the L = 256 checkpoint: within L at 256 tokens, past it at 1024. The reach and the
+    smallest group size that stays within L come from every (i, j) pair through the formula written out."""
+    from tests.test_remapping import self_extend_relative
+
+    def largest(length, group_size):
+        i, j = torch.tril_indices(length, length)
+        return self_extend_relative(i, j, group_size, 64).max().item()
+
+    assert largest(256, 2) <= 255 < largest(1024, 2)
+    G = next(G for G in range(2, 1024) if largest(1024, G) <= 255)
+    argv = ["eval", tiny_checkpoint, "--method", "self_extend", "--group-size", "2", "--window", "64", "--method",
+            "yarn", "--factor", "2", "--lengths", "256,1024", "--text-file", texts / "a.txt", "--no-progress",
+            "-o", tmp_path / "out"]  # fmt: skip
+    assert run_cli(*argv) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert notes == [
+        f"note: self_extend G2 w64 uses relative positions up to {largest(1024, 2)} at 1024 tokens, past the 256 "
+        f"the model was trained on (at 1024); group_size >= {G} keeps them below 256"
+    ]
+
+
 def test_bos_yes_starts_every_window_with_bos_and_never_scores_it(tiny_checkpoint, texts, tmp_path):
     out = tmp_path / "out"
     assert (

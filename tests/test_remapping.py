@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 import ctxext
 from ctxext.check import decoded_logits
 from ctxext.errors import CtxextError
+from ctxext.methods import get_method
 from ctxext.patching import attention
 from ctxext.patching.attention import KeptKeys, installed_settings, kept_keys_bytes, set_attention_tuning
 from tests.conftest import FAMILIES, save_tiny_checkpoint, tiny_model
@@ -370,6 +371,51 @@ def test_first_region_covering_the_sequence_is_bit_identical(family, method, par
         ctxext.unpatch(model)
         assert torch.equal(model(tokens).logits, plain)
         assert not torch.allclose(patched_longer, model(longer).logits, atol=1e-5)  # past it, it acts
+
+
+# ------------------------------------------------------------------------- how far past L a setting reaches
+def largest_relative_brute_force(method, params, length):
+    i, j = torch.tril_indices(length, length)  # every query i and key j <= i
+    return RELATIVE[method](i, j, **params).max().item()
+
+
+@pytest.mark.parametrize(
+    "method, params",
+    [
+        ("self_extend", {"group_size": 4, "window": 16}),
+        ("self_extend", {"group_size": 3, "window": 10}),
+        ("self_extend", {"group_size": 5, "window": 40}),
+        ("rerope", {"window": 20}),
+        ("rerope", {"window": 70}),
+        ("leaky_rerope", {"window": 12, "k": 4.0}),
+        ("leaky_rerope", {"window": 31, "k": 16.0}),
+    ],
+)
+def test_largest_relative_position_and_the_setting_within_l(method, params):
+    """Against every (i, j) pair through the formulas above; the setting offered is the smallest that keeps
+    r' <= L - 1 (for a group size and a leak k; the one below it does not)."""
+    spec = get_method(method)
+    for length in (8, 33, 64, 97, 200):
+        largest = spec.make_params(**params).largest_relative_position(length)
+        assert largest == pytest.approx(largest_relative_brute_force(method, params, length))
+    length = 200
+    if largest_relative_brute_force(method, params, length) <= L - 1:
+        return  # ReRoPE with w < L: nothing to change (a setting is asked for only past L)
+    within = spec.make_params(**params).setting_within(length, L)
+    key, _, bound = within.partition(" >= ")
+    if key in ("group_size", "k"):
+        fits = lambda value: largest_relative_brute_force(method, {**params, key: value}, length) <= L - 1
+        assert fits(int(bound)) and not fits(int(bound) - 1)
+    else:  # no group size or k does: the window itself is too wide, and one below the bound leaves a choice
+        bound = L - (method == "leaky_rerope")
+        assert within == f"a window below {bound}" and params["window"] >= bound
+        narrower = spec.make_params(**{**params, "window": bound - 1})
+        assert narrower.largest_relative_position(length) <= L - 1 or " >= " in narrower.setting_within(length, L)
+
+
+def test_methods_that_do_not_promise_to_stay_below_l_have_no_bound():
+    for method in ("dual_chunk", "string", "dpe"):
+        assert get_method(method).make_params().largest_relative_position(10_000) is None
 
 
 # ------------------------------------------------------------------------------------ defaults, round trip

@@ -92,6 +92,8 @@ def evaluate_passkey(request: PasskeyRequest, report=None) -> PasskeyResult:
             f"lengths x {len(methods)} methods; {session.runtime['dtype']} ({session.runtime['dtype_reason']}) on "
             f"{session.runtime['device']}"
         )
+        for line in session.beyond_training_notes(request.lengths):
+            report(line)
     progress = session.progress(len(trials[processes.rank :: processes.world_size]) * len(methods), "trial")
     try:
         records = run_passkey(session.model, session.tokenizer, trials, methods, session.bos_id, processes, progress)

@@ -188,6 +188,34 @@ def method_rows(selection: MethodSelection, model_config) -> list[EvalMethod]:
     return rows
 
 
+def beyond_training_notes(rows: list[EvalMethod], lengths: list[int], model_original_length: int | None) -> list[str]:
+    """One line per row whose method is meant to keep relative positions below L but, as set, uses a larger one
+    at some of `lengths` (e.g. SelfExtend's default G 4 at 8x): what it reaches, and the setting that stays
+    below L."""
+    from ..methods import get_method
+    from ..methods.remapping import RemapParams
+
+    notes = []
+    for row in rows:
+        config = row.config
+        L = config and (config.original_max_position_embeddings or model_original_length)
+        if not L:
+            continue
+        params = get_method(config.method).make_params(factor=config.factor, **config.params)
+        if not isinstance(params, RemapParams):
+            continue
+        past = [n for n in sorted(lengths) if (params.largest_relative_position(n) or 0) > L - 1]
+        if past:
+            longest = past[-1]
+            within = params.setting_within(longest, L)
+            notes.append(
+                f"note: {row.label} uses relative positions up to {params.largest_relative_position(longest):g} "
+                f"at {longest} tokens, past the {L} the model was trained on (at {', '.join(map(str, past))})"
+                + (f"; {within} keeps them below {L}" if within else "")
+            )
+    return notes
+
+
 # ----------------------------------------------------------------------------------------------- labels
 def _settings(row: EvalMethod, defaults: bool = False) -> dict:
     """Every setting of a row's method with the defaults resolved (`defaults`: the method's defaults at the

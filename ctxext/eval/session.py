@@ -41,6 +41,12 @@ class EvalSession:
             f"{runtime['attn_implementation']}{f', {world} processes' if world > 1 else ''}"
         )
 
+    def beyond_training_notes(self, lengths: list[int]) -> list[str]:
+        from .rows import beyond_training_notes
+        from .setup import original_length
+
+        return beyond_training_notes(self.methods, lengths, original_length(self.model))
+
     def description(self) -> dict:
         return model_description(self.name, self.model, self.runtime)
 

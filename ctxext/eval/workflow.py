@@ -161,6 +161,8 @@ def evaluate_perplexity(request: PerplexityRequest, report=None) -> PerplexityRe
             f"{mode_line(request.stride, plans)}, {len(session.methods)} methods x {len(request.lengths)} lengths; "
             f"{session.runtime_line()}"
         )
+        for line in session.beyond_training_notes(request.lengths):
+            report(line)
     scores, error = _score_all(request, session, docs.documents, plans)
     result = _result(request, session, docs, plans, scores, error, started)
     if session.processes.is_main and request.output is not None and (scores or error is None):

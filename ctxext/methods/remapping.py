@@ -98,6 +98,16 @@ class RemapParams(MethodParams):
         """The settings in a few characters for tables, e.g. 'w512 k16' (defaults left to be resolved omitted)."""
         raise NotImplementedError
 
+    def largest_relative_position(self, length: int) -> float | None:
+        """The largest r' that `length` tokens use (the last query on the first key), for the methods whose point
+        is to keep r' below L; None for the others (dual_chunk stays below s by construction; STRING and DPE
+        move past L on purpose, on well-trained or selected dimensions)."""
+        return None
+
+    def setting_within(self, length: int, original_length: int) -> str:
+        """The change of setting that keeps r' below L at `length` tokens, in words ('' when none does)."""
+        return ""
+
 
 # ------------------------------------------------------------------------------------ ReRoPE, Leaky
 @dataclass
@@ -132,6 +142,18 @@ class ReRopeParams(RemapParams):
 
     def describe(self) -> str:
         return f"w{self.window}"
+
+    def largest_relative_position(self, length: int) -> float | None:
+        last = length - 1
+        return last if last < self.window else self.window + (last - self.window) * self.leak
+
+    def setting_within(self, length: int, original_length: int) -> str:
+        w, last, L = self.window, length - 1, original_length
+        if self.leak == 0:  # r' = min(r, w)
+            return f"a window below {L}"
+        if w >= L - 1:
+            return f"a window below {L - 1}"
+        return f"k >= {math.ceil((last - w) / (L - 1 - w))}"
 
 
 @dataclass
@@ -230,6 +252,18 @@ class SelfExtendParams(RemapParams):
 
     def describe(self) -> str:
         return f"G{self.group_size} w{self.window}"
+
+    def largest_relative_position(self, length: int) -> float | None:
+        last, G, w = length - 1, self.group_size, self.window
+        return last if last < w else last // G + w - w // G
+
+    def setting_within(self, length: int, original_length: int) -> str:
+        """LongLM's rule: the smallest G whose largest r' is below L (r' falls as G grows)."""
+        last, w, L = length - 1, self.window, original_length
+        if w >= L:
+            return f"a window below {L}"
+        G = next(G for G in range(1, last + 2) if last // G + w - w // G < L)
+        return f"group_size >= {G}"
 
 
 def grouped_query_position(i: torch.Tensor, G: int, window: int) -> torch.Tensor:

@@ -164,6 +164,8 @@ def run_tasks(request: TasksRequest, report=None) -> TasksResult:
             f"{'all' if request.limit is None else request.limit} samples each; lm-eval {lm_eval.__version__}; "
             f"{session.runtime_line()}"
         )
+        for line in session.beyond_training_notes(request.lengths):
+            report(line)
     try:
         run_cells(
             cells,
