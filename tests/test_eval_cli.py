@@ -177,6 +177,7 @@ def test_a_setting_that_reaches_past_l_is_named_with_the_one_that_does_not(tiny_
         f"note: self_extend G2 w64 uses relative positions up to {largest(1024, 2)} at 1024 tokens, past the 256 "
         f"the model was trained on (at 1024); group_size >= {G} keeps them below 256"
     ]
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["notes"] == notes
 
 
 def test_bos_yes_starts_every_window_with_bos_and_never_scores_it(tiny_checkpoint, texts, tmp_path):

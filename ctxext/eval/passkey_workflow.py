@@ -108,6 +108,7 @@ def evaluate_passkey(request: PasskeyRequest, report=None) -> PasskeyResult:
         "model": session.description(),
         "protocol": passkey_protocol(request, session.bos_info),
         "methods": [{"label": m.label, **m.description} for m in methods],
+        "notes": session.beyond_training_notes(request.lengths),
         "lengths": request.lengths,
         "accuracy_by_length": by_length,
         "accuracy_by_depth": by_depth,

@@ -209,6 +209,7 @@ def _result(request, session, docs, plans, scores, error, started) -> Perplexity
         "protocol": perplexity_protocol(request.stride, plans, request.short_docs, session.bos_info),
         "dataset": docs.describe(),
         "methods": [{"label": m.label, **m.description} for m in session.methods],
+        "notes": session.beyond_training_notes(request.lengths),
         "lengths": request.lengths,
         "results": rows,
         "complete": error is None,

@@ -229,6 +229,7 @@ def _result(request, session, specs, cells, cache, lm_eval_version, started) -> 
         "model": session.description(),
         "protocol": tasks_protocol(request, specs),
         "methods": [{"label": m.label, **m.description} for m in session.methods],
+        "notes": session.beyond_training_notes(request.lengths),
         "scores": rows,
         "effective_length": {"rule": EFFECTIVE_RULE, "panels": effective},
         "missing_cells": [c.name for c in cells if c.result is None],
