@@ -258,7 +258,7 @@ class SelfExtendParams(RemapParams):
         return last if last < w else last // G + w - w // G
 
     def setting_within(self, length: int, original_length: int) -> str:
-        """LongLM's rule: the smallest G whose largest r' is below L (r' falls as G grows)."""
+        """LongLM's rule: the smallest G whose largest r' is below L (found by trying each G in turn)."""
         last, w, L = length - 1, self.window, original_length
         if w >= L:
             return f"a window below {L}"
