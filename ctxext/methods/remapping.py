@@ -144,8 +144,7 @@ class ReRopeParams(RemapParams):
         return f"w{self.window}"
 
     def largest_relative_position(self, length: int) -> float | None:
-        last = length - 1
-        return last if last < self.window else self.window + (last - self.window) * self.leak
+        return float(rerope_relative_position(torch.tensor(length - 1), self.window, self.leak))
 
     def setting_within(self, length: int, original_length: int) -> str:
         w, last, L = self.window, length - 1, original_length
@@ -254,15 +253,17 @@ class SelfExtendParams(RemapParams):
         return f"G{self.group_size} w{self.window}"
 
     def largest_relative_position(self, length: int) -> float | None:
-        last, G, w = length - 1, self.group_size, self.window
-        return last if last < w else last // G + w - w // G
+        last, G, w = torch.tensor(length - 1), self.group_size, self.window
+        if last < w:
+            return float(last)
+        return float(grouped_query_position(last, G, w) - grouped_key_position(torch.tensor(0), G))
 
     def setting_within(self, length: int, original_length: int) -> str:
         """LongLM's rule: the smallest G whose largest r' is below L (found by trying each G in turn)."""
         last, w, L = length - 1, self.window, original_length
         if w >= L:
             return f"a window below {L}"
-        G = next(G for G in range(1, last + 2) if last // G + w - w // G < L)
+        G = next(G for G in range(1, last + 2) if last // G + w - w // G < L)  # the closed form of r', for speed
         return f"group_size >= {G}"
 
 
