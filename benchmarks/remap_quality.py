@@ -29,6 +29,8 @@ METHODS = {
     "leaky_rerope w1024 k16 +logn": ("leaky_rerope", {"window": 1024, "k": 16.0, "logn": True}),
     "self_extend G8 w1024": ("self_extend", {"group_size": 8, "window": 1024}),
     "self_extend G16 w2048": ("self_extend", {"group_size": 16, "window": 2048}),
+    # finer groups than G16 at the same window (largest r' at 64k: 65535//12 + 2048 - 170 = 7339 < L)
+    "self_extend G12 w2048": ("self_extend", {"group_size": 12, "window": 2048}),
     "dual_chunk (defaults)": ("dual_chunk", {}),
     "dpe w1024 fast G4 slow G16": ("dpe", {"window": 1024, "group_scales": [4, 4, 4, 4, 4, 16, 16, 16]}),
     # the best of dpe's needle-ppl search at 32k (docs/comparison.md), the moonshot's dpe at 64k

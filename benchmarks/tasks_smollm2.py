@@ -6,8 +6,8 @@ has the results):
   2. niah_multikey_2, the same
   3. niah_single_1 at 32k (4x): none, yarn x4, dual_chunk (defaults); 10 samples per cell
   4. niah_single_1 at 4k-16k for the remapping methods (string, self_extend, dual_chunk, leaky_rerope)
-  5. the moonshot's needle half: niah_single_1 at 64k (8x) for dual_chunk, self_extend and dpe, 10 samples a cell, no
-     baseline there; and the unpatched model at 4k, 20 samples, the accuracy to keep 90% of
+  5. the moonshot's needle half: niah_single_1 at 64k (8x) for dual_chunk, self_extend (G 16 and 12) and dpe, 10
+     samples a cell, no baseline there; and the unpatched model at 4k, 20 samples, the accuracy to keep 90% of
   6. niah_single_1 at 32k for dpe at its defaults and as searched at 32k with needle-ppl, 10 samples per cell, no
      baseline (stage 3 has it): does the needle-ppl search keep RULER's needle?
 Every (method, task, length) cell is cached in $CTXEXT_CACHE_DIR/tasks (--cache-dir moves it) as soon as it is
