@@ -13,7 +13,9 @@ has the results):
 Every (method, task, length) cell is cached in $CTXEXT_CACHE_DIR/tasks (--cache-dir moves it) as soon as it is
 done, and inside a cell every answered sample, so the stages can be interrupted and run again: finished cells and
 samples are read back. The cache is keyed by the model's content, so a cache folder committed to the repository
-resumes in a fresh clone on another machine (how stage 5, hours a sample on a CPU, is meant to be run).
+resumes in a fresh clone on another machine (how stage 5, hours a sample on a CPU, is meant to be run), provided
+it runs in the same dtype: stage 5 pins bf16, the dtype of its committed cells (on a CPU without native bf16, such
+as an AVX2-only EPYC, that is about 3x slower than fp32 but keeps the cache).
 `--cached-only` writes every stage's table from the cells cached so far, running nothing (use it while a run is
 going on).
 
@@ -43,6 +45,9 @@ STAGES = {
     5: [("niah_single_1", "4k", 20, None, True), ("niah_single_1", "64k", 10, "smollm2-64k.yaml", False)],
     6: [("niah_single_1", "32k", 10, "smollm2-dpe-32k.yaml", False)],
 }
+# A cell's cache key holds the dtype it ran in, and `--dtype auto` picks bf16 only on CPUs with fast native bf16,
+# so a committed cache resumes on another machine only with its dtype pinned: stage 5's cells ran in bf16.
+STAGE_DTYPES = {5: "bf16"}
 
 
 def main() -> int:
@@ -51,6 +56,7 @@ def main() -> int:
     parser.add_argument("--cached-only", action="store_true", help="write the tables from the cached cells only")
     parser.add_argument("--output", default=str(REPO / "outputs" / "tasks"), help="parent of each stage's output")
     parser.add_argument("--cache-dir", default=None, help="ctxext tasks' --cache-dir (default $CTXEXT_CACHE_DIR/tasks)")
+    parser.add_argument("--dtype", default=None, help="ctxext tasks' --dtype (default: bf16 for stage 5, else auto)")
     args = parser.parse_args()
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -62,6 +68,7 @@ def main() -> int:
             output = Path(args.output) / f"smollm2-{task}-{lengths.replace(',', '-')}-{Path(sweep or 'none').stem}"
             command = [sys.executable, "-m", "ctxext", "tasks", str(model), "--tasks", task, "--lengths", lengths]
             command += ["--limit", str(limit), "--no-progress", "--overwrite", "-o", str(output)]
+            command += ["--dtype", args.dtype or STAGE_DTYPES.get(stage, "auto")]
             command += ["--config", str(SWEEPS / sweep)] if sweep else []
             command += [] if baseline else ["--no-baseline"]
             command += ["--cache-dir", args.cache_dir] if args.cache_dir else []
