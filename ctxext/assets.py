@@ -169,8 +169,11 @@ def _convert_gguf(gguf_dir: Path, gguf_name: str, out: Path) -> None:
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
-        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+        # local_files_only: the GGUF is on disk; and transformers writes the flag into tokenizer_config.json, so
+        # left to HF_HUB_OFFLINE it would make the tokenizer's bytes, and every task-cell key that hashes them
+        # (ctxext.eval.session.tokenizer_identity), depend on how the conversion happened to be run.
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name, local_files_only=True)
 
         # A GGUF-loaded model refuses save_pretrained because its config still
         # says it is quantized, though the weights are already dequantized.

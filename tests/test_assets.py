@@ -2,12 +2,18 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import json  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # noqa: E402
 
 from ctxext import assets  # noqa: E402
+from ctxext.eval.session import tokenizer_identity  # noqa: E402
+from ctxext.outputs import content_fingerprint  # noqa: E402
+
+COMMITTED_TASK_CELLS = Path(__file__).resolve().parents[1] / "benchmarks" / "moonshot_cells" / "tasks"
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +30,17 @@ def test_checkpoint_is_a_plain_llama(checkpoint):
     assert config.rope_parameters["rope_theta"] == 1e5
     assert config.max_position_embeddings == 8192
     assert getattr(config, "quantization_config", None) is None
+
+
+def test_build_names_the_committed_task_cells(checkpoint):
+    """The moonshot's task cells, hours of CPU each, were computed on another machine and resume here only if this
+    build of the assets has the same identity: the same weights and the same tokenizer bytes, however the
+    conversion was run (with or without HF_HUB_OFFLINE, which transformers would record in tokenizer_config.json)."""
+    keys = [json.loads(path.read_text())["key"] for path in sorted(COMMITTED_TASK_CELLS.glob("*.json"))]
+    assert keys
+    assert {key["tokenizer"] for key in keys} == {tokenizer_identity(checkpoint)}
+    assert {key["model"]["content"] for key in keys} == {content_fingerprint(checkpoint)}
+    assert json.loads((checkpoint / "tokenizer_config.json").read_text()).get("local_files_only") is not False
 
 
 def test_evaluation_stream_is_long_enough(checkpoint):
