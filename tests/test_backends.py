@@ -78,9 +78,11 @@ def oracle_logits(family, method, logn, seed=3):
 
 
 @functools.cache
-def unpatched_logits(family, implementation, seed=3):
+def unpatched_logits(family, seed=3):
+    """The plain model, eager: transformers compiles flex_attention, and on an AVX2-only CPU (torch 2.13) the
+    compiled CPU kernel returns NaN rows now and then (ctxext's own flex path runs it uncompiled on CPU)."""
     with torch.no_grad():
-        model = sharpen(tiny_model(family, max_position_embeddings=L, attn_implementation=implementation))
+        model = sharpen(tiny_model(family, max_position_embeddings=L, attn_implementation="eager"))
         return model(tokens(seed=seed)).logits
 
 
@@ -119,7 +121,7 @@ def test_full_forward_matches_the_oracle_under_every_implementation(family, meth
     assert model.config._attn_implementation == f"ctxext_{implementation}"
     with torch.no_grad():
         got = model(inputs).logits
-    expected, plain = oracle_logits(family, method, logn), unpatched_logits(family, implementation)
+    expected, plain = oracle_logits(family, method, logn), unpatched_logits(family)
     assert torch.allclose(got, expected, atol=1e-4), max_error(got, expected)
     assert max_error(got, plain) > 1e-4  # the method (or log-n) really acts on this input
 
