@@ -38,9 +38,10 @@ def test_build_names_the_committed_task_cells(checkpoint):
     conversion was run (with or without HF_HUB_OFFLINE, which transformers would record in tokenizer_config.json)."""
     keys = [json.loads(path.read_text())["key"] for path in sorted(COMMITTED_TASK_CELLS.glob("*.json"))]
     assert keys
-    assert {key["tokenizer"] for key in keys} == {tokenizer_identity(checkpoint)}
+    stale = f"a build from before the local_files_only fix? remove {checkpoint} and run `make assets` again"
+    assert {key["tokenizer"] for key in keys} == {tokenizer_identity(checkpoint)}, stale
     assert {key["model"]["content"] for key in keys} == {content_fingerprint(checkpoint)}
-    assert json.loads((checkpoint / "tokenizer_config.json").read_text()).get("local_files_only") is not False
+    assert json.loads((checkpoint / "tokenizer_config.json").read_text()).get("local_files_only") is not False, stale
 
 
 def test_evaluation_stream_is_long_enough(checkpoint):
