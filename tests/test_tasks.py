@@ -209,6 +209,32 @@ def test_each_length_reaches_the_task_while_the_task_index_is_shared(ruler_check
         assert max(doc["length"] for doc in docs) <= length
 
 
+def test_a_limit_builds_only_the_first_needle_samples_of_lm_evals_500(ruler_checkpoint):
+    """Under a limit, RULER's needle task builds only the samples the limit takes, and they are the first ones of
+    lm-eval's own build of 500 (seeded as simple_evaluate seeds), prompt for prompt."""
+    from ctxext.tasks.harness import (
+        TaskManagers,
+        TaskSpec,
+        _seed_like_simple_evaluate,
+        needle_samples_up_to,
+        task_metadata,
+    )
+
+    spec = TaskSpec("niah_single_1", "ruler")
+    manager = TaskManagers().get(task_metadata(spec, 1024, str(ruler_checkpoint)))
+
+    def build():
+        _seed_like_simple_evaluate()
+        return list(manager.load(["niah_single_1"])["tasks"]["niah_single_1"].eval_docs)
+
+    with needle_samples_up_to(spec, 3):
+        capped = build()
+    whole = build()  # outside the context: lm-eval's generator as it is
+    assert len(capped) == 3 and len(whole) == 500
+    assert capped == whole[:3]
+    assert [doc["max_length"] for doc in capped] == [1024] * 3
+
+
 def test_scores_keep_the_cells_length_and_every_metric_of_other_tasks():
     from ctxext.eval.runner import EvalMethod
     from ctxext.tasks.harness import Cell, TaskSpec, cell_scores

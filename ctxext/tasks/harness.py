@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import json
 import logging
@@ -160,13 +161,15 @@ def task_lengths(spec: TaskSpec, lengths: list[int]) -> list[int | None]:
 
 
 def check_task_data(spec: TaskSpec, manager, length: int | None) -> None:
-    """Build the task's data once (at the shortest length), so that what cannot be fetched or built fails now,
-    in one line, before any model runs. lm-eval's chatter while it builds goes nowhere unless it fails."""
+    """Build the task's data once (at the shortest length; one sample of a needle task), so that what cannot be
+    fetched or built fails now, in one line, before any model runs. lm-eval's chatter while it builds goes
+    nowhere unless it fails."""
     chatter = io.StringIO()
     try:
         with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter), _lm_eval_logging(logging.ERROR):
             _seed_like_simple_evaluate()  # the data the first cell will build, not data from another seed
-            manager.load([spec.name])
+            with needle_samples_up_to(spec, 1):
+                manager.load([spec.name])
     except ImportError as error:
         raise CtxextError(
             f"task '{spec.name}' needs a package that is not installed ({first_line(error)}); "
@@ -191,6 +194,54 @@ def _seed_like_simple_evaluate() -> None:
     random.seed(DEFAULT_RANDOM_SEED)
     numpy.random.seed(DEFAULT_OTHER_SEED)
     torch.manual_seed(DEFAULT_OTHER_SEED)
+
+
+# lm-eval 0.4.13's RULER needle tasks (niah_*) generate 500 samples at every length whatever the limit, and
+# every cell builds its task again: at 64k a build takes minutes. The samples are drawn one after another from
+# generators seeded just before the build, so a build of N samples gives the first N of the 500. Under a limit,
+# ctxext asks RULER's needle generator for only those (tests/test_tasks.py checks the prompts against lm-eval's).
+_NEEDLE_GENERATOR_MODULES = ("lm_eval.tasks.ruler.prepare_niah", "lm_eval.tasks.ruler.niah_utils")
+_needle_samples_cap: int | None = None
+
+
+def _builds_needles(spec: TaskSpec) -> bool:
+    return spec.convention == "ruler" and not spec.name.startswith("ruler_")  # ruler_vt, ruler_cwe, ...: no needles
+
+
+def _capped(generate):
+    @functools.wraps(generate)
+    def generate_samples(*args, **kwargs):
+        if _needle_samples_cap is not None and "num_samples" in kwargs:
+            kwargs["num_samples"] = min(kwargs["num_samples"], _needle_samples_cap)
+        return generate(*args, **kwargs)
+
+    generate_samples.ctxext_capped = True
+    return generate_samples
+
+
+@contextlib.contextmanager
+def needle_samples_up_to(spec: TaskSpec, limit: int | None):
+    """While it is open, RULER's needle tasks build only the first `limit` samples (all of them if None).
+    The generator is wrapped once, where niah_utils finds it whether lm-eval has loaded that module yet or not;
+    outside this context the wrapper passes every call through unchanged."""
+    global _needle_samples_cap
+    if limit is None or not _builds_needles(spec):
+        yield
+        return
+    import importlib
+    import sys
+
+    importlib.import_module(_NEEDLE_GENERATOR_MODULES[0])
+    for name in _NEEDLE_GENERATOR_MODULES:
+        module = sys.modules.get(name)
+        generate = getattr(module, "generate_samples", None)
+        if generate is not None and not getattr(generate, "ctxext_capped", False):
+            module.generate_samples = _capped(generate)
+    _needle_samples_cap = limit
+    try:
+        yield
+    finally:
+        _needle_samples_cap = None
 
 
 def fetch_failure(error: BaseException) -> str:
@@ -337,7 +388,7 @@ def evaluate_cell(
     sink = _Discard() if quiet else None
     if requests_cache is not None:
         Path(requests_cache).parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.redirect_stderr(sink) if quiet else contextlib.nullcontext():
+    with contextlib.redirect_stderr(sink) if quiet else contextlib.nullcontext(), needle_samples_up_to(spec, limit):
         out = lm_eval.simple_evaluate(
             model=lm,
             tasks=[spec.name],
