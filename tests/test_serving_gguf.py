@@ -24,6 +24,19 @@ def smollm2_gguf():
     return assets.smollm2_gguf()
 
 
+@pytest.fixture(scope="module")
+def source_contents(smollm2_gguf):
+    """The source file's keys and tensors, read once (reading its 49k-token vocabulary takes seconds)."""
+    reader = gguf.GGUFReader(smollm2_gguf)
+    return fields(reader), tensors(reader)
+
+
+@pytest.fixture(scope="module")
+def source_dequantised(smollm2_gguf):
+    """Each source tensor dequantised by gguf's own code: the oracle for --outtype."""
+    return {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(smollm2_gguf).tensors}
+
+
 def fields(reader):
     """name -> the key's bytes as stored (name, type, value) for every key but the GGUF.* counters."""
     return {
@@ -79,12 +92,12 @@ def transformers_yarn_factors(factor, L=8192, base=1e5, dim=64):
     ],
 )
 def test_patched_gguf_has_the_rope_keys_and_copies_everything_else(
-    smollm2_gguf, tmp_path, capsys, method, flags, expected_keys
+    smollm2_gguf, source_contents, tmp_path, capsys, method, flags, expected_keys
 ):
     out = tmp_path / "out.gguf"
     code, stdout, err = run_cli(capsys, "patch", smollm2_gguf, "--method", method, *flags, "-o", out)
     assert code == 0, err
-    source, patched = gguf.GGUFReader(smollm2_gguf), gguf.GGUFReader(out)
+    patched = gguf.GGUFReader(out)
     factor = float(flags[1])
     expected = {"llama.context_length": int(8192 * factor), **expected_keys}
     for key, value in expected.items():
@@ -94,11 +107,11 @@ def test_patched_gguf_has_the_rope_keys_and_copies_everything_else(
     assert record["method"] == method and record["original_max_position_embeddings"] == 8192
 
     # Everything else: byte-identical keys and tensors.
-    before, after = fields(source), fields(patched)
+    (before, source_tensors), after = source_contents, fields(patched)
     changed = {k for k in after if k.startswith("llama.rope.") or k in ("llama.context_length", "ctxext.patch")}
     assert {k: v for k, v in after.items() if k not in changed} == {k: v for k, v in before.items() if k not in changed}
     assert before["llama.rope.freq_base"] == after["llama.rope.freq_base"] or method == "ntk"
-    source_tensors, patched_tensors = tensors(source), tensors(patched)
+    patched_tensors = tensors(patched)
     assert {k: v for k, v in patched_tensors.items() if k != ROPE_FREQS} == source_tensors
     if method == "ntk_by_parts":
         freqs = patched_tensors[ROPE_FREQS]
@@ -109,17 +122,16 @@ def test_patched_gguf_has_the_rope_keys_and_copies_everything_else(
 
 
 @pytest.mark.parametrize("outtype,dtype,rtol", [("f32", np.float32, 0), ("f16", np.float16, 1e-3)])
-def test_outtype_dequantises_every_tensor(smollm2_gguf, tmp_path, capsys, outtype, dtype, rtol):
+def test_outtype_dequantises_every_tensor(smollm2_gguf, source_dequantised, tmp_path, capsys, outtype, dtype, rtol):
     out = tmp_path / f"{outtype}.gguf"
     code, _, err = run_cli(
         capsys, "patch", smollm2_gguf, "--method", "linear", "--factor", "2", "--outtype", outtype, "-o", out
     )
     assert code == 0, err
-    source = {t.name: t for t in gguf.GGUFReader(smollm2_gguf).tensors}
     patched = gguf.GGUFReader(out)
     assert patched.get_field("general.file_type").contents() == (0 if outtype == "f32" else 1)
     for tensor in patched.tensors:
-        reference = gguf.quants.dequantize(source[tensor.name].data, source[tensor.name].tensor_type)
+        reference = source_dequantised[tensor.name]
         assert tensor.data.dtype == (np.float32 if len(tensor.shape) == 1 else dtype), tensor.name
         np.testing.assert_allclose(tensor.data.astype(np.float32), reference, rtol=rtol, atol=rtol * 1e-2)
 
