@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import importlib
 import io
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -228,9 +230,6 @@ def needle_samples_up_to(spec: TaskSpec, limit: int | None):
     if limit is None or not _builds_needles(spec):
         yield
         return
-    import importlib
-    import sys
-
     importlib.import_module(_NEEDLE_GENERATOR_MODULES[0])
     for name in _NEEDLE_GENERATOR_MODULES:
         module = sys.modules.get(name)
