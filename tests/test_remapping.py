@@ -8,6 +8,7 @@ causal softmax. It shares nothing with ctxext's regions or kernel.
 
 import copy
 import gc
+import json
 import math
 import types
 import weakref
@@ -411,6 +412,82 @@ def test_largest_relative_position_and_the_setting_within_l(method, params):
         assert within == f"a window below {bound}" and params["window"] >= bound
         narrower = spec.make_params(**{**params, "window": bound - 1})
         assert narrower.largest_relative_position(length) <= L - 1 or " >= " in narrower.setting_within(length, L)
+
+
+def dpe_largest_brute_force(params, pairs, n_pairs, length):
+    """The largest r' on `pairs` over every (i, j) and layer: SelfExtend's r' at each pair's own scale (which is
+    r itself for G 1 and for a pair not selected)."""
+    dpe = get_method("dpe").make_params(**params)
+    layers = params.get("selected_pairs") or [None]
+    layers = layers if isinstance(layers[0], list) else [layers]
+    i, j = torch.tril_indices(length, length)
+    return max(
+        self_extend_relative(i, j, int(G), dpe.window).max().item()
+        for layer in range(len(layers))
+        for G in dpe.pair_scales(n_pairs, layer)[pairs]
+    )
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"window": 16, "group_scales": [2, 1, 4, 8]},
+        {"window": 9, "group_scales": [1, 3, 2, 1]},
+        {"window": 40, "group_scales": [1, 1, 1, 16]},
+        {"window": 10, "group_scales": [3, 5, 1, 2], "selected_pairs": [[0, 5, 6, 7], [7, 2]]},
+    ],
+)
+def test_dpe_reach_on_the_slow_pairs_and_the_scales_within_l(params):
+    """DPE's largest r' on the slow pairs (those whose wavelength exceeds L, here 5-7 of 8) against every (i, j)
+    through the per-pair formula; the scales offered keep them below L and are the smallest that do: one lower
+    on any raised group and they do not. A slow pair left out of selected_pairs keeps r' = r: no scale helps."""
+    n_pairs, slow, length = 8, [5, 6, 7], 200
+    dpe = get_method("dpe").make_params(**params)
+    for n in (8, 33, 97, length):
+        assert dpe.largest_relative_position_on(n, slow, n_pairs) == dpe_largest_brute_force(params, slow, n_pairs, n)
+    within = dpe.setting_within_on(length, slow, n_pairs, L)
+    if params["window"] >= L:
+        assert within == f"a window below {L}"
+        return
+    if "selected_pairs" in params:
+        assert within == "" and dpe.largest_relative_position_on(length, slow, n_pairs) == length - 1
+        return
+    assert dpe_largest_brute_force(params, slow, n_pairs, length) > L - 1
+    assert within.startswith("group_scales [")
+    scales = json.loads(within.removeprefix("group_scales "))
+    assert dpe_largest_brute_force({**params, "group_scales": scales}, slow, n_pairs, length) <= L - 1
+    for group, (old, new) in enumerate(zip(params["group_scales"], scales)):
+        assert new >= old and (new == old or group in (2, 3))  # only the groups that hold pairs 5-7 change
+        if new > old:
+            lower = [G - (g == group) for g, G in enumerate(scales)]
+            assert dpe_largest_brute_force({**params, "group_scales": lower}, slow, n_pairs, length) > L - 1
+
+
+def test_the_dpe_note_names_the_slow_pairs_from_the_models_own_frequencies():
+    """The wavelengths come from transformers' own inv_freq (the unpatched model's); the note's numbers from the
+    formula above."""
+    from ctxext.config import MethodConfig
+    from ctxext.eval.rows import EvalMethod, beyond_training_notes
+    from ctxext.patching.families import rotary_wavelengths
+
+    model = tiny_model("llama", rope_theta=50.0)  # 8 pairs; wavelengths 2*pi*50^(p/8), past L = 32 from pair 4
+    inv_freq = model.model.rotary_emb.inv_freq
+    wavelengths = rotary_wavelengths(model)
+    assert wavelengths == pytest.approx((2 * math.pi / inv_freq.double()).tolist(), rel=1e-6)
+    slow = [p for p, wavelength in enumerate(wavelengths) if wavelength > L]
+    assert slow == [4, 5, 6, 7]
+    params = {"window": 8, "group_scales": [1, 2, 2, 4]}
+    row = EvalMethod("dpe", MethodConfig("dpe", params=params), {})
+    reach = dpe_largest_brute_force(params, slow, 8, 200)
+    notes = beyond_training_notes([row], [32, 100, 200], L, wavelengths)
+    assert notes == [
+        f"note: dpe uses relative positions up to {reach:g} at 200 tokens on rotary pairs 4-7, whose wavelengths "
+        f"exceed the 32 the model was trained on (at {', '.join(str(n) for n in (100, 200) if dpe_largest_brute_force(params, slow, 8, n) > L - 1)}); "
+        f"group_scales [1, 2, 8, 8] keeps them below 32"
+    ]
+    assert dpe_largest_brute_force({**params, "group_scales": [1, 2, 8, 8]}, slow, 8, 200) <= L - 1
+    assert dpe_largest_brute_force({**params, "group_scales": [1, 2, 7, 8]}, slow, 8, 200) > L - 1
+    assert beyond_training_notes([row], [32], L, wavelengths) == []  # within L: no note
 
 
 def test_methods_that_do_not_promise_to_stay_below_l_have_no_bound():

@@ -188,12 +188,15 @@ def method_rows(selection: MethodSelection, model_config) -> list[EvalMethod]:
     return rows
 
 
-def beyond_training_notes(rows: list[EvalMethod], lengths: list[int], model_original_length: int | None) -> list[str]:
+def beyond_training_notes(
+    rows: list[EvalMethod], lengths: list[int], model_original_length: int | None, wavelengths: list | None = None
+) -> list[str]:
     """One line per row whose method is meant to keep relative positions below L but, as set, uses a larger one
     at some of `lengths` (e.g. SelfExtend's default G 4 at 8x): what it reaches, and the setting that stays
-    below L."""
+    below L. DPE moves r' past L on purpose, except on the rotary pairs whose wavelength (`wavelengths`, one per
+    pair, in tokens) exceeds L: they saw less than one whole period in training, and are checked alone."""
     from ..methods import get_method
-    from ..methods.remapping import RemapParams
+    from ..methods.remapping import DpeParams, RemapParams
 
     notes = []
     for row in rows:
@@ -202,6 +205,10 @@ def beyond_training_notes(rows: list[EvalMethod], lengths: list[int], model_orig
         if not L:
             continue
         params = get_method(config.method).make_params(factor=config.factor, **config.params)
+        if isinstance(params, DpeParams):
+            note = _dpe_note(row.label, params.resolved(L), lengths, L, wavelengths) if wavelengths else None
+            notes += [note] if note else []
+            continue
         if not isinstance(params, RemapParams):
             continue
         past = [n for n in sorted(lengths) if (params.largest_relative_position(n) or 0) > L - 1]
@@ -214,6 +221,21 @@ def beyond_training_notes(rows: list[EvalMethod], lengths: list[int], model_orig
                 + (f"; {within} keeps them below {L}" if within else "")
             )
     return notes
+
+
+def _dpe_note(label: str, params, lengths: list[int], L: int, wavelengths: list) -> str | None:
+    slow = [p for p, wavelength in enumerate(wavelengths) if wavelength > L]
+    n_pairs = len(wavelengths)
+    past = [n for n in sorted(lengths) if slow and params.largest_relative_position_on(n, slow, n_pairs) > L - 1]
+    if not past:
+        return None
+    longest = past[-1]
+    within = params.setting_within_on(longest, slow, n_pairs, L)
+    return (
+        f"note: {label} uses relative positions up to {params.largest_relative_position_on(longest, slow, n_pairs):g} "
+        f"at {longest} tokens on rotary pairs {slow[0]}-{slow[-1]}, whose wavelengths exceed the {L} the model was "
+        f"trained on (at {', '.join(map(str, past))})" + (f"; {within} keeps them below {L}" if within else "")
+    )
 
 
 # ----------------------------------------------------------------------------------------------- labels

@@ -42,10 +42,11 @@ class EvalSession:
         )
 
     def beyond_training_notes(self, lengths: list[int]) -> list[str]:
+        from ..patching.families import rotary_wavelengths
         from .rows import beyond_training_notes
         from .setup import original_length
 
-        return beyond_training_notes(self.methods, lengths, original_length(self.model))
+        return beyond_training_notes(self.methods, lengths, original_length(self.model), rotary_wavelengths(self.model))
 
     def description(self) -> dict:
         return model_description(self.name, self.model, self.runtime)

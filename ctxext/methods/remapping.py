@@ -371,6 +371,34 @@ class DpeParams(RemapParams):
             scales = torch.where(keep, scales, torch.ones_like(scales))
         return scales
 
+    def _layer_count(self) -> int:
+        layers = self.selected_pairs
+        return len(layers) if layers and isinstance(layers[0], (list, tuple)) else 1
+
+    def largest_relative_position_on(self, length: int, pairs: list[int], n_pairs: int) -> float:
+        """The largest r' that `length` tokens use on `pairs` (of the model's n_pairs), in any layer: the last
+        query on the first key at the smallest scale those pairs have (G 1, r' = r, for pairs not selected)."""
+        last, w = length - 1, self.window
+        if last < w:
+            return float(last)
+        G = min(int(self.pair_scales(n_pairs, layer)[pairs].min()) for layer in range(self._layer_count()))
+        return float(grouped_query_position(torch.tensor(last), G, w) - grouped_key_position(torch.tensor(0), G))
+
+    def setting_within_on(self, length: int, pairs: list[int], n_pairs: int, original_length: int) -> str:
+        """The group scales that keep `pairs`' r' below L at `length` tokens: each group holding one of them
+        raised to LongLM's smallest G, in words ('' when no scale does, e.g. for pairs left out of selected_pairs)."""
+        last, w, L = length - 1, self.window, original_length
+        if w >= L:
+            return f"a window below {L}"
+        G = next(G for G in range(1, last + 2) if last // G + w - w // G < L)  # SelfExtend's r', closed form
+        per_group = n_pairs // len(self.scales)
+        groups = {p // per_group for p in pairs}
+        scales = [max(scale, G) if group in groups else scale for group, scale in enumerate(self.scales)]
+        raised = DpeParams(**{**self.to_dict(), "group_scales": scales})
+        if raised.largest_relative_position_on(length, pairs, n_pairs) > L - 1:
+            return ""
+        return f"group_scales {scales}"
+
     def regions(self) -> list[Region]:
         w = self.window
         if w is None:

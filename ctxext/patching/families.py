@@ -6,6 +6,8 @@ model (`model.model` for the *ForCausalLM classes) computes (cos, sin) once for 
 
 from __future__ import annotations
 
+import math
+
 from torch import nn
 
 from ..errors import CtxextError
@@ -48,3 +50,14 @@ def rotary_dim(config) -> int:
         "partial_rotary_factor", getattr(config, "partial_rotary_factor", None)
     )
     return int(head_dim * (partial or 1.0))
+
+
+def rotary_wavelengths(model: nn.Module) -> list[float] | None:
+    """Each rotary pair's wavelength in tokens, 2*pi / theta_i, at the model's plain base (None without one)."""
+    from ..methods.frequency import rope_inv_freq
+
+    config = _unwrap(model).config
+    base = (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
+    if base is None:
+        return None
+    return (2 * math.pi / rope_inv_freq(rotary_dim(config), float(base)).double()).tolist()
