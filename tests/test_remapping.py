@@ -488,6 +488,8 @@ def test_the_dpe_note_names_the_slow_pairs_from_the_models_own_frequencies():
     assert dpe_largest_brute_force({**params, "group_scales": [1, 2, 8, 8]}, slow, 8, 200) <= L - 1
     assert dpe_largest_brute_force({**params, "group_scales": [1, 2, 7, 8]}, slow, 8, 200) > L - 1
     assert beyond_training_notes([row], [32], L, wavelengths) == []  # within L: no note
+    three_groups = EvalMethod("dpe", MethodConfig("dpe", params={"window": 8, "group_scales": [1, 2, 2]}), {})
+    assert beyond_training_notes([three_groups], [200], L, wavelengths) == []  # left to the patch's own error
 
 
 def test_methods_that_do_not_promise_to_stay_below_l_have_no_bound():

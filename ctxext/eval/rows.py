@@ -226,6 +226,8 @@ def beyond_training_notes(
 def _dpe_note(label: str, params, lengths: list[int], L: int, wavelengths: list) -> str | None:
     slow = [p for p, wavelength in enumerate(wavelengths) if wavelength > L]
     n_pairs = len(wavelengths)
+    if n_pairs % len(params.scales):
+        return None  # groups that do not divide the pairs: patching the model says so, in one line
     past = [n for n in sorted(lengths) if slow and params.largest_relative_position_on(n, slow, n_pairs) > L - 1]
     if not past:
         return None
