@@ -263,8 +263,13 @@ class SelfExtendParams(RemapParams):
         last, w, L = length - 1, self.window, original_length
         if w >= L:
             return f"a window below {L}"
-        G = next(G for G in range(1, last + 2) if last // G + w - w // G < L)  # the closed form of r', for speed
-        return f"group_size >= {G}"
+        return f"group_size >= {smallest_group_within(last, w, L)}"
+
+
+def smallest_group_within(last: int, window: int, original_length: int) -> int:
+    """LongLM's rule: the smallest G whose largest r' (query `last` on key 0) is below L (window < L), found by
+    trying each G in turn through the closed form of r', for speed."""
+    return next(G for G in range(1, last + 2) if last // G + window - window // G < original_length)
 
 
 def grouped_query_position(i: torch.Tensor, G: int, window: int) -> torch.Tensor:
@@ -390,7 +395,7 @@ class DpeParams(RemapParams):
         last, w, L = length - 1, self.window, original_length
         if w >= L:
             return f"a window below {L}"
-        G = next(G for G in range(1, last + 2) if last // G + w - w // G < L)  # SelfExtend's r', closed form
+        G = smallest_group_within(last, w, L)
         per_group = n_pairs // len(self.scales)
         groups = {p // per_group for p in pairs}
         scales = [max(scale, G) if group in groups else scale for group, scale in enumerate(self.scales)]
