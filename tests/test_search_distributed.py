@@ -105,10 +105,12 @@ def pause_mid_trial(process, storage, after: int = 0, timeout: float = 240) -> i
         scoring = [t for t in trials if _scoring(t, process.pid)]
         if scoring and sum("state" in t.user_attrs for t in trials) >= after:
             process.send_signal(signal.SIGSTOP)
-            again = {t.number: t for t in trials_of(storage)}[scoring[0].number]
-            if _scoring(again, process.pid) and _unlocked(storage):
-                return again.number
-            process.send_signal(signal.SIGCONT)  # it finished the trial, or was writing: try again
+            # the lock first: a process paused inside a write holds it, and a read would wait on it and fail
+            if _unlocked(storage):
+                again = {t.number: t for t in trials_of(storage)}[scoring[0].number]
+                if _scoring(again, process.pid):
+                    return again.number
+            process.send_signal(signal.SIGCONT)  # it was writing, or finished the trial: try again
         time.sleep(0.05)
     raise AssertionError("no trial of the search was caught running")
 
