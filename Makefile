@@ -25,7 +25,7 @@ demo: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n auto --dist loadfile
 
 clean-cache:
 	rm -rf $(CTXEXT_CACHE_DIR)
