@@ -7,9 +7,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # `make test` runs one pytest-xdist worker per core: each worker's torch (and the processes its tests launch)
 # gets its share of the cores instead of all of them, which would oversubscribe every core.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-    os.environ.setdefault(
-        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
-    )
+    # The cores this process may run on (a cpuset can hold fewer than the host has), as pytest-xdist counts them.
+    usable_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 import pytest
 import torch
