@@ -193,9 +193,12 @@ def add_data_arguments(parser) -> None:
     )
 
 
-def add_runtime_arguments(parser, bos: bool = True, progress_help: str = "no progress bar") -> None:
-    """--device/--dtype/--attn-implementation (ctxext.runtime picks them), --no-progress, and --bos unless
-    `bos` is False (commands that do not build windows themselves)."""
+def add_runtime_arguments(
+    parser, bos: bool = True, progress_help: str = "no progress bar", decoding: bool = False
+) -> None:
+    """--device/--dtype/--attn-implementation (ctxext.runtime picks them), --no-progress, --bos unless `bos` is
+    False (commands that do not build windows themselves), and --no-kept-keys where `decoding` (commands that
+    generate)."""
     group = parser.add_argument_group("runtime (picked automatically; override if needed)")
     group.add_argument(
         "--device",
@@ -222,3 +225,11 @@ def add_runtime_arguments(parser, bos: bool = True, progress_help: str = "no pro
             help="start each window with BOS: auto = when the tokenizer adds BOS (default)",
         )
     group.add_argument("--no-progress", action="store_true", help=progress_help)
+    if decoding:
+        group.add_argument(
+            "--no-kept-keys",
+            action="store_true",
+            help="attention-level methods (self_extend, dpe, rerope, ...) keep no rotated copy of the cached keys "
+            "between decode steps: no extra memory (by default one copy of the keys per key rule) but slower "
+            "decoding (each step rotates every cached key again); the answers are the same",
+        )

@@ -15,6 +15,7 @@ def runtime_options(args):
         attn_implementation=args.attn_implementation,
         bos=getattr(args, "bos", "auto"),
         progress=not args.no_progress,
+        kept_keys=not getattr(args, "no_kept_keys", False),
     )
 
 

@@ -33,7 +33,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-baseline", action="store_true", help="do not add the 'none' (plain RoPE) baseline")
     parser.add_argument("-o", "--output", required=True, help="directory for results.json, results.csv, passkey.png")
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it already holds something")
-    add_runtime_arguments(parser)
+    add_runtime_arguments(parser, decoding=True)
     add_method_arguments(parser, multiple=True)
     parser.set_defaults(text_file=None, dataset=None)
 

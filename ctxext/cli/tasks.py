@@ -77,7 +77,10 @@ def add_arguments(parser) -> None:
         help="run nothing: write the outputs from the cells already cached ('-' for the others)",
     )
     add_runtime_arguments(
-        parser, bos=False, progress_help="no progress bars (lm-eval's included); one line per finished cell"
+        parser,
+        bos=False,
+        progress_help="no progress bars (lm-eval's included); one line per finished cell",
+        decoding=True,
     )
     add_method_arguments(parser, multiple=True)
     parser.set_defaults(text_file=None, dataset=None)

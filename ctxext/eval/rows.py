@@ -23,22 +23,28 @@ class EvalMethod:
     """A row of the results: a MethodConfig to patch in, or None for the model exactly as loaded.
 
     `check(model, config)`, when given, runs before the config is patched in and may raise (a search uses it to
-    turn parameters the model rejects into an invalid trial); it plays no part in what the row computes."""
+    turn parameters the model rejects into an invalid trial); it plays no part in what the row computes, and
+    neither does `kept_keys` (False: an attention-level method keeps no rotated keys in the cache between decode
+    steps, `ctxext.patching.attention.set_attention_tuning`)."""
 
     label: str
     config: object | None = None  # ctxext.config.MethodConfig
     description: dict = field(default_factory=dict)
     check: Callable[[object, object], None] | None = field(default=None, compare=False, repr=False)
+    kept_keys: bool = field(default=True, compare=False)
 
     def apply(self, model) -> None:
-        from ..patching import unpatch
+        from ..patching import rotary_host, unpatch
+        from ..patching.attention import installed_settings, set_attention_tuning
 
         if self.config is None:
             unpatch(model)
-            return
-        if self.check is not None:
-            self.check(model, self.config)
-        self.config.apply(model)
+        else:
+            if self.check is not None:
+                self.check(model, self.config)
+            self.config.apply(model)
+        if not self.kept_keys and installed_settings(rotary_host(model)) is not None:
+            set_attention_tuning(model, keep_keys=False)
 
     def remove(self, model) -> None:
         from ..patching import unpatch

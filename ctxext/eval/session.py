@@ -3,6 +3,7 @@ rows (ctxext.eval.rows), BOS; what eval, passkey and tasks do before they score 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ class EvalSession:
 
         processes = processes or Processes(cpu=cpu_processes(options.device))
         model, tokenizer, runtime = load_model_and_tokenizer(name, options, processes)
-        methods = method_rows(selection, model.config)
+        methods = [dataclasses.replace(m, kept_keys=options.kept_keys) for m in method_rows(selection, model.config)]
         bos_id, bos_info = bos_choice(options.bos, tokenizer)
         return cls(name, model, tokenizer, runtime, options, processes, methods, bos_id, bos_info)
 

@@ -15,13 +15,15 @@ from .options import check_bos
 @dataclass
 class RuntimeOptions:
     """device, dtype and attention implementation ('auto': ctxext.runtime picks), BOS in front of each window
-    ('auto': when the tokenizer adds one), and whether to show a progress bar."""
+    ('auto': when the tokenizer adds one), whether to show a progress bar, and whether attention-level methods
+    keep their rotated keys between decode steps (False: less memory, slower decoding, the same results)."""
 
     device: str = "auto"
     dtype: str = "auto"
     attn_implementation: str = "auto"
     bos: str = "auto"
     progress: bool = True
+    kept_keys: bool = True
 
 
 @dataclass
