@@ -7,7 +7,6 @@ causal softmax. It shares nothing with ctxext's regions or kernel.
 """
 
 import copy
-import dataclasses
 import gc
 import json
 import math
@@ -352,32 +351,32 @@ def test_keys_kept_cost_one_copy_per_key_rule_and_go_when_turned_off():
 
 
 @pytest.mark.parametrize("command", ["passkey", "tasks"])
-def test_no_kept_keys_on_the_command_line_reaches_every_row(command):
-    """`--no-kept-keys` (the commands that generate) -> RuntimeOptions -> the session's rows: a row patches its
-    method in with no kept keys and decodes the same logits as a row that keeps them; `ctxext eval` (no decoding)
-    has no such flag."""
+def test_no_kept_keys_on_the_command_line_reaches_every_row(command, tmp_path):
+    """`--no-kept-keys` (the commands that generate) -> RuntimeOptions -> the rows `EvalSession.open` builds on a
+    checkpoint on disk: that row patches its method in with no kept keys and decodes the same logits as the row
+    built without the flag, which keeps them; `ctxext eval` (no decoding) has no such flag."""
     from ctxext.cli import parse_args
-    from ctxext.cli.evaluation import runtime_options
-    from ctxext.eval.rows import MethodSelection, method_rows
+    from ctxext.cli.evaluation import method_selection, runtime_options
+    from ctxext.eval.session import EvalSession
 
-    required = [command, "MODEL", "-o", "OUT", *(["--tasks", "niah_single_1"] if command == "tasks" else [])]
-    options = runtime_options(parse_args([*required, "--no-kept-keys"]))
-    assert options.kept_keys is False
-    assert runtime_options(parse_args(required)).kept_keys is True
+    checkpoint = str(save_tiny_checkpoint(tmp_path / "tiny", tiny_model("llama", max_position_embeddings=L)))
+    flags = [command, checkpoint, "-o", str(tmp_path / "out"), "--method", "self_extend", "--no-baseline"]
+    flags += ["--group-size", "3", "--window", "6", "--device", "cpu", "--dtype", "fp32"]
+    flags += ["--tasks", "niah_single_1"] if command == "tasks" else []
     with pytest.raises(SystemExit):
-        parse_args(["eval", "MODEL", "-o", "OUT", "--no-kept-keys"])
+        parse_args(["eval", checkpoint, "-o", str(tmp_path / "out"), "--no-kept-keys"])
 
-    model = tiny_model("llama", max_position_embeddings=L)
-    selection = MethodSelection(["self_extend"], overrides={"group_size": 3, "window": 6}, baseline=False)
-    (row,) = method_rows(selection, model.config)
     tokens = torch.randint(0, 256, (1, 44), generator=torch.Generator().manual_seed(21))
     tail = torch.randint(0, 256, (1, 4), generator=torch.Generator().manual_seed(22))
     logits, kept = [], []
-    for keep in (True, options.kept_keys):
-        dataclasses.replace(row, kept_keys=keep).apply(model)
+    for extra in ([], ["--no-kept-keys"]):
+        args = parse_args(flags + extra)
+        session = EvalSession.open(checkpoint, method_selection(args), runtime_options(args))
+        (row,) = session.methods
+        row.apply(session.model)
         with torch.no_grad():
-            cache = filled_cache(model, tokens)
-            logits.append(decode_steps(model, cache, tail))
+            cache = filled_cache(session.model, tokens)
+            logits.append(decode_steps(session.model, cache, tail))
         kept.append(kept_keys_bytes(cache))
     assert kept[0] > 0 and kept[1] == 0
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)
