@@ -1,0 +1,41 @@
+#!/bin/bash
+# Runs the moonshot's 64k needle cells (`ctxext tasks`, fp32, CUDA) on the lent GPU machine, from what
+# scripts/device/pack.sh packed and its first two calls left in /tmp/parts. The first call on a machine
+# installs the wheels, rebuilds SmolLM2 from its GGUF (about 40 s) and checks every tensor against this
+# checkpoint's digests; later calls on the same warm machine skip that. Cells resume from the committed cache
+# (benchmarks/moonshot_cells/tasks): a CUDA cell's key differs from a CPU one's only in "device".
+# CELLS picks them (default "native dpe g12"); DEADLINE (s) bounds the whole run. What the cells wrote comes
+# back as $OUT/cells.tar: copy new *.json and requests/*.db into benchmarks/moonshot_cells/tasks.
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 CTXEXT_CACHE_DIR=/tmp/c TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=/tmp/site:$PWD
+DEADLINE=${DEADLINE:-560}
+CELLS_DIR=/tmp/cells
+trap 'tar -cf $OUT/cells.tar -C $CELLS_DIR .' EXIT
+if [ ! -f /tmp/setup.done ]; then
+  nvidia-smi -L
+  cp .gpu/c/*.whl /tmp/parts/
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/parts/*.whl || exit 3
+  mkdir -p /tmp/c/smollm2-gguf
+  cat /tmp/parts/gguf.part1 /tmp/parts/gguf.part2 > /tmp/c/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+  [ "$(sha256sum /tmp/c/smollm2-gguf/*.gguf | cut -c1-64)" = "$(cat .gpu/c/gguf.sha)" ] || { echo "GGUF parts do not match"; exit 4; }
+  python3 -c "from ctxext.assets import smollm2_checkpoint; smollm2_checkpoint()" || exit 5
+  python3 scripts/device/weights_digest.py check /tmp/c/smollm2-135m-instruct/model.safetensors .gpu/c/weights.json || exit 6
+  cp .gpu/c/tok/* /tmp/c/smollm2-135m-instruct/  # the tokenizer's bytes are part of every cell's key
+  mkdir -p $CELLS_DIR && cp -r benchmarks/moonshot_cells/tasks/. $CELLS_DIR/
+  touch /tmp/setup.done
+fi
+cell() {
+  local name=$1 cap=$2; shift 2
+  local left=$((DEADLINE - SECONDS)); local limit=$((left < cap ? left : cap))
+  [ $limit -lt 30 ] && { echo "skipped $name: ${limit} s left"; return; }
+  echo "=== $name (at most $limit s, from $SECONDS s)"
+  timeout $limit python3 -m ctxext tasks /tmp/c/smollm2-135m-instruct --tasks niah_single_1 --device cuda \
+    --dtype fp32 --cache-dir $CELLS_DIR -o /tmp/results_$name --overwrite --no-progress "$@" 2>&1 | tail -20
+}
+for name in ${CELLS:-native dpe g12}; do case $name in
+  native) cell native 150 --lengths 4k --limit 20 ;;
+  dpe) cell dpe 330 --lengths 64k --limit 10 --no-baseline --method dpe --window 3028 \
+         --group-scales "[8, 4, 8, 16, 1, 32, 16, 16]" ;;
+  g12) cell g12 400 --lengths 64k --limit 10 --no-baseline --method self_extend --group-size 12 --window 2048 ;;
+  *) echo "unknown cell '$name' (native, dpe, g12)"; exit 2 ;;
+esac; done
