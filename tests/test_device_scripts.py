@@ -1,0 +1,33 @@
+"""scripts/device/weights_digest.py: the gate that stops a device run whose rebuilt weights differ from here."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device" / "weights_digest.py"
+
+
+def digest(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True)
+
+
+def test_check_passes_on_the_same_weights_and_fails_on_one_changed_bit(tmp_path):
+    weights = {"a": torch.randn(4, 3), "b": torch.arange(6, dtype=torch.float32)}
+    save_file(weights, tmp_path / "here.safetensors")
+    assert digest("write", str(tmp_path / "here.safetensors"), str(tmp_path / "ref.json")).returncode == 0
+
+    save_file({k: v.clone() for k, v in weights.items()}, tmp_path / "same.safetensors")
+    same = digest("check", str(tmp_path / "same.safetensors"), str(tmp_path / "ref.json"))
+    assert same.returncode == 0 and "2 of 2" in same.stdout
+
+    changed = weights["a"].clone()
+    changed.view(torch.int32)[0, 0] ^= 1  # the lowest mantissa bit of one value
+    save_file({"a": changed, "b": weights["b"]}, tmp_path / "changed.safetensors")
+    differs = digest("check", str(tmp_path / "changed.safetensors"), str(tmp_path / "ref.json"))
+    assert differs.returncode == 1 and "1 of 2" in differs.stdout
+
+    save_file({**weights, "extra": torch.zeros(1)}, tmp_path / "extra.safetensors")
+    assert digest("check", str(tmp_path / "extra.safetensors"), str(tmp_path / "ref.json")).returncode == 1
