@@ -215,7 +215,7 @@ def test_the_layers_of_a_forward_share_one_rotary_computation(tuned):
         with torch.no_grad():
             cache = model(tokens[:, :40], use_cache=True).past_key_values
             counts.append(len(calls))
-            model(tokens[:, 40:], past_key_values=cache, use_cache=True)
+            model(tokens[:, 40:], cache=cache, use_cache=True)
             counts.append(len(calls) - counts[0])
         return counts
 
