@@ -5,7 +5,9 @@
 # checkpoint's digests; later calls on the same warm machine skip that. Cells resume from the committed cache
 # (benchmarks/moonshot_cells/tasks): a CUDA cell's key differs from a CPU one's only in "device".
 # CELLS picks them (default "native dpe g12"), DTYPE their dtype (default fp32, the CPU cells' dtype on an
-# AVX2-only machine); DEADLINE (s) bounds the whole run. What the cells wrote comes
+# AVX2-only machine); DEADLINE (s) bounds the whole run. CELLS=cost runs no cell: it times one 64k prefill of
+# dpe against native attention on SmolLM2's shape (`ctxext check`, 30 layers, fp32 and bf16) into
+# $OUT/cost_*.json, which tells the prefill apart from decoding and per-process work in a cell's time. What the cells wrote comes
 # back as $OUT/cells.tar: copy new *.json and requests/*.db into benchmarks/moonshot_cells/tasks.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 CTXEXT_CACHE_DIR=/tmp/c TOKENIZERS_PARALLELISM=false
 export PYTHONPATH=/tmp/site:$PWD
@@ -33,10 +35,19 @@ cell() {
   timeout $limit python3 -m ctxext tasks /tmp/c/smollm2-135m-instruct --tasks niah_single_1 --device cuda \
     --dtype ${DTYPE:-fp32} --cache-dir $CELLS_DIR -o /tmp/results_$name --overwrite --no-progress "$@" 2>&1 | tail -20
 }
+cost() {
+  for dtype in fp32 bf16; do
+    echo "=== cost $dtype (from $SECONDS s)"
+    timeout 200 python3 -m ctxext check --device cuda --model /tmp/c/smollm2-135m-instruct --methods dpe \
+      --implementations sdpa --lengths 65536 --layers 30 --dtype $dtype --repeats 2 --json $OUT/cost_$dtype.json \
+      2>&1 | grep -v "ctxext check:" | tail -12
+  done
+}
 for name in ${CELLS:-native dpe g12}; do case $name in
+  cost) cost ;;
   native) cell native 150 --lengths 4k --limit 20 ;;
   dpe) cell dpe 330 --lengths 64k --limit 10 --no-baseline --method dpe --window 3028 \
          --group-scales "[8, 4, 8, 16, 1, 32, 16, 16]" ;;
   g12) cell g12 400 --lengths 64k --limit 10 --no-baseline --method self_extend --group-size 12 --window 2048 ;;
-  *) echo "unknown cell '$name' (native, dpe, g12)"; exit 2 ;;
+  *) echo "unknown cell '$name' (native, dpe, g12, cost)"; exit 2 ;;
 esac; done

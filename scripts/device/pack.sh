@@ -5,7 +5,7 @@
 # transformers). Then, one call right after another (the machine is given back after 30 s idle):
 #   run(carry=[".gpu/a"], command="mkdir -p /tmp/parts && cp .gpu/a/* /tmp/parts/")
 #   run(carry=[".gpu/b"], command="cp .gpu/b/* /tmp/parts/")
-#   run(carry=[".gpu/c"], command="CELLS='dpe' bash scripts/device/cells.sh")   # see cells.sh
+#   run(carry=[".gpu/c"], command="CELLS='cost dpe' bash scripts/device/cells.sh")   # see cells.sh
 # A later call on the same warm machine carries nothing (/tmp survives; a path carried before and not named
 # again is removed there): run(command="CELLS='dpe' bash scripts/device/cells.sh").
 set -euo pipefail
