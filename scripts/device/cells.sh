@@ -7,8 +7,9 @@
 # CELLS picks them (default "native dpe g12"), DTYPE their dtype (default fp32, the CPU cells' dtype on an
 # AVX2-only machine); DEADLINE (s) bounds the whole run. CELLS=cost runs no cell: it times one 64k prefill of
 # dpe against native attention on SmolLM2's shape (`ctxext check`, 30 layers, fp32 and bf16) into
-# $OUT/cost_*.json, which tells the prefill apart from decoding and per-process work in a cell's time. What the cells wrote comes
-# back as $OUT/cells.tar: copy new *.json and requests/*.db into benchmarks/moonshot_cells/tasks.
+# $OUT/cost_*.json, which tells the prefill apart from decoding and per-process work in a cell's time. What
+# the cells wrote comes back as $OUT/cells.tar: copy new *.json and requests/*.db into
+# benchmarks/moonshot_cells/tasks.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 CTXEXT_CACHE_DIR=/tmp/c TOKENIZERS_PARALLELISM=false
 export PYTHONPATH=/tmp/site:$PWD
 DEADLINE=${DEADLINE:-560}
