@@ -28,18 +28,22 @@ if [ ! -f /tmp/setup.done ]; then
   mkdir -p $CELLS_DIR && cp -r benchmarks/moonshot_cells/tasks/. $CELLS_DIR/
   touch /tmp/setup.done
 fi
+# step NAME CAP: sets $limit to CAP or what is left of DEADLINE, whichever is less; fails under 30 s.
+step() {
+  local left=$((DEADLINE - SECONDS)); limit=$((left < $2 ? left : $2))
+  [ $limit -lt 30 ] && { echo "skipped $1: ${limit} s left"; return 1; }
+  echo "=== $1 (at most $limit s, from $SECONDS s)"
+}
 cell() {
   local name=$1 cap=$2; shift 2
-  local left=$((DEADLINE - SECONDS)); local limit=$((left < cap ? left : cap))
-  [ $limit -lt 30 ] && { echo "skipped $name: ${limit} s left"; return; }
-  echo "=== $name (at most $limit s, from $SECONDS s)"
+  step $name $cap || return
   timeout $limit python3 -m ctxext tasks /tmp/c/smollm2-135m-instruct --tasks niah_single_1 --device cuda \
     --dtype ${DTYPE:-fp32} --cache-dir $CELLS_DIR -o /tmp/results_$name --overwrite --no-progress "$@" 2>&1 | tail -20
 }
 cost() {
   for dtype in fp32 bf16; do
-    echo "=== cost $dtype (from $SECONDS s)"
-    timeout 200 python3 -m ctxext check --device cuda --model /tmp/c/smollm2-135m-instruct --methods dpe \
+    step "cost $dtype" 200 || return
+    timeout $limit python3 -m ctxext check --device cuda --model /tmp/c/smollm2-135m-instruct --methods dpe \
       --implementations sdpa --lengths 65536 --layers 30 --dtype $dtype --repeats 2 --json $OUT/cost_$dtype.json \
       2>&1 | grep -v "ctxext check:" | tail -12
   done
