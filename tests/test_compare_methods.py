@@ -2,6 +2,8 @@
 (the cells are named by ctxext.outputs.CellCache under ctxext.outputs.content_fingerprint)."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -46,3 +48,22 @@ def test_every_committed_cell_is_keyed_to_the_model_this_checkout_builds(smollm2
         assert CellCache(CELLS / "cells").path(key) == path
     for recorded in (CELLS / "searches").glob("*.model.json"):
         assert json.loads(recorded.read_text())["model_fingerprint"] == fingerprint, recorded.name
+
+
+def test_a_narrowed_run_still_writes_every_row_and_length_of_the_page(tmp_path, smollm2_path):
+    """--methods and --lengths narrow the computing, not the page: the report of one method at one length, built
+    from the committed cells, has the committed page's rows and columns (it once held that method's rows alone)."""
+    result = subprocess.run(
+        [sys.executable, "scripts/compare_methods.py", "--report-only", "--methods", "leaky_rerope"]
+        + ["--lengths", "32768", "--output", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    written = json.loads((tmp_path / "comparison.json").read_text())
+    committed = json.loads((REPO / "docs" / "comparison.json").read_text())
+    assert written["lengths"] == committed["lengths"] == [16384, 32768]
+    assert [row["label"] for row in written["rows"]] == [row["label"] for row in committed["rows"]]
+    assert written["table"] == committed["table"]
