@@ -630,20 +630,21 @@ def main() -> int:
         else:
             passkey[(label, length)] = found
 
-    def collect(methods: list[str], lengths: list[int], compute_defaults: bool, compute_searched: bool) -> list[dict]:
+    def collect(compute_defaults: bool, compute_searched: bool) -> list[dict]:
+        """Every row of the page from the cached cells, computing missing ones only for --methods at --lengths."""
         cells.clear(), passkey.clear(), missing.clear()
         rows = {}
-        for length in lengths:
+        for length in report_lengths:
             for doc in docs:
-                perplexity_cell(NATIVE, None, doc, length, compute_defaults)
+                perplexity_cell(NATIVE, None, doc, length, compute_defaults and length in lengths)
         for length in passkey_lengths:
-            if length <= L and BASELINE in methods:  # within the window: the baseline of the effective length
-                passkey_cell(BASELINE, {"method": BASELINE}, length, compute_defaults)
-        for method in methods:
+            if length <= L and BASELINE in report_methods:  # within the window: the baseline of the effective length
+                passkey_cell(BASELINE, {"method": BASELINE}, length, compute_defaults and BASELINE in methods)
+        for method in report_methods:
             for kind in ("defaults", "searched", "needle"):
                 if kind != "defaults" and not has_search(method, kind):
                     continue
-                for length in lengths:
+                for length in report_lengths:
                     if kind == "defaults":
                         variant, info = default_variant(method, length / L), None
                     else:
@@ -666,15 +667,16 @@ def main() -> int:
                         if kind != "defaults":
                             missing.append(f"search: {method} at {length} ({variant.note})")
                         continue
-                    compute = compute_defaults if kind == "defaults" else compute_searched
+                    compute = (compute_defaults if kind == "defaults" else compute_searched) and (
+                        method in methods and length in lengths
+                    )
                     for doc in docs:
                         perplexity_cell(variant.label, variant.config, doc, length, compute)
                     if length in passkey_lengths:
                         passkey_cell(variant.label, variant.config, length, compute)
         return list(rows.values())
 
-    def report() -> None:
-        rows = collect(report_methods, report_lengths, compute_defaults=False, compute_searched=False)
+    def report(rows: list[dict]) -> None:
         search_seconds, search_trials = 0.0, 0
         for folder in (root / "searches").glob("*") if (root / "searches").exists() else []:
             for trial in read_trials(folder / "trials.jsonl") if (folder / "trials.jsonl").exists() else []:
@@ -702,8 +704,7 @@ def main() -> int:
         )
 
     # 1. defaults (and native) everywhere, 2. searches, 3. the searched rows; the report after each stage.
-    collect(methods, lengths, compute_defaults=True, compute_searched=False)
-    report()
+    report(collect(compute_defaults=True, compute_searched=False))
     if not args.report_only:
         for length in lengths:
             for kind in ("needle", "searched"):
@@ -711,10 +712,8 @@ def main() -> int:
                     if not has_search(method, kind) or search_finished(method, length, kind) or out_of_time():
                         continue
                     run_search(method, length, kind)
-                    collect(methods, lengths, compute_defaults=False, compute_searched=True)
-                    report()
-    collect(methods, lengths, compute_defaults=False, compute_searched=True)
-    report()
+                    report(collect(compute_defaults=False, compute_searched=True))
+    report(collect(compute_defaults=False, compute_searched=True))
     print(f"\n{Path(args.output) / 'comparison.md'}: {len(missing)} cells missing", flush=True)
     return 0
 
