@@ -77,6 +77,7 @@ def test_a_needle_ppl_search_scores_each_trial_by_the_answers_nll(smollm2, smoll
         "--dtype",
         "fp32",
         "--no-progress",
+        "--no-checkpoint",
         "-o",
         out,
     )

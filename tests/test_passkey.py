@@ -102,7 +102,7 @@ def test_smollm2_finds_the_key_and_a_scrambled_copy_does_not(smollm2_path, token
     # --dtype auto's choice: bf16 where the CPU has it natively, else fp32 (about 3x faster than bf16 there)
     dtype = resolve_dtype("auto", torch.device("cpu"))
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=dtype).eval()
-    trials = plan_trials([1024], [0.25, 0.75], 2, seed=0)
+    trials = plan_trials([512], [0.25, 0.75], 2, seed=0)
     records = run_passkey(model, tokenizer, trials, [EvalMethod("none")], None)
     good = sum(r["correct"] for r in records)
     model.model.rotary_emb = ScrambledPositions(model.model.rotary_emb)

@@ -1,6 +1,10 @@
 """`ctxext patch model.gguf`: SmolLM2's real GGUF file patched, read back with gguf's reader. The expected rope keys
 and rope_freqs come from oracles outside ctxext's GGUF code (transformers' own yarn frequencies, the NTK base
-formula); every other key and tensor must be byte-identical to the source's."""
+formula); every other key and tensor must be byte-identical to the source's.
+
+One case patches the whole file (its 49k-token vocabulary takes seconds to read); the others patch a cut of it
+(`smollm2_gguf_cut`): every key, with the vocabulary arrays shortened, and the tensors of the first block,
+the output norm and the first rows of the Q8_0 embedding, so that each tensor type of the file is there."""
 
 import json
 import math
@@ -24,17 +28,43 @@ def smollm2_gguf():
     return assets.smollm2_gguf()
 
 
-@pytest.fixture(scope="module")
-def source_contents(smollm2_gguf):
-    """The source file's keys and tensors, read once (reading its 49k-token vocabulary takes seconds)."""
+@pytest.fixture(scope="session")
+def smollm2_gguf_cut(smollm2_gguf, tmp_path_factory):
+    """SmolLM2's GGUF cut down with gguf's own writer: every key (arrays of over 64 entries cut to their first
+    64) and the tensors of block 0, output_norm and 64 rows of token_embd (types Q4_1, F32 and Q8_0)."""
     reader = gguf.GGUFReader(smollm2_gguf)
-    return fields(reader), tensors(reader)
+    path = tmp_path_factory.mktemp("gguf") / "smollm2-cut.gguf"
+    writer = gguf.GGUFWriter(path, arch=reader.get_field("general.architecture").contents())
+    for found in reader.fields.values():
+        if found.name == "general.architecture" or found.name.startswith("GGUF."):
+            continue
+        value = found.contents()
+        if isinstance(value, list):
+            value = value[:64]
+        sub_type = found.types[-1] if found.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(found.name, value, found.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        if tensor.name.startswith("blk.0.") or tensor.name in ("output_norm.weight", "token_embd.weight"):
+            data = tensor.data[:64] if tensor.name == "token_embd.weight" else tensor.data
+            writer.add_tensor(tensor.name, np.ascontiguousarray(data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 @pytest.fixture(scope="module")
-def source_dequantised(smollm2_gguf):
+def source_contents(smollm2_gguf, smollm2_gguf_cut):
+    """Each source file's keys and tensors, read once."""
+    readers = {"full": gguf.GGUFReader(smollm2_gguf), "cut": gguf.GGUFReader(smollm2_gguf_cut)}
+    return {name: (fields(reader), tensors(reader)) for name, reader in readers.items()}
+
+
+@pytest.fixture(scope="module")
+def source_dequantised(smollm2_gguf_cut):
     """Each source tensor dequantised by gguf's own code: the oracle for --outtype."""
-    return {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(smollm2_gguf).tensors}
+    return {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(smollm2_gguf_cut).tensors}
 
 
 def fields(reader):
@@ -70,9 +100,10 @@ def transformers_yarn_factors(factor, L=8192, base=1e5, dim=64):
 
 
 @pytest.mark.parametrize(
-    "method,flags,expected_keys",
+    "source,method,flags,expected_keys",
     [
         (
+            "full",
             "yarn",
             ["--factor", "4"],
             {
@@ -82,20 +113,22 @@ def transformers_yarn_factors(factor, L=8192, base=1e5, dim=64):
             },
         ),
         (
+            "cut",
             "yarn",
             ["--factor", "4", "--attention-factor", "1.3"],
             {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.attn_factor": 1.3 / (0.1 * math.log(4) + 1)},
         ),
-        ("linear", ["--factor", "2"], {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}),
-        ("ntk", ["--factor", "2"], {"llama.rope.freq_base": 1e5 * 2 ** (64 / 62)}),
-        ("ntk_by_parts", ["--factor", "4"], {}),
+        ("cut", "linear", ["--factor", "2"], {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}),
+        ("cut", "ntk", ["--factor", "2"], {"llama.rope.freq_base": 1e5 * 2 ** (64 / 62)}),
+        ("cut", "ntk_by_parts", ["--factor", "4"], {}),
     ],
 )
 def test_patched_gguf_has_the_rope_keys_and_copies_everything_else(
-    smollm2_gguf, source_contents, tmp_path, capsys, method, flags, expected_keys
+    smollm2_gguf, smollm2_gguf_cut, source_contents, tmp_path, capsys, source, method, flags, expected_keys
 ):
     out = tmp_path / "out.gguf"
-    code, stdout, err = run_cli(capsys, "patch", smollm2_gguf, "--method", method, *flags, "-o", out)
+    path = smollm2_gguf if source == "full" else smollm2_gguf_cut
+    code, stdout, err = run_cli(capsys, "patch", path, "--method", method, *flags, "-o", out)
     assert code == 0, err
     patched = gguf.GGUFReader(out)
     factor = float(flags[1])
@@ -107,7 +140,7 @@ def test_patched_gguf_has_the_rope_keys_and_copies_everything_else(
     assert record["method"] == method and record["original_max_position_embeddings"] == 8192
 
     # Everything else: byte-identical keys and tensors.
-    (before, source_tensors), after = source_contents, fields(patched)
+    (before, source_tensors), after = source_contents[source], fields(patched)
     changed = {k for k in after if k.startswith("llama.rope.") or k in ("llama.context_length", "ctxext.patch")}
     assert {k: v for k, v in after.items() if k not in changed} == {k: v for k, v in before.items() if k not in changed}
     assert before["llama.rope.freq_base"] == after["llama.rope.freq_base"] or method == "ntk"
@@ -122,10 +155,10 @@ def test_patched_gguf_has_the_rope_keys_and_copies_everything_else(
 
 
 @pytest.mark.parametrize("outtype,dtype,rtol", [("f32", np.float32, 0), ("f16", np.float16, 1e-3)])
-def test_outtype_dequantises_every_tensor(smollm2_gguf, source_dequantised, tmp_path, capsys, outtype, dtype, rtol):
+def test_outtype_dequantises_every_tensor(smollm2_gguf_cut, source_dequantised, tmp_path, capsys, outtype, dtype, rtol):
     out = tmp_path / f"{outtype}.gguf"
     code, _, err = run_cli(
-        capsys, "patch", smollm2_gguf, "--method", "linear", "--factor", "2", "--outtype", outtype, "-o", out
+        capsys, "patch", smollm2_gguf_cut, "--method", "linear", "--factor", "2", "--outtype", outtype, "-o", out
     )
     assert code == 0, err
     patched = gguf.GGUFReader(out)
@@ -169,7 +202,8 @@ def write_gguf(path, arch):
         ("outtype_on_a_folder", "--outtype applies to GGUF files"),
     ],
 )
-def test_bad_gguf_input_is_one_line_exit_2_and_writes_nothing(smollm2_gguf, tmp_path, capsys, case, message):
+def test_bad_gguf_input_is_one_line_exit_2_and_writes_nothing(smollm2_gguf_cut, tmp_path, capsys, case, message):
+    smollm2_gguf = smollm2_gguf_cut
     source, out, flags = smollm2_gguf, tmp_path / "out.gguf", ["--method", "yarn", "--factor", "2"]
     if case == "dynamic":
         flags = ["--method", "dynamic_ntk", "--factor", "2"]
