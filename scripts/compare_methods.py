@@ -421,6 +421,12 @@ def main() -> int:
     )
     parser.add_argument("--needle-trials", type=int, default=8, help="trials per needle-ppl search (default 8)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="where the cells and searches run: auto (cuda > mps > cpu), cpu, cuda, cuda:N (default %(default)s); "
+        "a cell's key holds no device, so cells computed anywhere fill one page, each naming its machine",
+    )
     parser.add_argument("--max-minutes", type=float, default=None, help="start no new cell after this many minutes")
     parser.add_argument("--report-only", action="store_true", help="write the report from the cached cells only")
     parser.add_argument("--output", default=str(REPO / "docs"), help="where comparison.md/.png/.json go")
@@ -441,7 +447,7 @@ def main() -> int:
     from ctxext.eval.perplexity import sliding_window_nll, text_tokens_per_window
     from ctxext.loading import load_model, load_tokenizer
     from ctxext.outputs import CellCache, content_fingerprint, write_json
-    from ctxext.runtime import machine_description
+    from ctxext.runtime import machine_description, resolve_device
     from ctxext.search.loop import best_trial
     from ctxext.search.objective import checked_method, score_perplexity
     from ctxext.search.space import collapse_elements
@@ -456,6 +462,7 @@ def main() -> int:
     root = Path(args.cells)
     checkpoint = assets.smollm2_checkpoint()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    device = resolve_device(args.device)
     tokenizer = load_tokenizer(str(checkpoint))
     bos = tokenizer.bos_token_id if tokenizer_adds_bos(tokenizer) else None
     cache = CellCache(root / "cells", {"model": content_fingerprint(checkpoint), "dtype": args.dtype, "bos": bos})
@@ -469,7 +476,7 @@ def main() -> int:
     def get_model():
         nonlocal model
         if model is None:
-            model = load_model(str(checkpoint), dtype=dtype, device="cpu", attn_implementation="sdpa")
+            model = load_model(str(checkpoint), dtype=dtype, device=device, attn_implementation="sdpa")
         return model
 
     def out_of_time() -> bool:
@@ -544,6 +551,8 @@ def main() -> int:
             "--no-progress",
             "--dtype",
             args.dtype,
+            "--device",
+            str(device),
             "-o",
             str(folder),
         ]

