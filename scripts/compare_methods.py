@@ -442,6 +442,7 @@ def main() -> int:
 
     from ctxext import assets
     from ctxext.config import MethodConfig
+    from ctxext.errors import CtxextError
     from ctxext.eval.data import tokenizer_adds_bos, tokens_fingerprint
     from ctxext.eval.passkey import plan_trials, run_passkey
     from ctxext.eval.perplexity import sliding_window_nll, text_tokens_per_window
@@ -453,6 +454,11 @@ def main() -> int:
     from ctxext.search.space import collapse_elements
     from ctxext.search.store import read_trials
 
+    try:
+        device = resolve_device(args.device)
+    except CtxextError as error:
+        print(f"compare_methods: {error}", file=sys.stderr)
+        return 2
     started = time.perf_counter()
     lengths = [int(x) for x in args.lengths.split(",")]
     docs = [d.strip() for d in args.held_out.split(",")]
@@ -462,7 +468,6 @@ def main() -> int:
     root = Path(args.cells)
     checkpoint = assets.smollm2_checkpoint()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    device = resolve_device(args.device)
     tokenizer = load_tokenizer(str(checkpoint))
     bos = tokenizer.bos_token_id if tokenizer_adds_bos(tokenizer) else None
     cache = CellCache(root / "cells", {"model": content_fingerprint(checkpoint), "dtype": args.dtype, "bos": bos})

@@ -67,3 +67,19 @@ def test_a_narrowed_run_still_writes_every_row_and_length_of_the_page(tmp_path, 
     assert written["lengths"] == committed["lengths"] == [16384, 32768]
     assert [row["label"] for row in written["rows"]] == [row["label"] for row in committed["rows"]]
     assert written["table"] == committed["table"]
+
+
+def test_an_unknown_device_is_one_line_exit_2_and_writes_nothing(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "scripts/compare_methods.py", "--report-only", "--device", "tpu"]
+        + ["--output", str(tmp_path / "out"), "--cells", str(tmp_path / "cells")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "compare_methods: unknown device 'tpu'; use auto, cpu, cuda, cuda:N or mps"
+    ]
+    assert list(tmp_path.iterdir()) == []
