@@ -131,6 +131,7 @@ def random_model(
     config = type(shape).from_dict(shape.to_dict())
     config.num_hidden_layers = layers
     config.vocab_size = vocab
+    _drop_special_tokens_outside(config, vocab)
     config.tie_word_embeddings = False
     config.attention_dropout = 0.0
     if mlp is not None:
@@ -145,6 +146,26 @@ def random_model(
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=implementation)
     return model.eval()
+
+
+def _drop_special_tokens_outside(config, vocab: int) -> None:
+    """Set to None the special token ids (pad/bos/eos, ...; an int or a list, as eos may be) that the shrunk
+    vocabulary no longer holds: e.g. Qwen2.5's pad_token_id 151643 would make the embedding's padding_idx
+    fail ("Padding_idx must be within num_embeddings"). None rather than mapping them inside the vocabulary:
+    the check feeds unpadded random ids and never looks at bos/eos, and a pad id mapped inside would zero one
+    of the fed tokens' embeddings (nn.Embedding's padding row), making those tokens' queries and keys zero
+    and the attention being checked less exercised. Ids inside the vocabulary are kept; in a list, only the
+    entries inside are kept (None if none is)."""
+    for name, value in config.to_dict().items():
+        if not name.endswith(("_token_id", "_token_ids")) or value is None:
+            continue
+        if isinstance(value, int):
+            if not 0 <= value < vocab:
+                setattr(config, name, None)
+        elif isinstance(value, (list, tuple)):
+            inside = [v for v in value if isinstance(v, int) and 0 <= v < vocab]
+            if len(inside) != len(value):
+                setattr(config, name, inside or None)
 
 
 def available_implementations(device: torch.device) -> list[str]:

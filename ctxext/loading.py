@@ -94,9 +94,39 @@ def load_model(
     return model.to(device).eval()
 
 
-def load_tokenizer(name_or_path: str):
+# Files any of which means a checkpoint directory has a tokenizer (fast, sentencepiece, BPE, WordPiece, tiktoken,
+# mistral-common): one that is there but fails to load is an error, never taken for an absent tokenizer.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tekken.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
+
+
+def has_tokenizer_files(path: str | Path) -> bool:
+    """Whether the local directory `path` holds any tokenizer file (TOKENIZER_FILES, or a *.tiktoken)."""
+    path = Path(path).expanduser()
+    return any((path / name).is_file() for name in TOKENIZER_FILES) or any(path.glob("*.tiktoken"))
+
+
+def load_tokenizer(name_or_path: str, optional: bool = False):
+    """The tokenizer of a local directory or a hub id, as a clear CtxextError when it cannot be loaded.
+    `optional` (what `ctxext patch` asks, which only copies it): None for a local directory with no tokenizer
+    files at all (a training checkpoint: weights and config.json); a tokenizer that is there but broken, or a
+    hub id's, still fails as one line. Commands that turn text into tokens (eval, passkey) leave it False."""
     from transformers import AutoTokenizer
 
+    path = Path(name_or_path).expanduser()
+    if optional and path.is_dir() and not has_tokenizer_files(path):
+        return None
     try:
         return AutoTokenizer.from_pretrained(name_or_path)
     except (OSError, ValueError, KeyError) as error:

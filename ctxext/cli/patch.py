@@ -7,7 +7,8 @@ from .common import HelpFormatter, add_method_arguments, add_pair_selection_argu
 HELP = "apply a method to a checkpoint and save the patched checkpoint"
 DESCRIPTION = (
     "Load MODEL, apply a scaling method, and write a complete checkpoint (weights, config, tokenizer, "
-    "ctxext.yaml) to --output, atomically. The source is never modified. Method parameters are flags "
+    "ctxext.yaml) to --output, atomically; a MODEL without tokenizer files (a training checkpoint) is written "
+    "without them. The source is never modified. Method parameters are flags "
     "named like the YAML keys, e.g. --beta-fast 32, --beta 0.625. config.json gets the method's exact "
     "native rope type wherever one exists, so vLLM, SGLang and plain transformers load it. "
     "A .gguf MODEL (llama.cpp, Ollama, LM Studio) is written as a .gguf file with the rope keys "
@@ -81,6 +82,8 @@ def run(args) -> int:
     if written.applied["attention"]:  # log-n / ReRoPE live in patched attention layers, re-installed by `import ctxext`
         print(f"  attention: {_short(written.applied['attention'])}")
     print(f"  loads in plain transformers: {written.loads_in_plain_transformers}")
+    if not written.tokenizer:
+        print(f"  tokenizer: none in {args.model} (no tokenizer files), none written")
     print(f"  saved to {written.output}")
     return 0
 
