@@ -312,7 +312,8 @@ def main() -> None:
                     continue
                 check = ""
                 if mode == "model" and r["variant"] == "rerope" and naive is not None:
-                    diff = (torch.load(r["logits"]) - torch.load(naive["logits"])).abs().max().item()
+                    logits = torch.load(r["logits"], weights_only=True)  # a tensor (run_worker's torch.save)
+                    diff = (logits - torch.load(naive["logits"], weights_only=True)).abs().max().item()
                     r["max_abs_diff_vs_naive"] = diff
                     check = f"last logits vs naive: {diff:.1e}"
                 if base is not None:

@@ -30,7 +30,7 @@ PERPLEXITY_TOLERANCE = {"float": 0.005, "quantised": 0.05}
 PLAIN_LOGITS = textwrap.dedent("""
     import sys, torch
     from transformers import AutoModelForCausalLM
-    ids = torch.load(sys.argv[2])
+    ids = torch.load(sys.argv[2], weights_only=True)
     model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
     with torch.no_grad():
         torch.save(model(ids).logits, sys.argv[3])
@@ -88,7 +88,7 @@ def transformers_parity(model: ServedModel, n_tokens: int) -> tuple[bool, str]:
             return False, f"plain transformers failed to load it: {lines[-1] if lines else result.returncode}"
         if "ctxext not imported" not in result.stdout:
             return False, "the subprocess imported ctxext; the check is void"
-        plain = torch.load(Path(scratch) / "logits.pt")
+        plain = torch.load(Path(scratch) / "logits.pt", weights_only=True)
     _unscaled(config, model)
     reference = AutoModelForCausalLM.from_pretrained(model.path, config=config, dtype=torch.float32).eval()
     with torch.no_grad():
