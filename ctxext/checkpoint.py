@@ -13,6 +13,8 @@ from .errors import CtxextError
 if TYPE_CHECKING:
     from .serving.forms import RopeForm
 
+NO_TOKENIZER = "none in the source (no tokenizer files), none written"  # ctxext.yaml's `tokenizer` then
+
 
 @dataclass
 class PatchedCheckpoint:
@@ -25,6 +27,7 @@ class PatchedCheckpoint:
     max_position_embeddings: int
     applied: dict
     form: RopeForm  # how the rope parameters were written (native form or ctxext's type)
+    tokenizer: bool = True  # False: the source had no tokenizer files, and none was written
 
     @property
     def loads_in_plain_transformers(self) -> str:
@@ -48,7 +51,9 @@ def write_patched_checkpoint(
     pair_selection: tuple[str, int] | None = None,
 ) -> PatchedCheckpoint:
     """Load `source` in its own dtype on the CPU, apply `method_config`, and write a complete checkpoint (weights,
-    config, tokenizer, ctxext.yaml recording what was applied) to `output`, atomically. The source is never
+    config, the tokenizer where the source has one, ctxext.yaml recording what was applied) to `output`,
+    atomically. A source without tokenizer files (a training checkpoint) is written without them, and ctxext.yaml
+    says so (`tokenizer: none in the source`); DPE's `pair_selection` needs one. The source is never
     written to; an existing non-empty `output` needs `overwrite`. config.json gets the method's exact native
     rope form where one exists (`format='native'`, see ctxext.serving.forms), in both config spellings.
     `pair_selection` (calibration text file, k): DPE's selected pairs, the top k per layer by |q||k| on the text
@@ -65,10 +70,17 @@ def write_patched_checkpoint(
     check_output_dir(output, protected, overwrite)
     check_source(source, method_config)
 
+    tokenizer = load_tokenizer(source, optional=True)  # patch only copies it: a checkpoint may have none
+    if tokenizer is None and pair_selection is not None:
+        raise CtxextError(
+            f"--select-pairs needs a tokenizer to turn '{pair_selection[0]}' into tokens, and '{source}' has no "
+            f"tokenizer files; add the base model's tokenizer files to it, or give the pairs as selected_pairs"
+        )
     model = load_model(source, dtype="auto", device="cpu")
-    tokenizer = load_tokenizer(source)
     original_length = model.config.max_position_embeddings
     extra_record = dict(extra_record or {})
+    if tokenizer is None:
+        extra_record["tokenizer"] = NO_TOKENIZER
     if pair_selection is not None:
         method_config, extra_record["pair_selection"] = with_selected_pairs(
             model, tokenizer, method_config, pair_selection, original_length
@@ -86,6 +98,7 @@ def write_patched_checkpoint(
         model.config.max_position_embeddings,
         applied,
         form,
+        tokenizer is not None,
     )
 
 
@@ -98,7 +111,7 @@ def checkpoint_record(source: str, method_config, model, applied: dict, format: 
         "original_max_position_embeddings": applied["original_max_position_embeddings"],
         "rope_parameters": dict(model.config.rope_parameters),
         "max_position_embeddings": model.config.max_position_embeddings,
-        "written_as": {"format": format, "rope_type": form.rope_parameters["rope_type"], "how": form.how},
+        "written_as": {"format": format, "rope_type": applied["rope_type"], "how": form.how},
         **extra,
     }
 
@@ -137,8 +150,8 @@ def with_selected_pairs(model, tokenizer, method_config, pair_selection: tuple[s
 def save_checkpoint(
     model, tokenizer, output, protected: list, overwrite: bool, format: str, record: Callable, written_by: str
 ) -> RopeForm:
-    """Write weights, config.json in `format`, tokenizer and ctxext.yaml (`record(form)`) to `output`, atomically;
-    the rope form written."""
+    """Write weights, config.json in `format`, tokenizer (unless None) and ctxext.yaml (`record(form)`) to
+    `output`, atomically; the rope form written."""
     import json
 
     import yaml
@@ -149,7 +162,8 @@ def save_checkpoint(
     with atomic_output_dir(output, protected, overwrite) as staging:
         model.save_pretrained(staging)
         form = write_config_for_serving(model, staging, format)
-        tokenizer.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
         values = json.loads(json.dumps(record(form)))  # plain data: YAML without anchors for lists used twice
         (staging / "ctxext.yaml").write_text(
             f"# Written by `{written_by}`: what was applied to the source model.\n"

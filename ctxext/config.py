@@ -7,6 +7,7 @@ A method YAML is a flat mapping (see configs/methods/*.yaml):
     original_max_position_embeddings: 4096   # optional; default: the model's max_position_embeddings
     beta_fast: 32                             # any parameter of the method
     logn: true                                # optional: log-n query scaling on top (any method)
+    layer_types: full                         # optional: which layer types to scale (full, all, or names)
 
 Flags given on the command line override keys from the file. Importing this module is cheap (no torch): the
 CLI reads flag values with `parse_value` before it knows whether a model will be loaded.
@@ -24,7 +25,7 @@ import yaml
 from .errors import CtxextError, did_you_mean
 from .validate import boolean, whole_number
 
-TOP_LEVEL_KEYS = ("method", "factor", "original_max_position_embeddings", "logn")
+TOP_LEVEL_KEYS = ("method", "factor", "original_max_position_embeddings", "logn", "layer_types")
 
 
 @dataclass
@@ -36,6 +37,9 @@ class MethodConfig:
     original_max_position_embeddings: int | None = None
     params: dict[str, Any] = field(default_factory=dict)
     logn: bool = False  # log-n query scaling, max(1, ln n / ln L), on top of the method
+    # Which layer types a model with one set of frequencies per type has scaled: None (= "full"), "all", or
+    # names such as "full_attention,sliding_attention" (see ctxext.patching.families.RopeLayout)
+    layer_types: str | None = None
 
     def validate(self) -> MethodConfig:
         """Raise a CtxextError for anything `patch` would reject, before any model is loaded."""
@@ -51,6 +55,10 @@ class MethodConfig:
         )
         if self.logn and self.original_max_position_embeddings is not None:
             check_original_length_for_logn(self.original_max_position_embeddings)
+        if self.layer_types is not None and not (isinstance(self.layer_types, str) and self.layer_types.strip()):
+            raise CtxextError(
+                f"layer_types must be full, all, or layer type names separated by commas, got {self.layer_types!r}"
+            )
         return self
 
     def apply(self, model):
@@ -62,6 +70,7 @@ class MethodConfig:
             factor=self.factor,
             original_max_position_embeddings=self.original_max_position_embeddings,
             logn=self.logn,
+            layer_types=self.layer_types,
             **self.params,
         )
 
@@ -72,6 +81,8 @@ class MethodConfig:
             out["original_max_position_embeddings"] = self.original_max_position_embeddings
         if self.logn:
             out["logn"] = True
+        if self.layer_types is not None:
+            out["layer_types"] = self.layer_types
         return {**out, **self.params}
 
     @property
@@ -115,6 +126,7 @@ class MethodConfig:
             factor=values.pop("factor", 1.0),
             original_max_position_embeddings=values.pop("original_max_position_embeddings", None),
             logn=values.pop("logn", False),
+            layer_types=values.pop("layer_types", None),
             params=values,
         )
         return config.validate()

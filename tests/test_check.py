@@ -108,7 +108,7 @@ def test_a_model_without_rope_is_refused(tmp_path, capsys):
 
     GPT2Config(n_layer=1).to_json_file(tmp_path / "config.json")
     code, _, err = run_check(capsys, "--model", str(tmp_path / "config.json"))
-    assert code == 2 and "ctxext supports llama, mistral, qwen2, qwen3" in err
+    assert code == 2 and "has no rotary position embedding (RoPE)" in err
 
 
 def test_smollm2_shape_passes(smollm2_path, capsys):

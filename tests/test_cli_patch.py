@@ -128,7 +128,7 @@ def test_bad_model_or_output_is_one_line_exit_2(source, tmp_path, capsys):
     capsys.readouterr()  # drop what the set-up printed
     cases = [
         ([tmp_path / "nope"], tmp_path / "o1", "does not exist"),
-        ([gpt2], tmp_path / "o2", "has no rotary position embedding (RoPE); ctxext supports llama, mistral"),
+        ([gpt2], tmp_path / "o2", "has no rotary position embedding (RoPE)"),
         ([source], source, "overlaps the input"),
         ([source], source / "sub", "overlaps the input"),
         ([source], tmp_path / "occupied", "already exists and is not empty; use --overwrite"),

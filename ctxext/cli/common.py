@@ -11,7 +11,7 @@ from ..errors import CtxextError
 from ..eval.options import DEFAULT_LENGTHS, parse_depths, parse_lengths, parse_stride  # noqa: F401  (the commands' helpers)
 
 # The flags every method-taking command has; any other `--name value` is a method parameter.
-TOP_LEVEL_FLAGS = ("factor", "original_max_position_embeddings", "logn")
+TOP_LEVEL_FLAGS = ("factor", "original_max_position_embeddings", "logn", "layer_types")
 _LONG_FLAG = re.compile(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?:=(.*))?$", re.DOTALL)
 _NUMBER = re.compile(r"-\d|-\.\d")
 
@@ -72,6 +72,15 @@ def add_method_arguments(parser: Parser, multiple: bool = False) -> None:
         action=argparse.BooleanOptionalAction,
         default=argparse.SUPPRESS,
         help="log-n query scaling on top of the method: the query at position n is multiplied by max(1, ln n / ln L)",
+    )
+    group.add_argument(
+        "--layer-types",
+        dest="layer_types",
+        default=argparse.SUPPRESS,
+        metavar="TYPES",
+        help="on a model with one set of RoPE frequencies per layer type (Gemma 3): which types to scale, "
+        "'full' (default: the full-attention layers, Google's recipe; sliding layers never see past their "
+        "window), 'all', or names such as full_attention,sliding_attention ('ctxext inspect MODEL' lists them)",
     )
     parser.takes_method_params = True
 

@@ -101,12 +101,16 @@ def plan_windows(
     return windows
 
 
-def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
-    """(decoder returning last_hidden_state, LM head) for the families ctxext knows, else None."""
-    from ..patching import SUPPORTED_FAMILIES
+# Families whose logits are exactly lm_head(last hidden state): no soft-capping (Gemma 2/3), logit scale
+# (Cohere, Granite) or other step between. Others are scored through the model's own forward.
+PLAIN_HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "smollm3", "olmo2")
 
+
+def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """(decoder returning last_hidden_state, LM head) for the families whose logits are lm_head(hidden), else
+    None (the caller then uses the model's own forward)."""
     inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
-    if getattr(getattr(inner, "config", None), "model_type", None) not in SUPPORTED_FAMILIES:
+    if getattr(getattr(inner, "config", None), "model_type", None) not in PLAIN_HEAD_FAMILIES:
         return None
     decoder, head = inner.get_decoder(), inner.get_output_embeddings()
     if decoder is inner or head is None:

@@ -1,7 +1,7 @@
 """Getting a method into a transformers model: rotary replacement, patch/unpatch, rope-type registration."""
 
 from .attention import register_load_hook
-from .families import SUPPORTED_FAMILIES, rotary_dim, rotary_host
+from .families import RopeLayout, rope_layout, rotary_dim, rotary_host
 from .patch import applied_method, original_length, patch, unpatch
 from .rope_types import register_rope_types
 from .rotary import ScaledRotaryEmbedding, is_dynamic
@@ -10,12 +10,13 @@ register_rope_types()
 register_load_hook()  # models built from a config with `ctxext_attention` come up patched
 
 __all__ = [
-    "SUPPORTED_FAMILIES",
+    "RopeLayout",
     "ScaledRotaryEmbedding",
     "applied_method",
     "is_dynamic",
     "original_length",
     "patch",
+    "rope_layout",
     "rotary_dim",
     "rotary_host",
     "unpatch",

@@ -50,7 +50,7 @@ from .. import compat
 from ..errors import CtxextError
 from ..methods.attention import AttentionSettings, logn_scale
 from ..validate import boolean
-from .families import SUPPORTED_FAMILIES, rotary_host
+from .families import attention_of, rope_layout, rotary_host
 from .remap_kernel import BACKEND_CHOICES, QUERY_BLOCK, RegionPlan, attend_regions, key_padding
 
 CONFIG_KEY = "ctxext_attention"  # the config.json entry that records the settings
@@ -67,9 +67,10 @@ class AttentionState:
     """What a patched attention module needs: the settings and the base model whose rotary_emb it reads.
 
     A plain object, not an nn.Module, so that the base model is not registered as a submodule of its own
-    attention layers. `query_block` and `kernel` (a remapping backend, or "auto") are tuning knobs (tests
-    shrink the block to exercise it, and force each backend); `keep_keys=False` trades decode speed for the
-    memory of `KeptKeys`.
+    attention layers. `layer_type` is the layer's type where the rotary module keeps one set of frequencies per
+    type (None where one set serves every layer). `query_block` and `kernel` (a remapping backend, or "auto")
+    are tuning knobs (tests shrink the block to exercise it, and force each backend); `keep_keys=False` trades
+    decode speed for the memory of `KeptKeys`.
     """
 
     def __init__(
@@ -80,6 +81,7 @@ class AttentionState:
         query_block: int = QUERY_BLOCK,
         kernel: str = "auto",
         keep_keys: bool = True,
+        layer_type: str | None = None,
     ):
         if kernel not in BACKEND_CHOICES:
             raise CtxextError(f"unknown remapping backend '{kernel}'; choose one of {', '.join(BACKEND_CHOICES)}")
@@ -91,23 +93,41 @@ class AttentionState:
         self.kernel = kernel
         self.keep_keys = boolean("keep_keys", keep_keys)
         self.memo = memo  # one per model, shared by its layers
+        self.layer_type = layer_type
 
 
 # ------------------------------------------------------------------------------------- install/remove
-def attention_modules(host: nn.Module) -> list[nn.Module]:
-    modules = [layer.self_attn for layer in getattr(host, "layers", [])]
+def _all_attention(host: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(layer index, attention module) of every decoder layer with softmax attention."""
+    found = []
+    for index, layer in enumerate(getattr(host, "layers", [])):
+        module = attention_of(layer)
+        if module is not None:
+            found.append((index, module))
+    return found
+
+
+def attention_modules(host: nn.Module, layers: tuple[int, ...] | None = None) -> list[nn.Module]:
+    """The attention modules of `layers` (default: every layer that applies RoPE), checked for what ctxext's
+    attention function reads from them."""
+    if layers is None:
+        layers = default_layers(host)
+    chosen = dict(_all_attention(host))
+    modules = [chosen[i] for i in layers if i in chosen]
     for module in modules:
-        missing = [
-            name
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "layer_idx", "scaling")
-            if not hasattr(module, name)
-        ]
+        missing = [name for name in ("layer_idx", "scaling") if not hasattr(module, name)]
         if missing:
             raise CtxextError(
-                f"{type(module).__name__} lacks {', '.join(missing)}: not the LLaMA-style attention "
-                "that ctxext's attention methods support"
+                f"{type(module).__name__} lacks {', '.join(missing)}: not the attention layout that ctxext's "
+                "attention methods support"
             )
     return modules
+
+
+def default_layers(host: nn.Module) -> tuple[int, ...]:
+    """Every layer that applies RoPE (NoPE, linear-attention and other layers left out)."""
+    layout = rope_layout(host)
+    return tuple(i for i, (rope, attends) in enumerate(zip(layout.uses_rope, layout.attention)) if rope and attends)
 
 
 def wrapper_name(inner: str) -> str:
@@ -153,26 +173,60 @@ def check_implementation(inner: str, settings: AttentionSettings) -> None:
     )
 
 
-def check_sliding_window(config, settings: AttentionSettings, length: int | None = None) -> None:
+def check_sliding_window(
+    config, settings: AttentionSettings, length: int | None = None, windows: list | None = None
+) -> None:
     """A CtxextError at patch or load time where a sliding window shorter than the model's length (`length`,
-    default max_position_embeddings) would stop a remapping method mid-run (its regions need every key)."""
-    window = getattr(config, "sliding_window", None)
-    if settings.remap is None or window is None or getattr(config, "use_sliding_window", True) is False:
+    default max_position_embeddings) would stop a remapping method mid-run (its regions need every key).
+    `windows`: the windows of the layers the method goes on (default: the config's one window)."""
+    if settings.remap is None or getattr(config, "use_sliding_window", True) is False:
         return
+    if windows is None:
+        windows = [getattr(config, "sliding_window", None)]
     length = length or getattr(config, "max_position_embeddings", None)
-    if length is not None and window < length:
+    short = [window for window in windows if window is not None and length is not None and window < length]
+    if short:
         raise CtxextError(
-            f"{settings.method} cannot run with sliding-window attention ({window} tokens, shorter "
+            f"{settings.method} cannot run with sliding-window attention ({min(short)} tokens, shorter "
             f"than the model's {length}); set sliding_window to null in config.json (or "
             "config.sliding_window = None) first"
         )
 
 
-def check_can_install(host: nn.Module, settings: AttentionSettings, length: int | None = None) -> str:
+def check_layout(settings: AttentionSettings, layout, layers: tuple[int, ...], config) -> None:
+    """What a model's rope layout refuses of an attention-level method, as one line: no layer to put it on, and
+    for a remapping method interleaved rotary (Cohere) and attention that is more than softmax(q.k) (logit
+    soft-capping, attention sinks)."""
+    if not layers:
+        raise CtxextError(
+            f"{settings.method or 'log-n scaling'} has no layer to act on: every RoPE layer of this model is a "
+            "sliding-window layer that never sees past L (or NoPE)"
+        )
+    if settings.remap is None:
+        return
+    if layout.angles != "halves":
+        raise CtxextError(
+            f"{settings.method} rotates rotate-half pairs; this model lays its rotary angles out "
+            f"{layout.angles} ({layout.model_type}), which ctxext's remapping methods do not support"
+        )
+    for name in ("attn_logit_softcapping", "attention_sinks"):
+        if getattr(config, name, None):
+            raise CtxextError(
+                f"{settings.method} does not implement {name} ({layout.model_type}); use a frequency method"
+            )
+
+
+def check_can_install(
+    host: nn.Module, settings: AttentionSettings, length: int | None = None, layout=None, layers=None
+) -> str:
     """Refuse, before anything changes, what `settings` cannot run on `host`; the implementation to wrap."""
     inner = wrapped_implementation(compat.attention_implementation(host.config))
     check_implementation(inner, settings)
-    check_sliding_window(host.config, settings, length)
+    if layout is None:
+        check_sliding_window(host.config, settings, length)
+    else:
+        check_layout(settings, layout, layers, host.config)
+        check_sliding_window(host.config, settings, length, [layout.windows[i] for i in layers])
     return inner
 
 
@@ -186,37 +240,52 @@ def _switch_implementation(host: nn.Module, name: str) -> None:
 
 
 def install_attention(
-    host: nn.Module, settings: AttentionSettings | None, query_block: int = QUERY_BLOCK, kernel: str = "auto"
+    host: nn.Module,
+    settings: AttentionSettings | None,
+    query_block: int = QUERY_BLOCK,
+    kernel: str = "auto",
+    layers: tuple[int, ...] | None = None,
 ) -> None:
-    """Patch every attention layer of `host` (the base model) with `settings`; None or inactive removes."""
+    """Patch the attention layers `layers` of `host` (the base model; default: every RoPE layer) with
+    `settings`; None or inactive removes."""
     remove_attention(host)
     if settings is None or not settings.active:
         return
-    inner = check_can_install(host, settings)
-    modules = attention_modules(host)
+    layout = rope_layout(host)
+    layers = default_layers(host) if layers is None else layers
+    inner = check_can_install(host, settings, None, layout, layers)
+    modules = attention_modules(host, layers)
     memo = ForwardMemo()
     for module in modules:
-        module.__dict__[_STATE] = AttentionState(settings, host, memo, query_block, kernel)
+        layer_type = layout.layer_types[module.layer_idx] if layout.per_type_rotary else None
+        module.__dict__[_STATE] = AttentionState(settings, host, memo, query_block, kernel, layer_type=layer_type)
     if settings.remap is not None:
         host.__dict__[_CACHE_CHECK] = host.register_forward_pre_hook(
-            functools.partial(_before_forward, method=settings.method, memo=memo), with_kwargs=True
+            functools.partial(
+                _before_forward, method=settings.method, memo=memo, layers={m.layer_idx for m in modules}
+            ),
+            with_kwargs=True,
         )
     _switch_implementation(host, register_wrapper(inner))
 
 
-def _before_forward(host, args, kwargs, method: str, memo: ForwardMemo):
+def _before_forward(host, args, kwargs, method: str, memo: ForwardMemo, layers: set):
     """Before a forward: a remapping method needs a cache holding exactly the tokens seen (its regions are
-    built from every earlier key), so a StaticCache or a sliding-window cache is refused here, not mid-run.
-    Then each cache layer's `KeptKeys` is marked usable or not by this forward (`KeptKeys.check`)."""
+    built from every earlier key), so a StaticCache or a sliding-window cache layer under a patched layer is
+    refused here, not mid-run. Then each cache layer's `KeptKeys` is marked usable or not by this forward
+    (`KeptKeys.check`)."""
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
-    layers = getattr(cache, "layers", None) or []
-    if any(isinstance(layer, StaticLayer) or getattr(layer, "is_sliding", False) for layer in layers):
+    cache_layers = getattr(cache, "layers", None) or []
+    if any(
+        i in layers and (isinstance(layer, StaticLayer) or getattr(layer, "is_sliding", False))
+        for i, layer in enumerate(cache_layers)
+    ):
         raise CtxextError(
             f"{method} needs a cache that holds exactly the tokens seen so far (DynamicCache, the "
             f"default), not a {type(cache).__name__} with static or sliding-window layers"
         )
     memo.note_cache(cache)
-    for layer in layers:
+    for layer in cache_layers:
         kept = layer.__dict__.get(KeptKeys.ATTRIBUTE)
         if kept is not None:
             kept.check(layer)
@@ -227,19 +296,25 @@ def remove_attention(host: nn.Module) -> None:
     hook = host.__dict__.pop(_CACHE_CHECK, None)
     if hook is not None:
         hook.remove()
-    for module in getattr(host, "layers", []):
-        attention = getattr(module, "self_attn", None)
-        if attention is not None:
-            attention.__dict__.pop(_STATE, None)
+    for _, attention in _all_attention(host):
+        attention.__dict__.pop(_STATE, None)
     current = compat.attention_implementation(host.config)
     if current is not None and current.startswith(PREFIX):
         _switch_implementation(host, wrapped_implementation(current))
 
 
+def _patched_modules(host: nn.Module) -> list[nn.Module]:
+    return [module for _, module in _all_attention(host) if _STATE in module.__dict__]
+
+
 def installed_settings(host: nn.Module) -> AttentionSettings | None:
-    layers = getattr(host, "layers", [])
-    state = layers[0].self_attn.__dict__.get(_STATE) if len(layers) else None
-    return state.settings if state is not None else None
+    patched = _patched_modules(host)
+    return patched[0].__dict__[_STATE].settings if patched else None
+
+
+def installed_layers(host: nn.Module) -> tuple[int, ...]:
+    """The layers an attention-level method is installed on."""
+    return tuple(module.layer_idx for module in _patched_modules(host))
 
 
 def set_attention_tuning(
@@ -250,10 +325,11 @@ def set_attention_tuning(
     `keep_keys=False` stops caches from keeping their keys rotated by the method's rules (`KeptKeys`), and drops
     what they kept at their next forward: decode steps rotate every cached key again (at 64k, about 5x slower
     on a CPU) but need no extra memory (`kept_keys_bytes`)."""
-    for module in attention_modules(rotary_host(model)):
-        state = module.__dict__.get(_STATE)
-        if state is None:
-            raise CtxextError("no ctxext attention method is installed on this model")
+    modules = _patched_modules(rotary_host(model))
+    if not modules:
+        raise CtxextError("no ctxext attention method is installed on this model")
+    for module in modules:
+        state = module.__dict__[_STATE]
         module.__dict__[_STATE] = AttentionState(
             state.settings,
             state.host,
@@ -261,6 +337,7 @@ def set_attention_tuning(
             query_block or state.query_block,
             kernel or state.kernel,
             state.keep_keys if keep_keys is None else keep_keys,
+            state.layer_type,
         )
 
 
@@ -274,15 +351,25 @@ def kept_keys_bytes(cache) -> int:
     return total
 
 
+LAYERS_KEY = "layers"  # in `ctxext_attention`: the layers the method is on, where not every RoPE layer
+
+
 def sync_attention_with_config(host: nn.Module) -> None:
     """Install what `config.ctxext_attention` says (or remove everything when it is absent)."""
-    values = getattr(host.config, CONFIG_KEY, None)
-    install_attention(host, AttentionSettings.from_dict(values) if values else None)
+    values = dict(getattr(host.config, CONFIG_KEY, None) or {})
+    layers = values.pop(LAYERS_KEY, None)
+    install_attention(
+        host, AttentionSettings.from_dict(values) if values else None, layers=None if layers is None else tuple(layers)
+    )
 
 
-def record_attention_in_config(config, settings: AttentionSettings | None) -> None:
+def record_attention_in_config(config, settings: AttentionSettings | None, layers: tuple | None = None) -> None:
+    """`ctxext_attention` in the config: the settings, and the layers they are on where not every RoPE layer."""
     if settings is not None and settings.active:
-        setattr(config, CONFIG_KEY, settings.to_dict())
+        values = settings.to_dict()
+        if layers is not None:
+            values[LAYERS_KEY] = list(layers)
+        setattr(config, CONFIG_KEY, values)
     elif hasattr(config, CONFIG_KEY):
         delattr(config, CONFIG_KEY)
 
@@ -290,7 +377,7 @@ def record_attention_in_config(config, settings: AttentionSettings | None) -> No
 # ------------------------------------------------------------------------------------------ load hook
 def _install_from_config_after_init(model: nn.Module) -> None:
     config = getattr(model, "config", None)
-    if not getattr(config, CONFIG_KEY, None) or getattr(config, "model_type", None) not in SUPPORTED_FAMILIES:
+    if not getattr(config, CONFIG_KEY, None):
         return
     try:
         host = rotary_host(model)
@@ -347,13 +434,18 @@ def undo_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return back if rotary == x.shape[-1] else torch.cat((back, x[..., rotary:].float()), dim=-1)
 
 
-def _rotary_at(host: nn.Module, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotary_at(
+    host: nn.Module, like: torch.Tensor, positions: torch.Tensor, layer_type: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) of the model's own rotary embedding at arbitrary (possibly fractional) positions.
 
     Positions are computed on the CPU (in float64 where a rule needs it) and reach the device as float32, so
     devices without float64 (MPS) never see it.
     """
-    return host.rotary_emb(like, positions.to(device=like.device, dtype=torch.float32))
+    positions = positions.to(device=like.device, dtype=torch.float32)
+    if layer_type is None:  # one set of frequencies for every layer
+        return host.rotary_emb(like, positions)
+    return host.rotary_emb(like, positions, layer_type)
 
 
 # ----------------------------------------------------------------------------- one forward, all layers
@@ -434,15 +526,17 @@ def _rotary_identity(rotary: nn.Module) -> tuple:
     return id(rotary), frequencies.data_ptr() if isinstance(frequencies, torch.Tensor) else None
 
 
-def _rotary_entry(plan: ForwardPlan, host: nn.Module, like: torch.Tensor, name, positions: Callable):
+def _rotary_entry(
+    plan: ForwardPlan, host: nn.Module, like: torch.Tensor, name, positions: Callable, layer_type: str | None = None
+):
     """(cos, sin) at `positions()`, once per forward; dynamic rotary types, whose frequencies follow each call's
     positions, are asked every time."""
     rotary = host.rotary_emb
     if _is_dynamic_rotary(rotary):
-        return _rotary_at(host, like, positions())
+        return _rotary_at(host, like, positions(), layer_type)
     return plan.remember(
-        ("rotary", name, *_rotary_identity(rotary), like.dtype, like.device),
-        lambda: _rotary_at(host, like, positions()),
+        ("rotary", name, layer_type, *_rotary_identity(rotary), like.dtype, like.device),
+        lambda: _rotary_at(host, like, positions(), layer_type),
     )
 
 
@@ -660,7 +754,8 @@ def _region_queries_and_keys(module, state: AttentionState, plan: ForwardPlan, q
     kept = KeptKeys.reusable(layer, state, key, positions, q_len)
     start = 0 if kept is None else kept.length  # keys [start, total) are rotated by this forward
     new_positions = positions[:, start:]
-    cos_k, sin_k = _rotary_entry(plan, host, query, ("keys", start), lambda: new_positions)
+    layer_type = state.layer_type
+    cos_k, sin_k = _rotary_entry(plan, host, query, ("keys", start), lambda: new_positions, layer_type)
     plain_query = undo_rotation(query, cos_k[:, -q_len:], sin_k[:, -q_len:])
     plain_key = None  # the new keys unrotated, made once a region rotates keys by a rule of its own (not STRING)
     queries, key_slots, rotated = [], [], {}  # rotated: key rule -> (slot, the new keys rotated by it)
@@ -670,13 +765,21 @@ def _region_queries_and_keys(module, state: AttentionState, plan: ForwardPlan, q
         if scales is not None:  # DPE: every rotary pair at its own scale
             queries.append(
                 _rotated_per_pair(
-                    plan, host, plain_query, ("query", index), scales, lambda G, r=query_rule: r(query_positions, G)
+                    plan,
+                    host,
+                    plain_query,
+                    ("query", index),
+                    scales,
+                    lambda G, r=query_rule: r(query_positions, G),
+                    layer_type,
                 ).to(query.dtype)
             )
         elif query_rule is None:
             queries.append(query)
         else:
-            cos, sin = _rotary_entry(plan, host, plain_query, ("query", index), lambda r=query_rule: r(query_positions))
+            cos, sin = _rotary_entry(
+                plan, host, plain_query, ("query", index), lambda r=query_rule: r(query_positions), layer_type
+            )
             queries.append(apply_rotation(plain_query, cos, sin).to(query.dtype))
         if key_rule is None:
             key_slots.append(None)
@@ -685,9 +788,11 @@ def _region_queries_and_keys(module, state: AttentionState, plan: ForwardPlan, q
             plain_key = undo_rotation(key[:, :, start:], cos_k, sin_k) if plain_key is None else plain_key
             name = ("key", index, start)
             if scales is not None:
-                new = _rotated_per_pair(plan, host, plain_key, name, scales, lambda G, r=key_rule: r(new_positions, G))
+                new = _rotated_per_pair(
+                    plan, host, plain_key, name, scales, lambda G, r=key_rule: r(new_positions, G), layer_type
+                )
             else:
-                cos, sin = _rotary_entry(plan, host, plain_key, name, lambda r=key_rule: r(new_positions))
+                cos, sin = _rotary_entry(plan, host, plain_key, name, lambda r=key_rule: r(new_positions), layer_type)
                 new = apply_rotation(plain_key, cos, sin)
             rotated[key_rule] = (index, new.to(key.dtype))
         key_slots.append(rotated[key_rule][0])
@@ -784,12 +889,18 @@ class KeptKeys:
 
 
 def _rotated_per_pair(
-    plan: ForwardPlan, host: nn.Module, x: torch.Tensor, name, scales: torch.Tensor, positions_at: Callable
+    plan: ForwardPlan,
+    host: nn.Module,
+    x: torch.Tensor,
+    name,
+    scales: torch.Tensor,
+    positions_at: Callable,
+    layer_type: str | None = None,
 ) -> torch.Tensor:
     """x rotated pair by pair, pair p at `positions_at(scales[p])`: one (cos, sin) per distinct scale (once per
     forward), then each channel takes its pair's (channels c and c + d/2 are pair c, as in rotate_half)."""
     distinct = sorted(set(scales.tolist()))
-    tables = [_rotary_entry(plan, host, x, (*name, G), lambda G=G: positions_at(G)) for G in distinct]
+    tables = [_rotary_entry(plan, host, x, (*name, G), lambda G=G: positions_at(G), layer_type) for G in distinct]
     rotary = tables[0][0].shape[-1]
     pick = torch.tensor([distinct.index(G) for G in scales.tolist()], dtype=torch.int64).repeat(2)
     pick, channels = pick.to(x.device), torch.arange(rotary, device=x.device)
@@ -798,7 +909,8 @@ def _rotated_per_pair(
         return torch.stack([table[which] for table in tables], dim=-1)[..., channels, pick]
 
     cos, sin = plan.remember(
-        ("per-pair", name, tuple(scales.tolist()), x.dtype, x.device), lambda: (assembled(0), assembled(1))
+        ("per-pair", name, layer_type, tuple(scales.tolist()), x.dtype, x.device),
+        lambda: (assembled(0), assembled(1)),
     )
     return apply_rotation(x, cos, sin)
 

@@ -1,18 +1,27 @@
-"""Which models ctxext can patch, and where their rotary embedding lives.
+"""Which models ctxext can patch, found by probing their structure rather than by name, and their rope layout.
 
-LLaMA, Mistral, Qwen2 and Qwen3 share one layout in transformers 5: a single `rotary_emb` on the base
-model (`model.model` for the *ForCausalLM classes) computes (cos, sin) once for all layers.
+A transformers 5 RoPE model has a `rotary_emb` module on its base model that returns (cos, sin) from its
+frequencies (`inv_freq`), either one set for all layers (`forward(x, position_ids)`) or one set per layer type
+(`forward(x, position_ids, layer_type)` with `{layer_type}_inv_freq` buffers, as Gemma 3). Each attention layer
+rotates its queries and keys with them, rotate-half style (cos, sin = the angles twice, [a, a]) or, in a few
+families (Cohere), interleaved ([a0, a0, a1, a1, ...]). `rope_layout(model)` reads all of that once, as data:
+which layer types there are and which frequencies each uses, which layers apply no RoPE (SmolLM3's and
+Llama 4's NoPE layers), which are sliding-window layers and how far they see, how many channels rotate
+(`partial_rotary_factor`). The methods' math never needs to know the family.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 
+import torch
 from torch import nn
 
 from ..errors import CtxextError
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FULL = "full_attention"  # transformers' name of a layer that attends to every earlier token
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -21,35 +30,296 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return get_base_model() if callable(get_base_model) else model
 
 
+# ------------------------------------------------------------------------------------------ the config
+def is_nested(rope_parameters) -> bool:
+    """Whether `rope_parameters` holds one dict per layer type ({"full_attention": {...}, ...})."""
+    return bool(rope_parameters) and all(isinstance(value, dict) for value in rope_parameters.values())
+
+
+def rope_parameters_of(config, layer_type: str | None = None) -> dict:
+    """The rope parameters a layer type uses (the one flat dict where the config has no nesting)."""
+    rope_parameters = getattr(config, "rope_parameters", None) or {}
+    if not is_nested(rope_parameters):
+        return rope_parameters
+    if layer_type is None:
+        layer_type = FULL if FULL in rope_parameters else sorted(rope_parameters)[0]
+    if layer_type not in rope_parameters:
+        raise CtxextError(
+            f"layer type '{layer_type}' has no rope parameters; this model has {', '.join(sorted(rope_parameters))}"
+        )
+    return rope_parameters[layer_type] or {}
+
+
 def check_supported(config, what: str | None = None) -> None:
-    """A CtxextError naming the supported families unless `config` is one of them."""
+    """What a config alone says ctxext cannot patch, as a one-line CtxextError (weights are never loaded)."""
     model_type = getattr(config, "model_type", None)
-    if model_type in SUPPORTED_FAMILIES:
-        return
     what = what or (f"model type '{model_type}'" if model_type else "this model")
-    has_rope = bool(getattr(config, "rope_parameters", None))
-    reason = "is not a supported RoPE family" if has_rope else "has no rotary position embedding (RoPE)"
-    raise CtxextError(f"{what} {reason}; ctxext supports {', '.join(SUPPORTED_FAMILIES)}")
+    rope_parameters = getattr(config, "rope_parameters", None)
+    types = list(rope_parameters.values()) if is_nested(rope_parameters) else [rope_parameters or {}]
+    if not any(isinstance(values, dict) and "rope_theta" in values for values in types):
+        raise CtxextError(f"{what} has no rotary position embedding (RoPE): there is nothing for ctxext to scale")
+    if any(isinstance(values, dict) and "mrope_section" in values for values in types):
+        raise CtxextError(f"{what} uses multimodal RoPE (mrope_section), which ctxext does not patch yet")
+    if getattr(config, "qk_rope_head_dim", None):
+        raise CtxextError(
+            f"{what} uses multi-head latent attention (MLA: RoPE on a separate qk_rope_head_dim slice), which "
+            "ctxext does not patch yet"
+        )
 
 
-def rotary_host(model: nn.Module) -> nn.Module:
-    """The module that owns `rotary_emb` (the bare base model), or a CtxextError naming what is supported."""
-    model = _unwrap(model)
-    config = getattr(model, "config", None)
-    check_supported(config, None if getattr(config, "model_type", None) else type(model).__name__)
-    for host in (model, getattr(model, "model", None)):
-        if host is not None and isinstance(getattr(host, "rotary_emb", None), nn.Module):
-            return host
-    raise CtxextError(f"{type(model).__name__} has no 'rotary_emb' module; is this a transformers >= 5 model?")
-
-
-def rotary_dim(config) -> int:
+def rotary_dim(config, layer_type: str | None = None) -> int:
     """The number of rotated channels per head: head_dim, times partial_rotary_factor where set."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    partial = (config.rope_parameters or {}).get(
+    partial = rope_parameters_of(config, layer_type).get(
         "partial_rotary_factor", getattr(config, "partial_rotary_factor", None)
     )
     return int(head_dim * (partial or 1.0))
+
+
+# ------------------------------------------------------------------------------------------ the model
+@dataclasses.dataclass(frozen=True)
+class RopeLayout:
+    """How one model applies RoPE, per decoder layer. Read once by `rope_layout`; plain data.
+
+    `per_type_rotary`: the rotary module keeps one set of frequencies per layer type (its forward takes the
+    layer type); otherwise one set serves every layer. `angles`: how cos/sin lay the angles a out per head,
+    "halves" ([a, a], rotate-half: most families), "interleaved" ([a0, a0, a1, a1, ...]: Cohere) or "once" ([a]:
+    gpt-oss, whose attention splits the head itself). `uses_rope[i]` is False for a NoPE layer; `windows[i]` is a sliding
+    layer's window (None for a full one); `attention[i]` is False for a layer without softmax attention (linear
+    attention, Mamba, convolution), which RoPE never reaches.
+    """
+
+    model_type: str | None
+    layer_types: tuple[str, ...]
+    per_type_rotary: bool
+    angles: str
+    uses_rope: tuple[bool, ...]
+    windows: tuple[int | None, ...]
+    attention: tuple[bool, ...]
+    rotary_dims: dict
+    bases: dict
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        """The distinct layer types that apply RoPE, in layer order."""
+        seen = []
+        for layer_type, rope, attends in zip(self.layer_types, self.uses_rope, self.attention):
+            if rope and attends and layer_type not in seen:
+                seen.append(layer_type)
+        return tuple(seen)
+
+    def select_types(self, choice: str | list | tuple | None) -> tuple[str, ...] | None:
+        """The layer types a frequency method scales, from `--layer-types` (full, all or names); None means the
+        one set of frequencies every layer shares.
+
+        `full` (the default) is the full-attention layers: Gemma 3's recipe, since a sliding layer never sees a
+        key farther than its window. On a model whose rotary module serves every layer type with one set of
+        frequencies, only `all` and `full` are accepted, and both scale that one set.
+        """
+        names = _layer_type_names(choice)
+        if not self.per_type_rotary:
+            if names in (["full"], ["all"]):
+                return None
+            raise CtxextError(
+                f"--layer-types {','.join(names)}: this model's rotary module serves every layer with one set of "
+                "frequencies; use --layer-types all (or full)"
+            )
+        if names == ["all"]:
+            return self.types
+        if names == ["full"]:
+            names = [FULL]
+        unknown = [name for name in names if name not in self.types]
+        if unknown:
+            raise CtxextError(
+                f"unknown layer type '{unknown[0]}'; this model's RoPE layer types are {', '.join(self.types)}"
+            )
+        return tuple(name for name in self.types if name in names)
+
+    def sees_past(self, layer: int, length: int) -> bool:
+        """Whether layer `layer` can attend farther back than `length` tokens (a sliding layer within it cannot)."""
+        window = self.windows[layer]
+        return window is None or window > length
+
+    def describe(self) -> list[dict]:
+        """One row per layer type: what `ctxext methods --model` prints."""
+        rows = []
+        for layer_type in dict.fromkeys(self.layer_types):
+            layers = [i for i, t in enumerate(self.layer_types) if t == layer_type]
+            rope = [i for i in layers if self.uses_rope[i] and self.attention[i]]
+            windows = {self.windows[i] for i in layers}
+            rows.append(
+                {
+                    "layer_type": layer_type,
+                    "layers": len(layers),
+                    "rope_layers": len(rope),
+                    "nope_layers": [i for i in layers if self.attention[i] and not self.uses_rope[i]],
+                    "attention": any(self.attention[i] for i in layers),
+                    "sliding_window": None if windows == {None} else max(w or 0 for w in windows),
+                    "rotary_dim": self.rotary_dims.get(layer_type if self.per_type_rotary else None),
+                    "rope_theta": self.bases.get(layer_type if self.per_type_rotary else None),
+                }
+            )
+        return rows
+
+
+def _layer_type_names(choice) -> list[str]:
+    if choice is None:
+        return ["full"]
+    names = choice.split(",") if isinstance(choice, str) else list(choice)
+    names = [str(name).strip() for name in names if str(name).strip()]
+    if not names:
+        raise CtxextError("--layer-types is empty; give full, all, or layer type names separated by commas")
+    if len(names) > 1 and ({"full", "all"} & set(names)):
+        raise CtxextError("--layer-types: 'full' and 'all' stand alone, not in a list of layer types")
+    return names
+
+
+def rotary_host(model: nn.Module) -> nn.Module:
+    """The module that owns `rotary_emb` (the bare base model), or a one-line CtxextError saying what is missing."""
+    model = _unwrap(model)
+    config = getattr(model, "config", None)
+    name = getattr(config, "model_type", None) or type(model).__name__
+    if config is not None:
+        check_supported(config, f"model type '{name}'")
+    prefix = getattr(model, "base_model_prefix", None) or "model"
+    for host in (model, getattr(model, prefix, None), getattr(model, "model", None)):
+        if host is not None and isinstance(getattr(host, "rotary_emb", None), nn.Module):
+            return host
+    if config is None or not getattr(config, "rope_parameters", None):
+        raise CtxextError(f"{name} has no rotary position embedding (RoPE): there is nothing for ctxext to scale")
+    raise CtxextError(
+        f"{name} has no 'rotary_emb' module on its base model: its layers compute RoPE in their own way, which "
+        "ctxext does not patch (ctxext needs a transformers >= 5 model with one rotary module)"
+    )
+
+
+def _decoder_layers(host: nn.Module) -> list[nn.Module]:
+    layers = getattr(host, "layers", None)
+    return list(layers) if layers is not None else []
+
+
+def attention_of(layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's softmax-attention module (None for linear-attention, Mamba or convolution layers)."""
+    for name in ("self_attn", "self_attention", "attention", "attn"):
+        module = getattr(layer, name, None)
+        if isinstance(module, nn.Module) and hasattr(module, "layer_idx"):
+            return module
+    return None
+
+
+def _rotary_call(rotary: nn.Module, layer_type: str | None):
+    """(cos, sin) of `rotary` at positions 0..7 of a float32 probe."""
+    x = torch.zeros(1, 1, 8, dtype=torch.float32, device=_device_of(rotary))
+    positions = torch.arange(8, device=x.device)[None]
+    return rotary(x, positions) if layer_type is None else rotary(x, positions, layer_type)
+
+
+def _device_of(module: nn.Module):
+    for tensor in module.buffers():
+        return tensor.device
+    return "cpu"
+
+
+def _probe_rotary(rotary: nn.Module, layer_type: str | None) -> tuple[str, int]:
+    """(angle layout, rotary_dim) from one call of the model's own rotary module, checked against its inv_freq.
+
+    What ctxext replaces must be what the model computes: cos = cos(p * inv_freq) * scaling, with the angles
+    laid out twice (rotate-half) or interleaved. Anything else is a one-line CtxextError.
+    """
+    what = f"this rotary module computes positions in its own way: {type(rotary).__name__}"
+    inv_freq = getattr(rotary, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq", None)
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.dim() != 1:
+        raise CtxextError(f"{what} (no inv_freq buffer)")
+    if inv_freq.is_meta:  # a model being loaded (its buffers not filled yet): the sizes only, rotate-half assumed
+        return "halves", 2 * inv_freq.shape[0]
+    try:
+        with torch.no_grad():
+            out = _rotary_call(rotary, layer_type)
+    except Exception as error:  # noqa: BLE001 - any failure of a foreign module means it is not the usual kind
+        raise CtxextError(f"{what} ({type(error).__name__} when called as rotary_emb(x, position_ids))") from None
+    if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
+        raise CtxextError(f"{what} (it does not return (cos, sin))")
+    cos, sin = (t.float().cpu().reshape(-1, t.shape[-1])[-8:] for t in out)
+    angles = torch.arange(8, dtype=torch.float32)[:, None] * inv_freq.float().cpu()[None]
+    scale = cos[0].abs().max().clamp_min(1e-12)  # cos(0) = the attention scaling
+    layouts = {
+        "halves": torch.cat((angles, angles), -1),
+        "interleaved": angles.repeat_interleave(2, -1),
+        "once": angles,
+    }
+    for layout, laid_out in layouts.items():
+        tolerance = 1e-4 * float(scale)
+        if (
+            laid_out.shape == cos.shape
+            and torch.allclose(cos, laid_out.cos() * scale, atol=tolerance)
+            and torch.allclose(sin, laid_out.sin() * scale, atol=tolerance)
+        ):
+            return layout, 2 * angles.shape[-1]
+    raise CtxextError(f"{what} (its (cos, sin) are not cos/sin of position x inv_freq)")
+
+
+def rope_layout(model: nn.Module) -> RopeLayout:
+    """The model's rope layout (see `RopeLayout`), probed from its modules; a one-line CtxextError where the
+    model is not the kind ctxext can patch."""
+    host = rotary_host(model)
+    config = host.config
+    rotary = getattr(host.rotary_emb, "original", None) or host.rotary_emb  # look through ctxext's own module
+    if getattr(rotary, "mrope_section", None) is not None:  # positions in 3 sections (text, height, width)
+        raise CtxextError(f"{config.model_type} uses multimodal RoPE (mrope_section), which ctxext does not patch yet")
+    per_type = "layer_type" in inspect.signature(rotary.forward).parameters and is_nested(config.rope_parameters)
+    layers = _decoder_layers(host)
+    if not layers:
+        raise CtxextError(f"{type(host).__name__} has no decoder layers ('layers') for ctxext to patch")
+    configured = list(getattr(config, "layer_types", None) or [])
+    layer_types = tuple(configured[i] if i < len(configured) else FULL for i in range(len(layers)))
+    attention = tuple(attention_of(layer) is not None for layer in layers)
+    uses_rope = tuple(
+        bool(getattr(attention_of(layer), "use_rope", True)) if attends else False
+        for layer, attends in zip(layers, attention)
+    )
+    windows = tuple(
+        _window(attention_of(layer), config, layer_type) if attends else None
+        for layer, attends, layer_type in zip(layers, attention, layer_types)
+    )
+    keys = [None]
+    if per_type:
+        keys = [t for t, rope, attends in zip(layer_types, uses_rope, attention) if rope and attends]
+        missing = sorted({t for t in keys if t not in config.rope_parameters})
+        if missing:
+            raise CtxextError(
+                f"this rotary module computes positions in its own way: {type(rotary).__name__} (its rope "
+                f"parameters are keyed {', '.join(sorted(config.rope_parameters))}, not by layer type {missing[0]})"
+            )
+        keys = list(dict.fromkeys(keys))
+    dims, bases, layouts = {}, {}, set()
+    for key in keys:
+        laid_out, dim = _probe_rotary(rotary, key)
+        layouts.add(laid_out)
+        dims[key] = dim
+        bases[key] = float(rope_parameters_of(config, key)["rope_theta"])
+    return RopeLayout(
+        model_type=getattr(config, "model_type", None),
+        layer_types=layer_types,
+        per_type_rotary=per_type,
+        angles=layouts.pop() if len(layouts) == 1 else "mixed",
+        uses_rope=uses_rope,
+        windows=windows,
+        attention=attention,
+        rotary_dims=dims,
+        bases=bases,
+    )
+
+
+def _window(module: nn.Module, config, layer_type: str) -> int | None:
+    """A layer's sliding window, or None where it sees every earlier token."""
+    if getattr(config, "use_sliding_window", True) is False or getattr(module, "is_sliding", True) is False:
+        return None
+    window = getattr(module, "sliding_window", None)
+    if window is None and layer_type == "sliding_attention":
+        window = getattr(config, "sliding_window", None)
+    if window is None and layer_type == "chunked_attention":
+        window = getattr(config, "attention_chunk_size", None)
+    return int(window) if window else None
 
 
 def rotary_wavelengths(model: nn.Module) -> list[float] | None:
@@ -57,7 +327,7 @@ def rotary_wavelengths(model: nn.Module) -> list[float] | None:
     from ..methods.frequency import rope_inv_freq
 
     config = _unwrap(model).config
-    base = (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
+    base = rope_parameters_of(config).get("rope_theta")
     if base is None:
         return None
     return (2 * math.pi / rope_inv_freq(rotary_dim(config), float(base)).double()).tolist()

@@ -16,7 +16,7 @@ from .attention import (
     record_attention_in_config,
     sync_attention_with_config,
 )
-from .families import rotary_dim, rotary_host
+from .families import RopeLayout, is_nested, rope_layout, rope_parameters_of, rotary_dim, rotary_host
 from .rope_types import rope_parameters_for
 from .rotary import ScaledRotaryEmbedding
 
@@ -27,6 +27,7 @@ def patch(
     factor: float = 1.0,
     original_max_position_embeddings: int | None = None,
     logn: bool = False,
+    layer_types: str | list | None = None,
     **params,
 ) -> nn.Module:
     """Replace the model's rotary embedding with `method` at scale `factor`; returns the same model.
@@ -39,8 +40,15 @@ def patch(
 
     `logn=True` adds log-n query scaling (any method); `rerope`/`leaky_rerope` patch the attention layers
     too. Attention settings are recorded as `ctxext_attention` in the config (see patching/attention.py).
+
+    `layer_types` (`full`, the default, `all`, or layer type names) chooses which layer types' frequencies a
+    model with one set per layer type (Gemma 3) has scaled; the others keep theirs. Attention-level methods go
+    only on the chosen layers that apply RoPE and can see past L (never a NoPE layer, nor a sliding layer whose
+    window is at most L). See `RopeLayout`.
     """
     host = rotary_host(model)
+    layout = rope_layout(model)
+    chosen = layout.select_types(layer_types)
     spec = get_method(method)
     method_params = spec.make_params(factor=factor, **params)
     boolean("logn", logn)
@@ -51,14 +59,21 @@ def patch(
     L = whole_number("original_max_position_embeddings", original_max_position_embeddings)
     attention = AttentionSettings.for_method(spec.name, method_params, logn, L)
     check_shape(host.config, method_params, L)
+    layers = attention_layers(layout, chosen, L)
     if attention.active:
-        check_can_install(host, attention, int(round(L * method_params.factor)))
+        check_can_install(host, attention, int(round(L * method_params.factor)), layout, layers)
     unpatch(model)
 
     config = host.config
-    base = float(config.rope_parameters["rope_theta"])
-    dim = rotary_dim(config)
-    scaled = ScaledRotaryEmbedding(spec, method_params, dim, base, L, original=host.rotary_emb)
+    keys = chosen or (None,)
+    scaled = ScaledRotaryEmbedding(
+        spec,
+        method_params,
+        {key: (layout.rotary_dims[key], layout.bases[key]) for key in keys},
+        L,
+        original=host.rotary_emb,
+        angles=layout.angles,
+    )
     scaled.saved_config = {
         "rope_parameters": copy.deepcopy(config.rope_parameters),
         "max_position_embeddings": config.max_position_embeddings,
@@ -66,17 +81,50 @@ def patch(
     }
     scaled.to(next(host.parameters()).device)
 
-    config.rope_parameters = rope_parameters_for(
-        spec, method_params, dim, base, L, config.rope_parameters.get("partial_rotary_factor")
-    )
+    written = {
+        key: rope_parameters_for(
+            spec,
+            method_params,
+            layout.rotary_dims[key],
+            layout.bases[key],
+            L,
+            rope_parameters_of(config, key).get("partial_rotary_factor"),
+        )
+        for key in keys
+    }
+    for key, values in written.items():  # what the family's own code reads beside the rope type stays
+        kept = rope_parameters_of(config, key)
+        values.update({name: kept[name] for name in FAMILY_KEYS if name in kept})
+    if chosen is None:
+        config.rope_parameters = written[None]
+    else:  # nested by layer type, as transformers reads it: the other types keep what they had
+        config.rope_parameters = {key: written.get(key, value) for key, value in config.rope_parameters.items()}
     # transformers' dynamic update only recomputes frequencies past max_position_embeddings, so dynamic
     # types must keep L there for a saved checkpoint to behave the same after reloading.
-    grows = "dynamic" in config.rope_parameters["rope_type"]
+    grows = any("dynamic" in values["rope_type"] for values in written.values())
     config.max_position_embeddings = L if grows else int(round(L * method_params.factor))
     host.rotary_emb = scaled
-    record_attention_in_config(config, attention)
-    install_attention(host, attention)
+    all_layers = attention_layers(layout, layout.types if layout.per_type_rotary else None, None)
+    record_attention_in_config(config, attention, None if layers == all_layers else layers)
+    install_attention(host, attention, layers=layers)
     return model
+
+
+# rope_parameters keys that belong to the family rather than to a rope type (Ministral 3's query temperature)
+FAMILY_KEYS = ("llama_4_scaling_beta",)
+
+
+def attention_layers(layout: RopeLayout, chosen: tuple | None, original_length: int | None) -> tuple[int, ...]:
+    """The layers an attention-level method goes on: those that apply RoPE, of a chosen layer type (every type
+    when the rotary module is shared), and that can see past L (`original_length`; None: every window)."""
+    return tuple(
+        i
+        for i, layer_type in enumerate(layout.layer_types)
+        if layout.attention[i]
+        and layout.uses_rope[i]
+        and (chosen is None or layer_type in chosen)
+        and (original_length is None or layout.sees_past(i, original_length))
+    )
 
 
 def check_shape(config, method_params, original_max_position_embeddings: int) -> None:
@@ -100,6 +148,8 @@ def original_length(model: nn.Module) -> int | None:
     else:
         rope_parameters = host.config.rope_parameters or {}
         max_length = getattr(host.config, "max_position_embeddings", None)
+    if is_nested(rope_parameters):  # the full-attention layers' L: the one that extending the context moves
+        rope_parameters = rope_parameters.get("full_attention") or next(iter(rope_parameters.values())) or {}
     return rope_parameters.get("original_max_position_embeddings") or max_length
 
 
@@ -130,9 +180,11 @@ def applied_method(model: nn.Module) -> dict | None:
         "params": scaled.params.to_dict(),
         "original_max_position_embeddings": scaled.original_max_position_embeddings,
         "rope_type": host_rope_type(model),
+        "layer_types": [key for key in scaled.scaled if key is not None] or "all",
         "attention": copy.deepcopy(getattr(rotary_host(model).config, CONFIG_KEY, None)),  # log-n, ReRoPE
     }
 
 
 def host_rope_type(model: nn.Module) -> str:
-    return rotary_host(model).config.rope_parameters["rope_type"]
+    """The rope type the config records: the full-attention layers' one where it is nested by layer type."""
+    return rope_parameters_of(rotary_host(model).config)["rope_type"]

@@ -16,7 +16,7 @@ from .. import compat
 from ..errors import CtxextError
 from ..methods import METHODS, Method, MethodParams, compute_inv_freq
 from ..methods.registry import method_for_rope_type
-from .families import rotary_dim
+from .families import rope_parameters_of, rotary_dim
 
 # Keys transformers accepts for its own types, beyond rope_type/rope_theta/partial_rotary_factor.
 _TRANSFORMERS_KEYS = {
@@ -36,6 +36,48 @@ _TRANSFORMERS_KEYS = {
     "llama3": {"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"},
     "longrope": {"factor", "original_max_position_embeddings", "short_factor", "long_factor", "attention_factor"},
 }
+
+
+# Numbers the serving engines read as floats. vLLM's and SGLang's linear rope wrap a float `factor` in a list and
+# take anything else for a list already, so `"factor": 4` fails to load there ("'int' object is not iterable");
+# transformers accepts either. The last three are the keys those engines read instead of `attention_factor`
+# (ctxext.serving.forms). Lengths (original_max_position_embeddings) stay integers.
+FLOAT_KEYS = frozenset(
+    {
+        "factor",
+        "beta_fast",
+        "beta_slow",
+        "attention_factor",
+        "mscale",
+        "mscale_all_dim",
+        "low_freq_factor",
+        "high_freq_factor",
+        "rope_theta",
+        "attn_factor",
+        "short_mscale",
+        "long_mscale",
+    }
+)
+FLOAT_LIST_KEYS = frozenset({"short_factor", "long_factor"})
+
+
+def with_float_numbers(rope_parameters: dict) -> dict:
+    """A copy of `rope_parameters` with every integer among FLOAT_KEYS (and in the FLOAT_LIST_KEYS lists) written
+    as a float: `--factor 4` is 4.0 in config.json. Other keys (lengths, flags, ctxext's own parameters) are kept.
+    Parameters nested by layer type ({'full_attention': {...}, ...}) are converted inside each."""
+
+    def as_float(value):
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    out = dict(rope_parameters)
+    for key, value in out.items():
+        if key in FLOAT_KEYS:
+            out[key] = as_float(value)
+        elif key in FLOAT_LIST_KEYS and isinstance(value, (list, tuple)):
+            out[key] = [as_float(x) for x in value]
+        elif isinstance(value, dict):
+            out[key] = with_float_numbers(value)
+    return out
 
 
 def rope_parameters_for(
@@ -64,7 +106,7 @@ def rope_parameters_for(
     rope_parameters = {"rope_type": rope_type, "rope_theta": base, **values}
     if partial_rotary_factor is not None:
         rope_parameters["partial_rotary_factor"] = partial_rotary_factor
-    return rope_parameters
+    return with_float_numbers(rope_parameters)
 
 
 def params_from_rope_parameters(rope_parameters: dict) -> tuple[Method, MethodParams]:
@@ -100,14 +142,14 @@ def stateless_method_for(rope_parameters: dict) -> tuple[str, dict] | None:
 
 
 def _ctxext_rope_init(config, device=None, seq_len=None, layer_type=None):
-    rope_parameters = config.rope_parameters
+    rope_parameters = rope_parameters_of(config, layer_type)  # one layer type's, where nested by type
     method, params = params_from_rope_parameters(rope_parameters)
     if seq_len is not None:
         seq_len = int(seq_len)
     inv_freq, attention_factor = compute_inv_freq(
         method,
         params,
-        rotary_dim(config),
+        rotary_dim(config, layer_type),
         rope_parameters["rope_theta"],
         rope_parameters["original_max_position_embeddings"],
         seq_len,

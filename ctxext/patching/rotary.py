@@ -1,8 +1,9 @@
 """The scaled rotary embedding that replaces a model's `rotary_emb`.
 
 Threads: one patched model may run forwards in several threads at once. The module's only state that changes
-during a forward is a dynamic method's last (length, frequencies) pair, which is replaced as one tuple and read
-once per forward, so a thread never computes with the frequencies of another thread's length.
+during a forward is a dynamic method's last (length, frequencies) pair per layer type, kept in a dict that is
+replaced whole and read once per forward, so a thread never computes with the frequencies of another thread's
+length.
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from ..methods import Method, MethodParams, compute_inv_freq
 
 
 class ScaledRotaryEmbedding(nn.Module):
-    """Drop-in `rotary_emb`: forward(x, position_ids) -> (cos, sin), computed in float32, cast to x.dtype.
+    """Drop-in `rotary_emb`: forward(x, position_ids[, layer_type]) -> (cos, sin), computed in float32, cast to
+    x.dtype.
+
+    `scaled` maps each scaled layer type to its (rotary_dim, base); the key None is the one set of frequencies
+    a model without per-type rotary shares among its layers. A layer type not in `scaled` (Gemma 3's sliding
+    layers under `--layer-types full`) is answered by the model's own module, untouched. `angles` lays the angles
+    out as the model's own module does (`RopeLayout.angles`). Attributes the model's code reads from its rotary
+    module beyond these (e.g. `layer_types`) are the original's.
 
     Dynamic methods recompute their frequencies from the current length l = max(position_ids) + 1,
     statelessly: the same positions always give the same (cos, sin).
@@ -24,67 +32,103 @@ class ScaledRotaryEmbedding(nn.Module):
         self,
         method: Method,
         params: MethodParams,
-        rotary_dim: int,
-        base: float,
+        scaled: dict,
         original_max_position_embeddings: int,
         original: nn.Module | None = None,
+        angles: str = "halves",
     ):
         super().__init__()
         self.method = method
         self.params = params
-        self.rotary_dim = rotary_dim
-        self.base = base
+        self.scaled = dict(scaled)
         self.original_max_position_embeddings = original_max_position_embeddings
+        self.angles = angles
         self.dynamic = method.is_dynamic(params)
         # The module we replaced, kept so that `unpatch` can put it back (it follows .to() with the model).
         self.original = original
-        inv_freq, self.attention_scaling = self.frequencies(None)
         # float32 always: a model cast to bf16 must not round the frequencies.
-        self._inv_freq_fp32 = inv_freq
-        # A dynamic method's last (length, inv_freq, attention scaling): replaced whole, never updated in place,
-        # so that threads sharing the model each read a consistent triple (see the module docstring).
-        self._dynamic_cache: tuple[int, torch.Tensor, float] | None = None
+        self._static = {key: self.frequencies(None, key) for key in self.scaled}
+        # A dynamic method's last (length, inv_freq, attention scaling) per layer type: the dict is replaced whole,
+        # never updated in place, so that threads sharing the model each read a consistent triple.
+        self._dynamic_cache: dict = {}
+
+    @property
+    def first_key(self):
+        return next(iter(self.scaled))
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.scaled[self.first_key][0]
+
+    @property
+    def base(self) -> float:
+        return self.scaled[self.first_key][1]
 
     @property
     def inv_freq(self) -> torch.Tensor:
-        return self._inv_freq_fp32
+        return self._static[self.first_key][0]
 
-    def frequencies(self, seq_len: int | None) -> tuple[torch.Tensor, float]:
+    @property
+    def attention_scaling(self) -> float:
+        return self._static[self.first_key][1]
+
+    def frequencies(self, seq_len: int | None, key=None) -> tuple[torch.Tensor, float]:
+        rotary_dim, base = self.scaled[key if key in self.scaled else self.first_key]
         return compute_inv_freq(
-            self.method, self.params, self.rotary_dim, self.base, self.original_max_position_embeddings, seq_len
+            self.method, self.params, rotary_dim, base, self.original_max_position_embeddings, seq_len
         )
 
-    def _inv_freq_for(self, position_ids: torch.Tensor, device) -> tuple[torch.Tensor, float]:
+    def _inv_freq_for(self, key, position_ids: torch.Tensor, device) -> tuple[torch.Tensor, float]:
         if not self.dynamic:
-            inv_freq, scaling = self._inv_freq_fp32, self.attention_scaling
+            inv_freq, scaling = self._static[key]
         else:
             length = int(position_ids.max()) + 1
-            cached = self._dynamic_cache
+            cached = self._dynamic_cache.get(key)
             if cached is None or cached[0] != length:
-                cached = (length, *self.frequencies(length))
-                self._dynamic_cache = cached
+                cached = (length, *self.frequencies(length, key))
+                self._dynamic_cache = {**self._dynamic_cache, key: cached}
             _, inv_freq, scaling = cached
         return inv_freq.to(device), scaling
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq, scaling = self._inv_freq_for(position_ids, x.device)
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = layer_type if layer_type in self.scaled else None
+        if key not in self.scaled:  # a layer type this patch leaves alone
+            return self.original(x, position_ids, layer_type)
+        inv_freq, scaling = self._inv_freq_for(key, position_ids, x.device)
         freqs = position_ids[..., None].float() * inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)
+        if self.angles == "interleaved":
+            angles = freqs.repeat_interleave(2, dim=-1)
+        elif self.angles == "once":
+            angles = freqs
+        else:
+            angles = torch.cat((freqs, freqs), dim=-1)
         cos = angles.cos() * scaling
         sin = angles.sin() * scaling
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self._modules.get("original")
+            if original is None:
+                raise
+            return getattr(original, name)
+
     def extra_repr(self) -> str:
-        return f"method={self.method.name}, params={self.params.to_dict()}, L={self.original_max_position_embeddings}"
+        types = "" if list(self.scaled) == [None] else f", layer_types={list(self.scaled)}"
+        return f"method={self.method.name}, params={self.params.to_dict()}, L={self.original_max_position_embeddings}{types}"
 
 
 def is_dynamic(model: nn.Module) -> bool:
     """Whether the model's rotary embedding follows the current length, so that no longest length applies: a
     dynamic (or length-dependent) ctxext method, or a rope type transformers rescales with the length."""
-    from .families import rotary_host
+    from .families import rope_parameters_of, rotary_host
 
     host = rotary_host(model)
     if isinstance(host.rotary_emb, ScaledRotaryEmbedding):
         return host.rotary_emb.dynamic
-    return "dynamic" in (host.config.rope_parameters or {}).get("rope_type", "default")
+    return "dynamic" in rope_parameters_of(host.config).get("rope_type", "default")

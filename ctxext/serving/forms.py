@@ -21,7 +21,7 @@ from ..errors import CtxextError
 from ..methods import Method, MethodParams, compute_inv_freq, rope_inv_freq
 from ..methods.frequency import yarn_mscale
 from ..methods.remapping import RemapParams
-from ..patching.rope_types import rope_parameters_for
+from ..patching.rope_types import rope_parameters_for, with_float_numbers
 
 FORMATS = ("native", "ctxext")
 
@@ -130,7 +130,11 @@ def per_pair_factors(
 
 
 def with_both_spellings(config: dict, rope_parameters: dict) -> dict:
-    """A config.json dict with `rope_parameters` (transformers 5) and `rope_scaling` + `rope_theta` (4.x)."""
+    """A config.json dict with `rope_parameters` (transformers 5) and `rope_scaling` + `rope_theta` (4.x).
+
+    Every config.json ctxext writes goes through here: the engines' float parameters are written as floats
+    (`with_float_numbers`), whatever form the parameters came in (a checkpoint loaded as it is included)."""
+    rope_parameters = with_float_numbers(rope_parameters)
     out = dict(config)
     out["rope_parameters"] = dict(rope_parameters)
     out["rope_theta"] = rope_parameters["rope_theta"]
@@ -145,9 +149,14 @@ def with_both_spellings(config: dict, rope_parameters: dict) -> dict:
 def model_rope_form(model, format: str = "native") -> RopeForm:
     """The rope form of whatever `ctxext.patch` applied to `model` (its config's own parameters if unpatched)."""
     from ..patching import ScaledRotaryEmbedding, rotary_host
+    from ..patching.families import is_nested
 
     host = rotary_host(model)
     scaled = host.rotary_emb
+    if is_nested(host.config.rope_parameters):  # one entry per layer type (Gemma 3): transformers' own form
+        nested = dict(host.config.rope_parameters)
+        native = all(not values["rope_type"].startswith("ctxext_") for values in nested.values())
+        return RopeForm(nested, native, "nested by layer type, as transformers reads it")
     if not isinstance(scaled, ScaledRotaryEmbedding):
         rope_parameters = dict(host.config.rope_parameters)
         return RopeForm(rope_parameters, not rope_parameters["rope_type"].startswith("ctxext_"), "as loaded")
@@ -168,8 +177,14 @@ def write_config_for_serving(model, folder, format: str = "native") -> RopeForm:
     import json
     from pathlib import Path
 
+    from ..patching.families import is_nested
+
     form = model_rope_form(model, format)
     path = Path(folder) / "config.json"
-    config = with_both_spellings(json.loads(path.read_text()), form.rope_parameters)
+    config = json.loads(path.read_text())
+    if is_nested(form.rope_parameters):  # no 4.x spelling nests by layer type: transformers 5's form alone
+        config["rope_parameters"] = with_float_numbers(form.rope_parameters)
+    else:
+        config = with_both_spellings(config, form.rope_parameters)
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return form

@@ -1,0 +1,100 @@
+"""Tiny random models of every RoPE causal-LM family in the installed transformers, for the family matrix.
+
+Each family is built from its own config class with small sizes (2 layers, hidden 64, 4/2 heads, head_dim 16);
+a family whose layers can be of several types gets a real mix (a sliding layer, then a full one). What cannot be
+built this way is kept with the reason, so that the tests list it instead of skipping it silently.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+L = 32  # every tiny model's original length
+SLIDING = 8  # a sliding layer's window: within L, so it never sees past it
+MAX_PARAMETERS = 3_000_000
+
+SMALL = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=L,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    attention_dropout=0.0,
+    # MoE families: a few small experts
+    num_local_experts=4,
+    num_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    first_k_dense_replace=0,
+)
+
+
+def rope_families() -> list[str]:
+    """Every causal-LM model type whose default config has rope parameters, in the installed transformers."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+            try:
+                config = CONFIG_MAPPING[model_type]()
+            except Exception:  # noqa: BLE001 - a config that cannot be built with defaults is not a candidate
+                continue
+            if getattr(config, "rope_parameters", None):
+                found.append(model_type)
+    return found
+
+
+def _values(model_type: str, default) -> dict:
+    values = {k: v for k, v in SMALL.items() if hasattr(default, k) or k in ("pad_token_id", "bos_token_id")}
+    types = set(getattr(default, "layer_types", None) or [])
+    if "sliding_attention" in types and "full_attention" in types:
+        values["layer_types"] = ["sliding_attention", "full_attention"]
+        values["sliding_window"] = SLIDING
+    elif types:
+        values["layer_types"] = [sorted(types)[0]] * 2
+        if "sliding_attention" in types:  # every layer sliding: a window past L, so the methods have work
+            values["sliding_window"] = 4 * L
+    if hasattr(default, "sliding_window") and "sliding_window" not in values:
+        values["sliding_window"] = None  # one window for every layer (Mistral): off, so the layers see everything
+    if hasattr(default, "no_rope_layers"):
+        values["no_rope_layers"] = [1, 0]  # SmolLM3: layer 1 is NoPE
+    return values
+
+
+@functools.cache
+def build(model_type: str):
+    """(model, None) for a family that builds, else (None, reason). fp32, eval mode, seed 0."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        default = CONFIG_MAPPING[model_type]()
+        try:
+            config = CONFIG_MAPPING[model_type](**_values(model_type, default))
+            with torch.device("meta"):  # count first: a family whose sub-configs ignore the small sizes is listed
+                size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+            if size > MAX_PARAMETERS:
+                return None, f"not tiny with these sizes ({size / 1e6:.0f}M parameters): its sub-configs need their own"
+            torch.manual_seed(0)
+            try:
+                model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+            except ValueError:  # a family without SDPA
+                model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        except Exception as error:  # noqa: BLE001 - the reason is the finding
+            return None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+    return model.float().eval(), None
