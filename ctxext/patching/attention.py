@@ -225,6 +225,8 @@ def check_can_install(
     if layout is None:
         check_sliding_window(host.config, settings, length)
     else:
+        if not layers:  # every RoPE layer slides within L: the sliding-window reason, where it applies
+            check_sliding_window(host.config, settings, length)
         check_layout(settings, layout, layers, host.config)
         check_sliding_window(host.config, settings, length, [layout.windows[i] for i in layers])
     return inner

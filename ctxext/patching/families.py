@@ -315,7 +315,7 @@ def _window(module: nn.Module, config, layer_type: str) -> int | None:
     if getattr(config, "use_sliding_window", True) is False or getattr(module, "is_sliding", True) is False:
         return None
     window = getattr(module, "sliding_window", None)
-    if window is None and layer_type == "sliding_attention":
+    if window is None and (layer_type == "sliding_attention" or not getattr(config, "layer_types", None)):
         window = getattr(config, "sliding_window", None)
     if window is None and layer_type == "chunked_attention":
         window = getattr(config, "attention_chunk_size", None)
