@@ -126,8 +126,7 @@ def attention_modules(host: nn.Module, layers: tuple[int, ...] | None = None) ->
 
 def default_layers(host: nn.Module) -> tuple[int, ...]:
     """Every layer that applies RoPE (NoPE, linear-attention and other layers left out)."""
-    layout = rope_layout(host)
-    return tuple(i for i, (rope, attends) in enumerate(zip(layout.uses_rope, layout.attention)) if rope and attends)
+    return rope_layout(host).attention_layers()
 
 
 def wrapper_name(inner: str) -> str:
@@ -254,7 +253,7 @@ def install_attention(
     if settings is None or not settings.active:
         return
     layout = rope_layout(host)
-    layers = default_layers(host) if layers is None else layers
+    layers = layout.attention_layers() if layers is None else layers
     inner = check_can_install(host, settings, None, layout, layers)
     modules = attention_modules(host, layers)
     memo = ForwardMemo()

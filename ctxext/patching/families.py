@@ -135,6 +135,18 @@ class RopeLayout:
             )
         return tuple(name for name in self.types if name in names)
 
+    def attention_layers(self, chosen: tuple | None = None, original_length: int | None = None) -> tuple[int, ...]:
+        """The layers an attention-level method goes on: those that apply RoPE, of a chosen layer type (None:
+        every type), and that can see past L (`original_length`; None: whatever their window)."""
+        return tuple(
+            i
+            for i, layer_type in enumerate(self.layer_types)
+            if self.attention[i]
+            and self.uses_rope[i]
+            and (chosen is None or layer_type in chosen)
+            and (original_length is None or self.sees_past(i, original_length))
+        )
+
     def sees_past(self, layer: int, length: int) -> bool:
         """Whether layer `layer` can attend farther back than `length` tokens (a sliding layer within it cannot)."""
         window = self.windows[layer]
@@ -272,14 +284,12 @@ def rope_layout(model: nn.Module) -> RopeLayout:
         raise CtxextError(f"{type(host).__name__} has no decoder layers ('layers') for ctxext to patch")
     configured = list(getattr(config, "layer_types", None) or [])
     layer_types = tuple(configured[i] if i < len(configured) else FULL for i in range(len(layers)))
-    attention = tuple(attention_of(layer) is not None for layer in layers)
-    uses_rope = tuple(
-        bool(getattr(attention_of(layer), "use_rope", True)) if attends else False
-        for layer, attends in zip(layers, attention)
-    )
+    modules = [attention_of(layer) for layer in layers]
+    attention = tuple(module is not None for module in modules)
+    uses_rope = tuple(module is not None and bool(getattr(module, "use_rope", True)) for module in modules)
     windows = tuple(
-        _window(attention_of(layer), config, layer_type) if attends else None
-        for layer, attends, layer_type in zip(layers, attention, layer_types)
+        None if module is None else _window(module, config, layer_type)
+        for module, layer_type in zip(modules, layer_types)
     )
     keys = [None]
     if per_type:

@@ -16,7 +16,7 @@ from .attention import (
     record_attention_in_config,
     sync_attention_with_config,
 )
-from .families import RopeLayout, is_nested, rope_layout, rope_parameters_of, rotary_dim, rotary_host
+from .families import is_nested, rope_layout, rope_parameters_of, rotary_dim, rotary_host
 from .rope_types import rope_parameters_for
 from .rotary import ScaledRotaryEmbedding
 
@@ -59,7 +59,7 @@ def patch(
     L = whole_number("original_max_position_embeddings", original_max_position_embeddings)
     attention = AttentionSettings.for_method(spec.name, method_params, logn, L)
     check_shape(host.config, method_params, L)
-    layers = attention_layers(layout, chosen, L)
+    layers = layout.attention_layers(chosen, L)
     if attention.active:
         check_can_install(host, attention, int(round(L * method_params.factor)), layout, layers)
     unpatch(model)
@@ -104,27 +104,13 @@ def patch(
     grows = any("dynamic" in values["rope_type"] for values in written.values())
     config.max_position_embeddings = L if grows else int(round(L * method_params.factor))
     host.rotary_emb = scaled
-    all_layers = attention_layers(layout, layout.types if layout.per_type_rotary else None, None)
-    record_attention_in_config(config, attention, None if layers == all_layers else layers)
+    record_attention_in_config(config, attention, None if layers == layout.attention_layers() else layers)
     install_attention(host, attention, layers=layers)
     return model
 
 
 # rope_parameters keys that belong to the family rather than to a rope type (Ministral 3's query temperature)
 FAMILY_KEYS = ("llama_4_scaling_beta",)
-
-
-def attention_layers(layout: RopeLayout, chosen: tuple | None, original_length: int | None) -> tuple[int, ...]:
-    """The layers an attention-level method goes on: those that apply RoPE, of a chosen layer type (every type
-    when the rotary module is shared), and that can see past L (`original_length`; None: every window)."""
-    return tuple(
-        i
-        for i, layer_type in enumerate(layout.layer_types)
-        if layout.attention[i]
-        and layout.uses_rope[i]
-        and (chosen is None or layer_type in chosen)
-        and (original_length is None or layout.sees_past(i, original_length))
-    )
 
 
 def check_shape(config, method_params, original_max_position_embeddings: int) -> None:
