@@ -43,8 +43,8 @@ def patch(
 
     `layer_types` (`full`, the default, `all`, or layer type names) chooses which layer types' frequencies a
     model with one set per layer type (Gemma 3) has scaled; the others keep theirs. Attention-level methods go
-    only on the chosen layers that apply RoPE and can see past L (never a NoPE layer, nor a sliding layer whose
-    window is at most L). See `RopeLayout`.
+    only on the chosen layers that apply RoPE (never a NoPE layer); a remapping method also skips a sliding
+    layer whose window is at most L. See `RopeLayout`.
     """
     host = rotary_host(model)
     layout = rope_layout(model)
@@ -59,7 +59,9 @@ def patch(
     L = whole_number("original_max_position_embeddings", original_max_position_embeddings)
     attention = AttentionSettings.for_method(spec.name, method_params, logn, L)
     check_shape(host.config, method_params, L)
-    layers = layout.attention_layers(chosen, L)
+    # A remapping method changes (query, key) distances, which a sliding layer within L never has past L; log-n
+    # alone scales queries by their own position, and stays on every RoPE layer of the chosen types.
+    layers = layout.attention_layers(chosen, L if attention.remap is not None else None)
     if attention.active:
         check_can_install(host, attention, int(round(L * method_params.factor)), layout, layers)
     unpatch(model)
