@@ -10,7 +10,8 @@ DESCRIPTION = (
     "For MODEL (a checkpoint directory or a GGUF file written by ctxext), print a table of the serving engines: exact "
     "(the engine computes what ctxext computes), approximate (what differs is said), or no (and what to do instead). "
     "--check also runs the parity checks this machine can run: plain transformers in a subprocess that never imports "
-    "ctxext, and llama.cpp where llama-cpp-python is installed. The vLLM and SGLang rows are read from their "
+    "ctxext, and llama.cpp where llama-cpp-python is installed (in a child process: a crash of llama.cpp is a line in "
+    "the table and exit status 1). The vLLM and SGLang rows are read from their "
     "source code, not run. --engine E -o OUT writes a copy of the checkpoint whose config E reads (for dual_chunk "
     "on a Qwen2-family model, --engine sglang writes SGLang's dual_chunk_attention_config)."
 )
@@ -82,7 +83,7 @@ def run(args) -> int:
 
 def _run_checks(model, rows, n_tokens) -> bool:
     """Run what can run here; fill each row's `checked`. True when a check disagreed."""
-    from ..serving.llamacpp import INSTALL_HINT, llama_cpp_available
+    from ..serving.llamacpp import INSTALL_HINT, JudgeCrashed, llama_cpp_available
     from ..serving.parity import llama_cpp_parity, transformers_parity
 
     failed = False
@@ -99,7 +100,11 @@ def _run_checks(model, rows, n_tokens) -> bool:
             if not llama_cpp_available():
                 row.checked = f"not run: llama.cpp is not installed ({INSTALL_HINT})"
                 continue
-            agrees, row.checked = llama_cpp_parity(model, n_tokens)
+            try:
+                agrees, row.checked = llama_cpp_parity(model, n_tokens)
+            except JudgeCrashed as crash:  # a finding about this machine's llama.cpp, not about the file
+                row.checked, failed = str(crash), True
+                continue
         else:
             row.checked = "not run: checked on the other format (GGUF for llama.cpp, checkpoint for transformers)"
             continue
