@@ -1,30 +1,97 @@
-"""`ctxext methods`: the scaling methods and their parameters."""
+"""`ctxext methods`: the scaling methods and their parameters; with --model, which of them apply to that model."""
 
 from __future__ import annotations
 
-HELP = "list the scaling methods and their parameters"
+from .common import HelpFormatter
+
+HELP = "list the scaling methods and their parameters (--model: which apply to a model, and its rope layout)"
 DESCRIPTION = (
     "List every scaling method with its parameters; -v adds each parameter's default and meaning, and "
-    "each method's source."
+    "each method's source. --model MODEL (a checkpoint directory or hub id; only its config is read, no weights) "
+    "prints the model's rope layout as ctxext sees it (layer types, RoPE and NoPE layers, sliding windows, "
+    "rotated channels, bases) and, for each method, whether it applies or the one line `ctxext patch` would "
+    "refuse it with."
+)
+FORMATTER_CLASS = HelpFormatter  # wraps prose, keeps the examples one a line
+EPILOG = (
+    "examples:\n  ctxext methods -v\n  ctxext methods --model ./gemma-3-1b\n"
+    "  ctxext methods --model ./gemma-3-1b --layer-types all --json layout.json"
 )
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="show every parameter with its default")
+    parser.add_argument("--model", metavar="MODEL", help="say which methods apply to MODEL (its config only)")
+    parser.add_argument(
+        "--layer-types",
+        metavar="TYPES",
+        help="with --model: the layer types a frequency method would scale (full, the default; all; or names)",
+    )
+    parser.add_argument("--json", metavar="FILE", help="with --model: also write the layout and the verdicts")
 
 
 def run(args) -> int:
+    from ..errors import CtxextError
+
+    if args.model is None:
+        if args.layer_types or args.json:
+            raise CtxextError("--layer-types and --json describe a model: add --model MODEL")
+        return _list_methods(args.verbose)
+    return _describe_model(args.model, args.layer_types, args.json)
+
+
+def _list_methods(verbose: bool) -> int:
     from ..methods import METHODS
 
     for method in METHODS.values():
         print(f"{method.name:<13} {method.summary}")
-        if args.verbose:
+        if verbose:
             print(f"{'':13} source: {method.source}")
             for name, default, help_text in method.param_help():
                 print(f"{'':15}--{name.replace('_', '-'):<18} (default {default!r}) {help_text}")
         else:
             print(f"{'':13} parameters: {', '.join(name for name, _, _ in method.param_help())}")
     print("\nAny method also takes --logn (YAML 'logn: true'): log-n query scaling, max(1, ln n / ln L).")
-    if not args.verbose:
+    if not verbose:
         print("Run 'ctxext methods -v' for each parameter's default and meaning, and each method's source.")
+    return 0
+
+
+def _describe_model(model_name: str, layer_types, json_path) -> int:
+    import json
+    from pathlib import Path
+
+    from ..loading import load_config
+    from ..outputs import atomic_write_text
+    from ..patching.applicable import applicable_methods, skeleton
+    from ..patching.families import rope_layout
+    from ..patching.patch import original_length
+
+    model = skeleton(load_config(model_name))
+    layout = rope_layout(model)
+    layout.select_types(layer_types)  # a wrong --layer-types is refused before anything is printed
+    L = original_length(model)
+    verdicts = applicable_methods(model, layer_types=layer_types)
+    rotary = "one set of frequencies per layer type" if layout.per_type_rotary else "one set for every layer"
+    print(
+        f"{model_name} ({layout.model_type}): L = {L}, {len(layout.layer_types)} layers; rotary: {rotary}, "
+        f"angles {layout.angles}"
+    )
+    rows = layout.describe()
+    print(f"  {'layer type':<22} {'layers':>6} {'RoPE':>5} {'NoPE':>5} {'window':>7} {'rotary dim':>10} {'base':>10}")
+    for row in rows:
+        window = row["sliding_window"] or "-"
+        base = "-" if row["rope_theta"] is None else f"{row['rope_theta']:g}"
+        dim = "-" if row["rotary_dim"] is None else row["rotary_dim"]
+        print(
+            f"  {row['layer_type']:<22} {row['layers']:>6} {row['rope_layers']:>5} {len(row['nope_layers']):>5} "
+            f"{window:>7} {dim:>10} {base:>10}"
+        )
+    print(f"\nmethods on this model (--layer-types {layer_types or 'full'}):")
+    for name, reason in verdicts.items():
+        print(f"  {name:<13} {'applies' if reason is None else 'no: ' + reason}")
+    if json_path:
+        record = {"model": model_name, "original_max_position_embeddings": L, "layout": rows, "methods": verdicts}
+        record.update(per_type_rotary=layout.per_type_rotary, angles=layout.angles, layer_types=layer_types or "full")
+        atomic_write_text(Path(json_path), json.dumps(record, indent=2) + "\n")
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 from torch import nn
 
@@ -46,24 +47,9 @@ def patch(
     only on the chosen layers that apply RoPE (never a NoPE layer); a remapping method also skips a sliding
     layer whose window is at most L. See `RopeLayout`.
     """
-    host = rotary_host(model)
-    layout = rope_layout(model)
-    chosen = layout.select_types(layer_types)
-    spec = get_method(method)
-    method_params = spec.make_params(factor=factor, **params)
-    boolean("logn", logn)
-    if original_max_position_embeddings is None:
-        original_max_position_embeddings = original_length(model)
-    if logn:
-        check_original_length_for_logn(original_max_position_embeddings)
-    L = whole_number("original_max_position_embeddings", original_max_position_embeddings)
-    attention = AttentionSettings.for_method(spec.name, method_params, logn, L)
-    check_shape(host.config, method_params, L)
-    # A remapping method changes (query, key) distances, which a sliding layer within L never has past L; log-n
-    # alone scales queries by their own position, and stays on every RoPE layer of the chosen types.
-    layers = layout.attention_layers(chosen, L if attention.remap is not None else None)
-    if attention.active:
-        check_can_install(host, attention, int(round(L * method_params.factor)), layout, layers)
+    host, layout, chosen, spec, method_params, L, attention, layers = plan_patch(
+        model, method, factor, original_max_position_embeddings, logn, layer_types, **params
+    )
     unpatch(model)
 
     config = host.config
@@ -109,6 +95,51 @@ def patch(
     record_attention_in_config(config, attention, None if layers == layout.attention_layers() else layers)
     install_attention(host, attention, layers=layers)
     return model
+
+
+class PatchPlan(NamedTuple):
+    """What `patch` will do, decided before anything changes."""
+
+    host: nn.Module
+    layout: object  # families.RopeLayout
+    chosen: tuple | None  # the layer types whose frequencies are scaled (None: the one shared set)
+    spec: object  # methods.Method
+    params: object  # its MethodParams
+    original_length: int  # L
+    attention: AttentionSettings
+    layers: tuple  # the attention layers an attention-level method goes on
+
+
+def plan_patch(
+    model: nn.Module,
+    method: str,
+    factor: float = 1.0,
+    original_max_position_embeddings: int | None = None,
+    logn: bool = False,
+    layer_types: str | list | None = None,
+    **params,
+) -> PatchPlan:
+    """Everything `patch` decides before it changes anything, or the one-line CtxextError that refuses it.
+    Reads the model's modules and config only, so it also answers for a model built on the meta device."""
+    host = rotary_host(model)
+    layout = rope_layout(model)
+    chosen = layout.select_types(layer_types)
+    spec = get_method(method)
+    method_params = spec.make_params(factor=factor, **params)
+    boolean("logn", logn)
+    if original_max_position_embeddings is None:
+        original_max_position_embeddings = original_length(model)
+    if logn:
+        check_original_length_for_logn(original_max_position_embeddings)
+    L = whole_number("original_max_position_embeddings", original_max_position_embeddings)
+    attention = AttentionSettings.for_method(spec.name, method_params, logn, L)
+    check_shape(host.config, method_params, L)
+    # A remapping method changes (query, key) distances, which a sliding layer within L never has past L; log-n
+    # alone scales queries by their own position, and stays on every RoPE layer of the chosen types.
+    layers = layout.attention_layers(chosen, L if attention.remap is not None else None)
+    if attention.active:
+        check_can_install(host, attention, int(round(L * method_params.factor)), layout, layers)
+    return PatchPlan(host, layout, chosen, spec, method_params, L, attention, layers)
 
 
 # rope_parameters keys that belong to the family rather than to a rope type (Ministral 3's query temperature)

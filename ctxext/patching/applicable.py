@@ -1,0 +1,50 @@
+"""Which methods apply to a model, decided from its config alone: the model is built on the meta device (no
+weights, no memory), its rotary module is rebuilt on the CPU so that the layout probe sees real frequencies, and
+`plan_patch` is asked about each method, as `patch` would ask before changing anything."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import CtxextError
+from ..methods import METHODS, get_method
+from .families import rotary_host
+from .patch import plan_patch
+
+
+def skeleton(config) -> nn.Module:
+    """The model of `config` with every weight on the meta device but its rotary module, which is real."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as error:
+        what = getattr(config, "model_type", type(config).__name__)
+        raise CtxextError(f"transformers cannot build a causal LM of type '{what}': {error}") from None
+    host = rotary_host(model)  # refuses a model without RoPE, mrope and MLA in one line
+    try:
+        with torch.device("cpu"):
+            host.rotary_emb = type(host.rotary_emb)(config=host.config)
+    except TypeError:  # a rotary class built another way: the probe then reads sizes only (rotate-half assumed)
+        pass
+    return model
+
+
+def why_not(model: nn.Module, method: str, factor: float = 2.0, layer_types=None) -> str | None:
+    """None where `method` at `factor` can be applied to `model`, else the one line `patch` would refuse it with."""
+    try:
+        get_method(method).make_params(factor=factor)
+    except CtxextError as error:
+        return f"needs a setting: {error}"
+    try:
+        plan_patch(model, method, factor, layer_types=layer_types)
+    except CtxextError as error:
+        return str(error)
+    return None
+
+
+def applicable_methods(model: nn.Module, factor: float = 2.0, layer_types=None) -> dict[str, str | None]:
+    """Every registered method: None where it applies to `model`, else why not."""
+    return {name: why_not(model, name, factor, layer_types) for name in METHODS if name != "none"}
