@@ -117,20 +117,22 @@ def checkpoint_record(source: str, method_config, model, applied: dict, format: 
 
 
 def check_source(source: str, method_config) -> None:
-    """What the source's config alone refuses (an unsupported family, a shape the method cannot take), before
-    any weights load."""
+    """What the source's config alone refuses (an unsupported family, a layer type it does not have, a method its
+    layout cannot take, a shape the method cannot take), before any weights load: `patch`'s own checks, asked of
+    a meta-device skeleton of the model."""
     from .loading import load_config
-    from .methods import get_method
-    from .patching.families import check_supported
-    from .patching.patch import check_shape
+    from .patching.applicable import skeleton
+    from .patching.patch import plan_patch
 
-    config = load_config(source)
-    check_supported(config, f"'{source}' (model type '{config.model_type}')")
-    spec = get_method(method_config.method)
-    check_shape(
-        config,
-        spec.make_params(factor=method_config.factor, **method_config.params),
-        method_config.original_max_position_embeddings or config.max_position_embeddings,
+    mc = method_config
+    plan_patch(
+        skeleton(load_config(source)),
+        mc.method,
+        mc.factor,
+        mc.original_max_position_embeddings,
+        mc.logn,
+        mc.layer_types,
+        **mc.params,
     )
 
 
