@@ -74,3 +74,18 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert message in err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_patch_refuses_from_the_config_before_any_weights_load(tmp_path, capsys):
+    """A directory with config.json and no weights: the refusal is the one patch makes (unknown layer type,
+    a remapping method on interleaved angles), not a failure to load weights."""
+    for family, argv, message in [
+        ("gemma3_text", ["--method", "linear", "--layer-types", "global"], "global"),
+        ("cohere", ["--method", "self_extend"], "interleaved"),
+    ]:
+        model, _ = build(family)
+        model.config.save_pretrained(tmp_path / family)
+        code, out, err = run_cli(capsys, "patch", tmp_path / family, *argv, "--factor", "2", "-o", tmp_path / "out")
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert message in err and "weights" not in err and "safetensors" not in err, err
+        assert not (tmp_path / "out").exists()
