@@ -77,15 +77,16 @@ def _describe_model(model_name: str, layer_types, json_path) -> int:
         f"{model_name} ({layout.model_type}): L = {L}, {len(layout.layer_types)} layers; rotary: {rotary}, "
         f"angles {layout.angles}"
     )
-    rows = layout.describe()
-    print(f"  {'layer type':<22} {'layers':>6} {'RoPE':>5} {'NoPE':>5} {'window':>7} {'rotary dim':>10} {'base':>10}")
+    rows = [{**row, "shipped": _shipped(model.config, row["layer_type"], layout)} for row in layout.describe()]
+    header = f"  {'layer type':<22} {'layers':>6} {'RoPE':>5} {'NoPE':>5} {'window':>7} {'rotary dim':>10} {'base':>10}"
+    print(header + "  shipped scaling")
     for row in rows:
         window = row["sliding_window"] or "-"
         base = "-" if row["rope_theta"] is None else f"{row['rope_theta']:g}"
         dim = "-" if row["rotary_dim"] is None else row["rotary_dim"]
         print(
             f"  {row['layer_type']:<22} {row['layers']:>6} {row['rope_layers']:>5} {len(row['nope_layers']):>5} "
-            f"{window:>7} {dim:>10} {base:>10}"
+            f"{window:>7} {dim:>10} {base:>10}  {row['shipped']}"
         )
     print(f"\nmethods on this model (--layer-types {layer_types or 'full'}):")
     for name, reason in verdicts.items():
@@ -95,3 +96,14 @@ def _describe_model(model_name: str, layer_types, json_path) -> int:
         record.update(per_type_rotary=layout.per_type_rotary, angles=layout.angles, layer_types=layer_types or "full")
         atomic_write_text(Path(json_path), json.dumps(record, indent=2) + "\n")
     return 0
+
+
+def _shipped(config, layer_type: str, layout) -> str:
+    """The scaling a layer type's rope parameters ship with, e.g. 'yarn x4', or 'none'."""
+    from ..patching.families import rope_parameters_of
+
+    values = rope_parameters_of(config, layer_type if layout.per_type_rotary else None)
+    rope_type = values.get("rope_type", "default")
+    if rope_type == "default":
+        return "none"
+    return f"{rope_type} x{values['factor']:g}" if values.get("factor") else rope_type
