@@ -1,4 +1,5 @@
-# The two commands: `make demo` (the offline end-to-end demo) and `make test` (ruff, then the test suite).
+# The two commands: `make demo` (the offline end-to-end demo) and `make test` (ruff, then the test suite; its slow
+# tier, real processes and real-model end-to-end oracles, is `make test-slow`, which CI runs second).
 # Both create or reuse .venv, installing torch first so that pip never pulls a multi-GB CUDA build by accident.
 PYTHON ?= python3
 VENV := .venv
@@ -6,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 export CTXEXT_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: demo test setup assets clean-cache
+.PHONY: demo test test-slow setup assets clean-cache
 
 setup: $(VENV)/.installed
 
@@ -25,7 +26,10 @@ demo: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n auto --dist loadfile
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n auto --dist loadfile -m "not slow"
+
+test-slow: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n auto --dist loadfile -m slow
 
 clean-cache:
 	rm -rf $(CTXEXT_CACHE_DIR)

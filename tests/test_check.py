@@ -23,6 +23,7 @@ def run_check(capsys, *flags):
     return code, out.out, out.err
 
 
+@pytest.mark.slow  # `make test-slow`: CI's second step
 def test_every_method_agrees_under_every_cpu_implementation(tiny_shape, tmp_path, capsys):
     code, out, _ = run_check(
         capsys, "--model", str(tiny_shape), "--lengths", "256", "--repeats", "1", "--json", str(tmp_path / "check.json")

@@ -6,12 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ctxext.cli import main
 from tests.test_eval_cli import texts, tiny_checkpoint  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # `make test-slow`: CI's second step
 def test_two_processes_match_one(tiny_checkpoint, texts, tmp_path):  # noqa: F811
     args = [
         "eval",

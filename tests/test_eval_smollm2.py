@@ -21,6 +21,7 @@ def hamlet_ids(smollm2_path):
     return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids[: 1024 + 256])
 
 
+@pytest.mark.slow  # `make test-slow`: CI's second step
 def test_smollm2_1k_matches_naive_loop_for_stride_256_and_stride_window(smollm2, hamlet_ids):
     windows = []
     ref_nll, ref_count = naive_nll(smollm2, hamlet_ids, 1024, 256, per_window=windows)

@@ -325,6 +325,7 @@ class RunsCode:
         return (open, (str(self.marker), "w"))
 
 
+@pytest.mark.slow  # `make test-slow`: CI's second step
 def test_two_processes_match_one_with_the_same_global_batch(reference_run, tiny_checkpoint, texts):
     folder, _ = reference_run
     changes = {

@@ -45,6 +45,7 @@ def test_answer_nll_is_the_nll_of_the_answer_tokens_after_the_prompt(smollm2):
     assert naive_answer_nll(model, tokenizer, type(wrong)(LENGTH, 0.5, 0, trial.key + 1))[0] > got
 
 
+@pytest.mark.slow  # `make test-slow`: CI's second step
 def test_a_needle_ppl_search_scores_each_trial_by_the_answers_nll(smollm2, smollm2_path, tmp_path, capsys):
     from ctxext import assets
 

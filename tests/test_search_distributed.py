@@ -29,6 +29,8 @@ pytest.importorskip("cma")
 REPO = Path(__file__).resolve().parents[1]
 LENGTH = 4096  # a tiny LLaMA (L = 64) at 64x: about 0.4 s a document, long enough to catch a trial running
 
+pytestmark = pytest.mark.slow  # real processes sharing one study: `make test-slow`, CI's second step
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

@@ -96,6 +96,7 @@ def tasks_args(checkpoint, tmp_path, *extra):
     ]
 
 
+@pytest.mark.slow  # `make test-slow`: CI's second step
 def test_same_results_and_answers_as_lm_eval_then_resumes_from_the_cache(ruler_checkpoint, tmp_path, monkeypatch):
     assert main(tasks_args(ruler_checkpoint, tmp_path, "-o", str(tmp_path / "out"))) == 0
     ours = json.loads((tmp_path / "out" / "results.json").read_text())
