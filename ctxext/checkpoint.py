@@ -132,6 +132,7 @@ def check_source(source: str, method_config) -> None:
         mc.original_max_position_embeddings,
         mc.logn,
         mc.layer_types,
+        mc.query_temperature,
         **mc.params,
     )
 

@@ -8,6 +8,7 @@ A method YAML is a flat mapping (see configs/methods/*.yaml):
     beta_fast: 32                             # any parameter of the method
     logn: true                                # optional: log-n query scaling on top (any method)
     layer_types: full                         # optional: which layer types to scale (full, all, or names)
+    query_temperature: 0.1                    # optional: q *= 1 + beta ln(1 + floor(p / L)) (Llama 4 style)
 
 Flags given on the command line override keys from the file. Importing this module is cheap (no torch): the
 CLI reads flag values with `parse_value` before it knows whether a model will be loaded.
@@ -25,7 +26,7 @@ import yaml
 from .errors import CtxextError, did_you_mean
 from .validate import boolean, whole_number
 
-TOP_LEVEL_KEYS = ("method", "factor", "original_max_position_embeddings", "logn", "layer_types")
+TOP_LEVEL_KEYS = ("method", "factor", "original_max_position_embeddings", "logn", "layer_types", "query_temperature")
 
 
 @dataclass
@@ -40,11 +41,12 @@ class MethodConfig:
     # Which layer types a model with one set of frequencies per type has scaled: None (= "full"), "all", or
     # names such as "full_attention,sliding_attention" (see ctxext.patching.families.RopeLayout)
     layer_types: str | None = None
+    query_temperature: float | None = None  # beta of q *= 1 + beta ln(1 + floor(p / L)), on top of the method
 
     def validate(self) -> MethodConfig:
         """Raise a CtxextError for anything `patch` would reject, before any model is loaded."""
         from .methods import get_method
-        from .methods.attention import check_original_length_for_logn
+        from .methods.attention import check_original_length_for_logn, check_query_temperature
 
         spec = get_method(self.method)
         spec.make_params(factor=self.factor, **self.params)
@@ -55,6 +57,8 @@ class MethodConfig:
         )
         if self.logn and self.original_max_position_embeddings is not None:
             check_original_length_for_logn(self.original_max_position_embeddings)
+        if self.query_temperature is not None:
+            check_query_temperature(self.query_temperature)
         if self.layer_types is not None and not (isinstance(self.layer_types, str) and self.layer_types.strip()):
             raise CtxextError(
                 f"layer_types must be full, all, or layer type names separated by commas, got {self.layer_types!r}"
@@ -71,6 +75,7 @@ class MethodConfig:
             original_max_position_embeddings=self.original_max_position_embeddings,
             logn=self.logn,
             layer_types=self.layer_types,
+            query_temperature=self.query_temperature,
             **self.params,
         )
 
@@ -83,6 +88,8 @@ class MethodConfig:
             out["logn"] = True
         if self.layer_types is not None:
             out["layer_types"] = self.layer_types
+        if self.query_temperature is not None:
+            out["query_temperature"] = self.query_temperature
         return {**out, **self.params}
 
     @property
@@ -96,7 +103,8 @@ class MethodConfig:
             name = f"{self.method} {params.describe()}".strip()
         else:
             name = self.method if self.method == "none" else f"{self.method} x{self.factor:g}"
-        return f"{name} +logn" if self.logn else name
+        name = f"{name} +logn" if self.logn else name
+        return name if self.query_temperature is None else f"{name} +qt{self.query_temperature:g}"
 
     @classmethod
     def from_mapping(cls, mapping: dict[str, Any], source: str | None = None) -> MethodConfig:
@@ -127,6 +135,7 @@ class MethodConfig:
             original_max_position_embeddings=values.pop("original_max_position_embeddings", None),
             logn=values.pop("logn", False),
             layer_types=values.pop("layer_types", None),
+            query_temperature=values.pop("query_temperature", None),
             params=values,
         )
         return config.validate()

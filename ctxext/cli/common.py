@@ -11,7 +11,7 @@ from ..errors import CtxextError
 from ..eval.options import DEFAULT_LENGTHS, parse_depths, parse_lengths, parse_stride  # noqa: F401  (the commands' helpers)
 
 # The flags every method-taking command has; any other `--name value` is a method parameter.
-TOP_LEVEL_FLAGS = ("factor", "original_max_position_embeddings", "logn", "layer_types")
+TOP_LEVEL_FLAGS = ("factor", "original_max_position_embeddings", "logn", "layer_types", "query_temperature")
 _LONG_FLAG = re.compile(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?:=(.*))?$", re.DOTALL)
 _NUMBER = re.compile(r"-\d|-\.\d")
 
@@ -74,13 +74,23 @@ def add_method_arguments(parser: Parser, multiple: bool = False) -> None:
         help="log-n query scaling on top of the method: the query at position n is multiplied by max(1, ln n / ln L)",
     )
     group.add_argument(
+        "--query-temperature",
+        dest="query_temperature",
+        type=parse_value,
+        default=argparse.SUPPRESS,
+        metavar="BETA",
+        help="query temperature on top of the method (Llama 4, Ministral 3): the query at position p is multiplied "
+        "by 1 + BETA ln(1 + floor(p / L)); written as the model's own llama_4_scaling_beta where its attention "
+        "reads it (Ministral 3), else applied by ctxext's attention",
+    )
+    group.add_argument(
         "--layer-types",
         dest="layer_types",
         default=argparse.SUPPRESS,
         metavar="TYPES",
         help="on a model with one set of RoPE frequencies per layer type (Gemma 3): which types to scale, "
         "'full' (default: the full-attention layers, Google's recipe; sliding layers never see past their "
-        "window), 'all', or names such as full_attention,sliding_attention ('ctxext inspect MODEL' lists them)",
+        "window), 'all', or names such as full_attention,sliding_attention ('ctxext methods --model MODEL' lists them)",
     )
     parser.takes_method_params = True
 

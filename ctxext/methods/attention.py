@@ -1,7 +1,10 @@
-"""Attention-level settings: log-n query scaling, and which position-remapping method runs. Pure math.
+"""Attention-level settings: log-n query scaling, the query temperature, and which position-remapping method runs.
+Pure math.
 
 - **log-n** multiplies the query at 1-based position n by max(1, ln n / ln L). Nothing changes inside L.
   It is a flag (`logn`) that combines with every method.
+- **Query temperature** (Llama 4, Ministral 3) multiplies the query at 0-based position p by
+  1 + beta ln(1 + floor(p / L)). Nothing changes inside L. A setting (`query_temperature: beta`) for every method.
 - **Position remapping** (ReRoPE, Leaky ReRoPE, SelfExtend, Dual Chunk Attention, STRING) gives each
   (query, key) pair a remapped relative position; the methods live in `ctxext.methods.remapping`.
 
@@ -60,6 +63,25 @@ def logn_scale(positions: torch.Tensor, original_max_position_embeddings: int) -
     return (torch.log(n.clamp(min=1.0)) / math.log(L)).clamp(min=1.0).to(torch.float32)
 
 
+# ------------------------------------------------------------------------------- query temperature
+def check_query_temperature(beta) -> float:
+    """beta of the query temperature, a finite number >= 0, or a CtxextError."""
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
+        raise CtxextError(f"query_temperature (beta) must be a finite number >= 0, got {beta!r}")
+    return float(beta)
+
+
+def query_temperature_scale(
+    positions: torch.Tensor, beta: float, original_max_position_embeddings: int
+) -> torch.Tensor:
+    """Per-query factor 1 + beta * ln(1 + floor(p / L)) for 0-based positions p (Llama 4, Ministral 3), float32.
+
+    Positions inside L give exactly 1.0; each further multiple of L raises it (1 + beta ln 2 from L to 2L - 1)."""
+    L = check_original_length_for_logn(original_max_position_embeddings)
+    p = positions.to(torch.float64).clamp(min=0.0)  # padded tokens of a left-padded batch: factor 1
+    return (1 + check_query_temperature(beta) * torch.log1p(torch.floor(p / L))).to(torch.float32)
+
+
 # ------------------------------------------------------------------------------------ settings
 @dataclass(frozen=True)
 class AttentionSettings:
@@ -68,17 +90,20 @@ class AttentionSettings:
     logn: bool = False
     method: str | None = None  # a position-remapping method; None = plain RoPE positions
     params: dict[str, Any] = field(default_factory=dict)  # its parameters, length-dependent defaults resolved
-    original_max_position_embeddings: int | None = None  # L for log-n
+    original_max_position_embeddings: int | None = None  # L for log-n and the query temperature
+    query_temperature: float | None = None  # beta of q *= 1 + beta ln(1 + floor(p / L)); None = off
 
     def __post_init__(self):
         boolean("logn", self.logn)
+        if self.query_temperature is not None:
+            object.__setattr__(self, "query_temperature", check_query_temperature(self.query_temperature))
         if self.method is not None:
             if not issubclass(get_method(self.method).params_cls, RemapParams):
                 raise CtxextError(f"'{self.method}' is not a position-remapping method")
             _ = self.remap  # building it validates the parameters
         elif self.params:
             raise CtxextError(f"'ctxext_attention' has parameters {sorted(self.params)} but no 'method'")
-        if self.logn:
+        if self.scales_queries:
             object.__setattr__(
                 self,
                 "original_max_position_embeddings",
@@ -93,15 +118,22 @@ class AttentionSettings:
         return get_method(self.method).make_params(**self.params)
 
     @property
+    def scales_queries(self) -> bool:
+        """Whether queries are scaled by their position (log-n, the query temperature): both need L."""
+        return self.logn or self.query_temperature is not None
+
+    @property
     def active(self) -> bool:
-        return self.logn or self.method is not None
+        return self.scales_queries or self.method is not None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"logn": self.logn}
         if self.method is not None:
             out["method"] = self.method
             out.update(self.params)
-        if self.logn:
+        if self.query_temperature is not None:
+            out["query_temperature"] = self.query_temperature
+        if self.scales_queries:
             out["original_max_position_embeddings"] = self.original_max_position_embeddings
         return out
 
@@ -113,13 +145,19 @@ class AttentionSettings:
         logn = values.pop("logn", False)
         method = values.pop("method", None)
         L = values.pop("original_max_position_embeddings", None)
-        return cls(logn=logn, method=method, params=values, original_max_position_embeddings=L)
+        beta = values.pop("query_temperature", None)
+        return cls(logn, method, values, L, beta)
 
     @classmethod
     def for_method(
-        cls, method: str, params: MethodParams, logn: bool, original_max_position_embeddings
+        cls,
+        method: str,
+        params: MethodParams,
+        logn: bool,
+        original_max_position_embeddings,
+        query_temperature: float | None = None,
     ) -> AttentionSettings:
-        """The settings a method (with its parameters) plus the `logn` flag call for."""
+        """The settings a method (with its parameters), the `logn` flag and the query temperature call for."""
         remap_values = {}
         if isinstance(params, RemapParams):
             resolved = params.resolved(original_max_position_embeddings)
@@ -128,5 +166,8 @@ class AttentionSettings:
             logn=logn,
             method=method if isinstance(params, RemapParams) else None,
             params=remap_values,
-            original_max_position_embeddings=original_max_position_embeddings if logn else None,
+            original_max_position_embeddings=(
+                original_max_position_embeddings if logn or query_temperature is not None else None
+            ),
+            query_temperature=query_temperature,
         )

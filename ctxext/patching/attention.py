@@ -48,7 +48,7 @@ from transformers.utils.generic import is_flash_attention_requested
 
 from .. import compat
 from ..errors import CtxextError
-from ..methods.attention import AttentionSettings, logn_scale
+from ..methods.attention import AttentionSettings, logn_scale, query_temperature_scale
 from ..validate import boolean
 from .families import attention_of, rope_layout, rotary_host
 from .remap_kernel import BACKEND_CHOICES, QUERY_BLOCK, RegionPlan, attend_regions, key_padding
@@ -657,7 +657,8 @@ def _check_causal_with_padding(
 
 # ------------------------------------------------------------------------------- the attention function
 def ctxext_attention(module, query, key, value, attention_mask, inner: str = "sdpa", **kwargs):
-    """The registered attention function wrapping `inner`: log-n and remapping around the model's own one."""
+    """The registered attention function wrapping `inner`: log-n, the query temperature and remapping around the
+    model's own one."""
     state: AttentionState | None = module.__dict__.get(_STATE)
     if state is None:  # a layer ctxext did not patch
         return _call_inner(module, inner, query, key, value, attention_mask, **kwargs)
@@ -670,6 +671,16 @@ def ctxext_attention(module, query, key, value, attention_mask, inner: str = "sd
             ("logn", query.device),
             lambda: logn_scale(
                 torch.arange(total - q_len, total)[None] if position_ids is None else position_ids.cpu(),
+                settings.original_max_position_embeddings,
+            ).to(query.device),
+        )
+        query = query * scale[:, None, :, None].to(query.dtype)
+    if settings.query_temperature is not None:
+        scale = plan.remember(
+            ("query_temperature", query.device),
+            lambda: query_temperature_scale(
+                torch.arange(total - q_len, total)[None] if position_ids is None else position_ids.cpu(),
+                settings.query_temperature,
                 settings.original_max_position_embeddings,
             ).to(query.device),
         )

@@ -8,7 +8,7 @@ from typing import NamedTuple
 from torch import nn
 
 from ..methods import get_method
-from ..methods.attention import AttentionSettings, check_original_length_for_logn
+from ..methods.attention import AttentionSettings, check_original_length_for_logn, check_query_temperature
 from ..validate import boolean, whole_number
 from .attention import (
     CONFIG_KEY,
@@ -29,6 +29,7 @@ def patch(
     original_max_position_embeddings: int | None = None,
     logn: bool = False,
     layer_types: str | list | None = None,
+    query_temperature: float | None = None,
     **params,
 ) -> nn.Module:
     """Replace the model's rotary embedding with `method` at scale `factor`; returns the same model.
@@ -39,16 +40,18 @@ def patch(
     `max_position_embeddings` becomes L*factor (dynamic methods keep L there, because transformers reads
     it as the length where scaling starts). Patching a patched model replaces the earlier patch.
 
-    `logn=True` adds log-n query scaling (any method); `rerope`/`leaky_rerope` patch the attention layers
-    too. Attention settings are recorded as `ctxext_attention` in the config (see patching/attention.py).
+    `logn=True` adds log-n query scaling (any method); `query_temperature=beta` multiplies queries by
+    1 + beta ln(1 + floor(p / L)) (Llama 4 / Ministral 3), written as the family's own `llama_4_scaling_beta`
+    where its attention reads that key, else applied by ctxext's attention wrapper. Remapping methods patch the
+    attention layers too. Attention settings are recorded as `ctxext_attention` in the config (see patching/attention.py).
 
     `layer_types` (`full`, the default, `all`, or layer type names) chooses which layer types' frequencies a
     model with one set per layer type (Gemma 3) has scaled; the others keep theirs. Attention-level methods go
     only on the chosen layers that apply RoPE (never a NoPE layer); a remapping method also skips a sliding
     layer whose window is at most L. See `RopeLayout`.
     """
-    host, layout, chosen, spec, method_params, L, attention, layers = plan_patch(
-        model, method, factor, original_max_position_embeddings, logn, layer_types, **params
+    host, layout, chosen, spec, method_params, L, attention, layers, native_temperature = plan_patch(
+        model, method, factor, original_max_position_embeddings, logn, layer_types, query_temperature, **params
     )
     unpatch(model)
 
@@ -83,6 +86,8 @@ def patch(
     for key, values in written.items():  # what the family's own code reads beside the rope type stays
         kept = rope_parameters_of(config, key)
         values.update({name: kept[name] for name in FAMILY_KEYS if name in kept})
+        if native_temperature is not None:
+            values[NATIVE_QUERY_TEMPERATURE] = native_temperature
     if chosen is None:
         config.rope_parameters = written[None]
     else:  # nested by layer type, as transformers reads it: the other types keep what they had
@@ -108,6 +113,7 @@ class PatchPlan(NamedTuple):
     original_length: int  # L
     attention: AttentionSettings
     layers: tuple  # the attention layers an attention-level method goes on
+    native_query_temperature: float | None  # beta written for the family's own code to apply (Ministral 3)
 
 
 def plan_patch(
@@ -117,6 +123,7 @@ def plan_patch(
     original_max_position_embeddings: int | None = None,
     logn: bool = False,
     layer_types: str | list | None = None,
+    query_temperature: float | None = None,
     **params,
 ) -> PatchPlan:
     """Everything `patch` decides before it changes anything, or the one-line CtxextError that refuses it.
@@ -132,18 +139,26 @@ def plan_patch(
     if logn:
         check_original_length_for_logn(original_max_position_embeddings)
     L = whole_number("original_max_position_embeddings", original_max_position_embeddings)
-    attention = AttentionSettings.for_method(spec.name, method_params, logn, L)
+    # The query temperature goes where the family's own attention reads it (Ministral 3's llama_4_scaling_beta),
+    # else into ctxext's attention wrapper.
+    native = query_temperature is not None and any(
+        NATIVE_QUERY_TEMPERATURE in rope_parameters_of(host.config, key) for key in chosen or (None,)
+    )
+    native_temperature = check_query_temperature(query_temperature) if native else None
+    wrapped_temperature = None if native else query_temperature
+    attention = AttentionSettings.for_method(spec.name, method_params, logn, L, wrapped_temperature)
     check_shape(host.config, method_params, L)
     # A remapping method changes (query, key) distances, which a sliding layer within L never has past L; log-n
     # alone scales queries by their own position, and stays on every RoPE layer of the chosen types.
     layers = layout.attention_layers(chosen, L if attention.remap is not None else None)
     if attention.active:
         check_can_install(host, attention, int(round(L * method_params.factor)), layout, layers)
-    return PatchPlan(host, layout, chosen, spec, method_params, L, attention, layers)
+    return PatchPlan(host, layout, chosen, spec, method_params, L, attention, layers, native_temperature)
 
 
 # rope_parameters keys that belong to the family rather than to a rope type (Ministral 3's query temperature)
-FAMILY_KEYS = ("llama_4_scaling_beta",)
+NATIVE_QUERY_TEMPERATURE = "llama_4_scaling_beta"
+FAMILY_KEYS = (NATIVE_QUERY_TEMPERATURE,)
 
 
 def check_shape(config, method_params, original_max_position_embeddings: int) -> None:
