@@ -77,12 +77,9 @@ def methods_to_compare() -> list[str]:
 
 
 def searchable(method: str) -> bool:
-    from ctxext.methods import get_method
-    from ctxext.search.space import searchable_fields
+    from ctxext.compare.plan import is_searchable
 
-    if method == "longrope":
-        return True
-    return any("search" in f.metadata for f in searchable_fields(get_method(method)).values())
+    return is_searchable(method)
 
 
 def default_variant(method: str, factor: float) -> Variant:
@@ -95,28 +92,20 @@ def default_variant(method: str, factor: float) -> Variant:
 
 # -------------------------------------------------------------------------------------------- the searches
 def model_file(search_folder: Path) -> Path:
-    """Beside a search's folder (which `ctxext search` wants to itself): the fingerprint of the model it searched."""
-    return search_folder.with_name(f"{search_folder.name}.model.json")
+    from ctxext.compare.searches import model_file as beside
+
+    return beside(search_folder)
 
 
 def adopt_search(folder: Path, checkpoint: Path, fingerprint: str) -> None:
-    """Let a committed search resume where the model sits at another path (another checkout, cache or machine).
+    """`ctxext.compare.searches.adopt_search`: a kept search resumes where the model sits at another path."""
+    from ctxext.compare.searches import adopt_search as adopt
+    from ctxext.errors import CtxextError
 
-    `ctxext search --resume` insists on the same settings, the model path included; the path is rewritten only
-    when the model is the same one (its fingerprint, recorded in `model_file` when the search started).
-    """
-    from ctxext.outputs import write_json
-
-    settings = json.loads((folder / "search.json").read_text())
-    if settings["model"] == str(checkpoint):
-        return
-    recorded = json.loads(model_file(folder).read_text())["model_fingerprint"] if model_file(folder).exists() else None
-    if recorded != fingerprint:
-        raise SystemExit(
-            f"{folder}: searched another model ({settings['model']}, fingerprint {recorded}); "
-            f"move the folder away to search {checkpoint} again"
-        )
-    write_json(folder / "search.json", {**settings, "model": str(checkpoint)})
+    try:
+        adopt(folder, checkpoint, fingerprint)
+    except CtxextError as error:
+        raise SystemExit(str(error)) from None
 
 
 # ------------------------------------------------------------------------------------------- the report
@@ -127,15 +116,9 @@ def overall(cells: list[dict | None]) -> float | None:
 
 
 def describe_params(config: dict | None, factor: float) -> str:
-    if config is None:
-        return "-"
-    shown = {k: v for k, v in config.items() if k not in ("method", "factor", "original_max_position_embeddings")}
-    if "long_factor" in shown:
-        factors = shown.pop("long_factor")
-        shown["long_factor"] = f"{len(factors)} pairs, {min(factors):.2f}..{max(factors):.2f}"
-    if not shown:
-        return "defaults"
-    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
+    from ctxext.compare.report import describe_params as describe
+
+    return describe(config)
 
 
 def machines(state: dict) -> str:

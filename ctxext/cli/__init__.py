@@ -24,7 +24,10 @@ from .common import Parser, split_method_params
 
 # name -> (module, one-line help), in the order `ctxext --help` lists them.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "methods": ("ctxext.cli.methods", "list the scaling methods and their parameters"),
+    "methods": (
+        "ctxext.cli.methods",
+        "list the scaling methods and their parameters (--model: which apply to a model, and its rope layout)",
+    ),
     "patch": ("ctxext.cli.patch", "apply a method to a checkpoint and save the patched checkpoint"),
     "plot-freqs": ("ctxext.cli.plot_freqs", "plot theta'_i/theta_i per pair for one or more methods"),
     "eval": ("ctxext.cli.eval", "sliding-window perplexity at several lengths, for several methods on the same tokens"),
@@ -37,6 +40,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "search": (
         "ctxext.cli.search",
         "search a method's parameters (LongRoPE's per-pair factors too) on your model and data; resumable",
+    ),
+    "compare": (
+        "ctxext.cli.compare",
+        "which method, at its defaults and searched, works for your model, and who serves it",
     ),
     "export": (
         "ctxext.cli.export",

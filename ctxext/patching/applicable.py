@@ -32,14 +32,22 @@ def skeleton(config) -> nn.Module:
     return model
 
 
-def why_not(model: nn.Module, method: str, factor: float = 2.0, layer_types=None) -> str | None:
-    """None where `method` at `factor` can be applied to `model`, else the one line `patch` would refuse it with."""
+def why_not(
+    model: nn.Module,
+    method: str,
+    factor: float = 2.0,
+    layer_types=None,
+    original_max_position_embeddings: int | None = None,
+    **params,
+) -> str | None:
+    """None where `method` at `factor` (with `params`) can be applied to `model`, else the one line `patch` would
+    refuse it with ("needs a setting: ..." where the method cannot run at its defaults, e.g. theta's new base)."""
     try:
-        get_method(method).make_params(factor=factor)
+        get_method(method).make_params(factor=factor, **params)
     except CtxextError as error:
         return f"needs a setting: {error}"
     try:
-        plan_patch(model, method, factor, layer_types=layer_types)
+        plan_patch(model, method, factor, original_max_position_embeddings, False, layer_types, **params)
     except CtxextError as error:
         return str(error)
     return None

@@ -33,8 +33,9 @@ class SearchResult:
         return self.settings.to_dict()
 
 
-def run_search(request: SearchRequest, log: Callable[[str], None] | None = None) -> SearchResult:
-    """Plan, search and write the results of `request`; `log` receives a few lines of progress."""
+def run_search(request: SearchRequest, log: Callable[[str], None] | None = None, model=None) -> SearchResult:
+    """Plan, search and write the results of `request`; `log` receives a few lines of progress. `model`: the model
+    already loaded as the request's runtime asks (`ctxext compare` runs many searches on one model); None loads it."""
     from . import session
 
     started = time.perf_counter()
@@ -46,7 +47,7 @@ def run_search(request: SearchRequest, log: Callable[[str], None] | None = None)
     study = {"storage": storage_url(request.storage, out) if request.storage else None, "name": request.study_name}
     session.check_study(out, study, mode)
     store = open_store(request, settings) if request.storage else None  # a study elsewhere is checked first
-    model = load_search_model(plan)
+    model = model if model is not None else load_search_model(plan)
     session.start_output(out, settings, mode)
     write_json(out / session.STUDY_FILE, study)
     store = store or open_store(request, settings)

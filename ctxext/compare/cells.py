@@ -1,0 +1,169 @@
+"""The cells of a compare: one perplexity (a row or native, one document, one length) or one passkey result (a row,
+one length), each a small JSON file written atomically as soon as it is computed (`ctxext.outputs.CellCache`), keyed
+by the model, dtype, BOS, the method's settings, the tokens and the protocol. The same command finds them again and
+computes only what is missing; cells computed on other machines fill the same table, each naming its machine.
+
+The key is the one scripts/compare_methods.py used, so the committed cells of docs/comparison.md are read as they
+are: context {model, dtype, bos}; perplexity {kind, config, document, length, tokens, protocol}; passkey {kind,
+config, length, keys}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+import time
+from pathlib import Path
+
+from ..errors import CtxextError
+
+ONE_WINDOW = "one window"
+PASSKEY_SEED = 0  # the table's keys; the needle objective of the searches uses other keys (seed 1)
+STOP_AFTER_ENV = "CTXEXT_COMPARE_STOP_AFTER_CELLS"  # tests only: exit (as if killed) after this many new cells
+
+
+def native_protocol(L: int) -> str:
+    return f"{L}/{L // 2}"
+
+
+def perplexity_key(config: dict | None, document: str, length: int, tokens: str, protocol: str) -> dict:
+    return {
+        "kind": "perplexity",
+        "config": config,
+        "document": document,
+        "length": length,
+        "tokens": tokens,
+        "protocol": protocol,
+    }
+
+
+def passkey_key(config: dict | None, length: int, trials) -> dict:
+    return {"kind": "passkey", "config": config, "length": length, "keys": [(t.depth, t.key) for t in trials]}
+
+
+@contextlib.contextmanager
+def peak_memory(device):
+    """Yields a dict that gets `peak_memory_bytes` (above what was in use before) and `memory_kind`: CUDA's
+    allocator peak on a GPU; on a CPU the resident set, sampled every 2 ms (allocations between samples are missed)."""
+    import torch
+
+    found = {}
+    if getattr(device, "type", str(device)) == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        yield found
+        torch.cuda.synchronize(device)
+        found.update(peak_memory_bytes=torch.cuda.max_memory_allocated(device) - start, memory_kind="cuda allocated")
+        return
+    statm = Path("/proc/self/statm")
+    if not statm.is_file():
+        yield found
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def resident() -> int:
+        return int(statm.read_text().split()[1]) * page
+
+    start, peak, done = resident(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], resident())
+            done.wait(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield found
+    finally:
+        done.set()
+        sampler.join()
+        found.update(peak_memory_bytes=max(0, max(peak[0], resident()) - start), memory_kind="cpu resident (sampled)")
+
+
+class Cells:
+    """Finds or computes cells on one model. `compute=False` (report-only) finds only; a missing cell is None."""
+
+    def __init__(self, folder, context: dict, model_loader, tokenizer, bos_id, machine: str, compute: bool = True):
+        from ..outputs import CellCache
+
+        self.cache = CellCache(folder, context)
+        self.model_loader = model_loader
+        self.tokenizer = tokenizer
+        self.bos_id = bos_id
+        self.machine = machine
+        self.compute = compute
+        self.computed = 0
+        self.stop_after = int(os.environ[STOP_AFTER_ENV]) if os.environ.get(STOP_AFTER_ENV) else None
+        self.on_computed = None  # called with (description, record) after each new cell
+
+    def _store(self, key: dict, value: dict, description: str) -> dict:
+        record = self.cache.put(key, {**value, "machine": self.machine})
+        self.computed += 1
+        if self.on_computed is not None:
+            self.on_computed(description, record)
+        if self.stop_after is not None and self.computed >= self.stop_after:
+            os._exit(3)  # tests: as if killed here, after the cell was written
+        return record
+
+    def perplexity(self, label: str, config: dict | None, document, length: int, native_L: int | None = None):
+        """One window over the document's first tokens for a window of `length` (a row), or the unpatched model in
+        L-token windows with stride L/2 over the same tokens (native_L=L)."""
+        from ..eval.data import tokens_fingerprint
+        from ..eval.perplexity import sliding_window_nll, text_tokens_per_window
+
+        ids = document.ids[: text_tokens_per_window(length, self.bos_id)]
+        protocol = native_protocol(native_L) if native_L else ONE_WINDOW
+        key = perplexity_key(config, document.name, length, tokens_fingerprint([ids]), protocol)
+        found = self.cache.get(key)
+        if found is not None or not self.compute:
+            return found
+        model = self.model_loader()
+        device = next(model.parameters()).device
+        began = time.perf_counter()
+        with peak_memory(device) as memory:
+            if native_L:
+                nll, tokens = sliding_window_nll(model, ids, native_L, native_L // 2, self.bos_id)
+            else:
+                nll, tokens = score_one_window(model, config, document.name, ids, length, self.bos_id)
+        seconds = time.perf_counter() - began
+        value = {"nll_sum": nll, "tokens": tokens, "seconds": seconds, **memory}
+        return self._store(key, value, f"{label} @ {length} on {document.name}: {math.exp(nll / tokens):.3f}")
+
+    def passkey(self, label: str, config: dict, length: int, depths: list[float], keys_per_depth: int):
+        from ..config import MethodConfig
+        from ..eval.passkey import plan_trials, run_passkey
+        from ..search.objective import checked_method
+
+        trials = plan_trials([length], list(depths), keys_per_depth, seed=PASSKEY_SEED)
+        key = passkey_key(config, length, trials)
+        found = self.cache.get(key)
+        if found is not None or not self.compute:
+            return found
+        model = self.model_loader()
+        began = time.perf_counter()
+        method = checked_method(label, MethodConfig.from_mapping(config))
+        records = run_passkey(model, self.tokenizer, trials, [method], self.bos_id)
+        value = {
+            "correct": sum(r["correct"] for r in records),
+            "trials": len(records),
+            "records": records,
+            "seconds": time.perf_counter() - began,
+        }
+        return self._store(key, value, f"passkey {label} @ {length}: {value['correct']}/{value['trials']}")
+
+
+def score_one_window(model, config: dict, name: str, ids, length: int, bos_id):
+    from ..config import MethodConfig
+    from ..eval.data import Document
+    from ..search.loop import InvalidParams
+    from ..search.objective import score_perplexity
+
+    try:
+        scored = score_perplexity(model, MethodConfig.from_mapping(config), [Document(name, ids)], length, None, bos_id)
+    except InvalidParams as error:
+        raise CtxextError(f"{config['method']} cannot run on this model: {error}") from None
+    return scored["nll_sum"], scored["tokens"]

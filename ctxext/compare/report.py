@@ -1,0 +1,555 @@
+"""The report of a compare: the numbers of every row (pure functions of the cells), the ranking and the
+recommendation per serving target, and the files: report.md, results.json, results.csv, comparison.png."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import re
+import time
+from pathlib import Path
+
+from .ranking import RANKING_RULE, TIERS, RowNumbers, mean_ratio, needle_tier, rank_rows, recommend
+from .serving import TARGET_NAMES, TARGETS, engine_support, serve_commands
+
+RESULTS_FILE = "results.json"
+REPORT_FILE = "report.md"
+CSV_FILE = "results.csv"
+PLOT_FILE = "comparison.png"
+METHODS_DIR = "methods"
+PRUNING_RULE = (
+    "Screen: every searchable method at its defaults (trial 0 of a `ctxext search` study) on the first calibration "
+    "document, objective {objective}. Successive halving: the better half (rounded up) by that value is searched to "
+    "the first rung's trials on all calibration documents; after each rung the better half of those still in the "
+    "race, by the best value of their search so far, goes on to the next rung (trials {rungs}). {budget}A method "
+    "pruned at one length keeps its defaults there in its searched row."
+)
+
+
+# ---------------------------------------------------------------------------------------------- numbers
+def overall(cells: list) -> float | None:
+    """exp(token-weighted mean NLL) over the documents; None while a cell is missing."""
+    if not cells or any(c is None for c in cells):
+        return None
+    return math.exp(math.fsum(c["nll_sum"] for c in cells) / sum(c["tokens"] for c in cells))
+
+
+def table_numbers(rows, measured, docs: list[str], lengths: list[int]) -> dict:
+    """length -> {native, perplexity {label: value}, rank {label: 1..}}."""
+    table = {}
+    for length in lengths:
+        native = overall([measured.native.get((doc, length)) for doc in docs])
+        scored = {}
+        for row in rows:
+            if row.configs.get(length) is None:
+                continue
+            value = overall([measured.perplexity.get((row.label, doc, length)) for doc in docs])
+            if value is not None:
+                scored[row.label] = value
+        ranked = sorted(scored, key=scored.get)
+        table[length] = {"native": native, "perplexity": scored, "rank": {k: i + 1 for i, k in enumerate(ranked)}}
+    return table
+
+
+def passkey_result(cell: dict | None) -> tuple[int, int] | None:
+    return None if cell is None else (cell["correct"], cell["trials"])
+
+
+def by_depth(cell: dict | None) -> dict[float, float]:
+    if cell is None:
+        return {}
+    depths: dict[float, list] = {}
+    for record in cell["records"]:
+        depths.setdefault(record["depth"], []).append(bool(record["correct"]))
+    return {d: sum(v) / len(v) for d, v in sorted(depths.items())}
+
+
+def baseline_accuracy(measured, L: int) -> float | None:
+    cell = measured.passkey.get(("none", L))
+    return None if cell is None else cell["correct"] / cell["trials"]
+
+
+def cost_numbers(rows, measured, docs: list[str], longest: int) -> dict[str, dict]:
+    """label -> prefill seconds and peak memory of its cell on the first held-out document at the longest length,
+    and their ratios to the unpatched model's (the 'none' row) where both cells come from the same machine."""
+    reference = measured.perplexity.get(("none", docs[0], longest))
+    costs = {}
+    for row in rows:
+        cell = measured.perplexity.get((row.label, docs[0], longest))
+        if cell is None:
+            continue
+        same = reference is not None and reference.get("machine") == cell.get("machine")
+        memory, ref_memory = cell.get("peak_memory_bytes"), (reference or {}).get("peak_memory_bytes")
+        costs[row.label] = {
+            "prefill_seconds": cell.get("seconds"),
+            "peak_memory_bytes": memory,
+            "memory_kind": cell.get("memory_kind"),
+            "prefill_ratio": cell["seconds"] / reference["seconds"] if same and reference.get("seconds") else None,
+            "memory_ratio": memory / ref_memory if same and memory is not None and ref_memory else None,
+            "machine": cell.get("machine"),
+        }
+    return costs
+
+
+def row_numbers(rows, table, measured, lengths, serving, costs) -> list[RowNumbers]:
+    out = []
+    for row in rows:
+        if row.label in measured.failed or any(row.configs.get(n) is None for n in lengths):
+            continue
+        ratios = {}
+        for n in lengths:
+            value, native = table[n]["perplexity"].get(row.label), table[n]["native"]
+            ratios[n] = value / native if value is not None and native else None
+        passkey = {n: passkey_result(measured.passkey.get((row.label, n))) for n in lengths}
+        support = serving.get(row.label, {})
+        out.append(
+            RowNumbers(
+                row.label,
+                ratios,
+                passkey,
+                {t: support.get(t, {}).get("level") == "exact" for t in TARGETS},
+                costs.get(row.label, {}).get("prefill_ratio"),
+                candidate=row.method != "none",
+            )
+        )
+    return out
+
+
+def serving_table(plan, rows) -> dict[str, dict]:
+    """label -> engine -> {level, how}, for the row's configuration at the longest length."""
+    longest = max(plan.lengths)
+    table = {}
+    for row in rows:
+        config = row.configs.get(longest)
+        if config is not None:
+            try:
+                table[row.label] = engine_support(config, plan.model_config, plan.L)
+            except Exception as error:  # noqa: BLE001 - a row the engine table cannot read is served by none
+                table[row.label] = {"ctxext": {"level": "exact", "how": str(error)}}
+    return table
+
+
+def effective_lengths(measured, labels: list[str], lengths: list[int]) -> dict | None:
+    """Per row, the effective length by `ctxext tasks`' rule on passkey accuracy (None without the baseline)."""
+    from ..tasks.report import effective_lengths as rule
+
+    shortest = min(lengths)
+    if len(lengths) < 2 or ("none", shortest) not in measured.passkey:
+        return None
+    rows = [
+        {"task": "passkey", "metric": "acc", "method": label, "length": n, "value": c["correct"] / c["trials"]}
+        for (label, n), c in measured.passkey.items()
+        if label in labels
+    ]
+    (panel,) = rule(rows, labels)
+    pending = [lb for lb in labels if lb != "none" and any((lb, n) not in measured.passkey for n in lengths[1:])]
+    return {**panel, "pending": pending}
+
+
+def slug(label: str) -> str:
+    return re.sub(r"[^a-z0-9_]+", "-", label.lower()).strip("-")
+
+
+# ---------------------------------------------------------------------------------------------- writing
+def write_report(session, rows, written: Path | None = None, final: bool = True) -> dict:
+    """Write report.md, results.json, results.csv (and, when `final`, the plot) from the cells so far."""
+    from ..outputs import atomic_write_text, write_json
+
+    plan, measured = session.plan, session.measured
+    out = Path(session.request.output)
+    docs = [d.name for d in plan.held_out]
+    lengths, longest = plan.lengths, max(plan.lengths)
+    table = table_numbers(rows, measured, docs, lengths)
+    serving = serving_table(plan, rows)
+    costs = cost_numbers(rows, measured, docs, longest)
+    numbers = row_numbers(rows, table, measured, lengths, serving, costs)
+    baseline = baseline_accuracy(measured, plan.L)
+    ranked = rank_rows(numbers, baseline)
+    chosen = recommend(numbers, baseline, TARGETS)
+    by_label = {r.label: r for r in rows}
+    recommendations = {}
+    for target, pick in chosen.items():
+        if pick is None:
+            recommendations[target] = None
+            continue
+        row = by_label[pick.label]
+        method_file = out / METHODS_DIR / f"{slug(pick.label)}-{longest}.yaml"
+        write_method_file(method_file, row.configs[longest])
+        written_name = f"{Path(session.request.model.rstrip('/')).name}-{pick.label.split()[0]}-{_k(longest)}"
+        recommendations[target] = {
+            "label": pick.label,
+            "config": row.configs[longest],
+            "ratios": {str(n): pick.ratios[n] for n in lengths},
+            "passkey": {str(n): list(pick.passkey[n]) for n in lengths},
+            "tier": TIERS[needle_tier(pick.passkey, baseline)],
+            "mean_ratio": mean_ratio(pick.ratios),
+            "serving": serving[pick.label].get(target, {}),
+            "method_file": str(method_file),
+            "commands": serve_commands(target, session.request.model, str(method_file), longest, written_name),
+        }
+    effective = effective_lengths(measured, [r.label for r in rows], [plan.L, *lengths])
+    results = {
+        "protocol": protocol(session),
+        "model": {"name": session.request.model, "L": plan.L, "fingerprint": plan.fingerprint},
+        "machine": session.machine,
+        "lengths": lengths,
+        "documents": {"calibration": plan.data["calibration"], "held_out": docs},
+        "methods": plan.methods,
+        "excluded": plan.excluded,
+        "failed": measured.failed,
+        "native": {str(n): table[n]["native"] for n in lengths},
+        "rows": [row_record(r, table, measured, serving, costs, lengths, plan.L, baseline) for r in rows],
+        "ranking": [r.label for r in ranked],
+        "ranking_rule": RANKING_RULE,
+        "recommendations": recommendations,
+        "effective_length": effective,
+        "searches": {str(n): v for n, v in session.halving.items()},
+        "pruning_rule": pruning_rule(session),
+        "budget": budget_record(session),
+        "written": str(written) if written else None,
+        "missing": list(dict.fromkeys(measured.missing)),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / RESULTS_FILE, results, allow_nan=True)
+    atomic_write_text(out / CSV_FILE, results_csv(results))
+    atomic_write_text(out / REPORT_FILE, markdown(results, plan))
+    if final:
+        plot(results, out / PLOT_FILE)
+    return results
+
+
+def write_method_file(path: Path, config: dict) -> None:
+    import yaml
+
+    from ..outputs import atomic_write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, "# Written by `ctxext compare`: the recommended row's method.\n" + yaml.safe_dump(config))
+
+
+def row_record(row, table, measured, serving, costs, lengths, L, baseline) -> dict:
+    passkey = {n: measured.passkey.get((row.label, n)) for n in [L, *lengths]}
+    numbers = {
+        "label": row.label,
+        "method": row.method,
+        "kind": row.kind,
+        "note": row.note,
+        "configs": {str(n): row.configs.get(n) for n in lengths},
+        "search": {str(n): v for n, v in row.search.items()},
+        "perplexity": {str(n): table[n]["perplexity"].get(row.label) for n in lengths},
+        "ratio": {
+            str(n): table[n]["perplexity"][row.label] / table[n]["native"]
+            if row.label in table[n]["perplexity"] and table[n]["native"]
+            else None
+            for n in lengths
+        },
+        "rank": {str(n): table[n]["rank"].get(row.label) for n in lengths},
+        "passkey": {
+            str(n): {"correct": c["correct"], "trials": c["trials"], "by_depth": by_depth(c)}
+            for n, c in passkey.items()
+            if c is not None
+        },
+        "serving": serving.get(row.label, {}),
+        "cost": costs.get(row.label),
+        "failed": measured.failed.get(row.label),
+    }
+    results = {n: passkey_result(passkey[n]) for n in lengths}
+    numbers["tier"] = TIERS[needle_tier(results, baseline)] if all(results.values()) else None
+    return numbers
+
+
+def protocol(session) -> dict:
+    plan, request = session.plan, session.request
+    return {
+        "perplexity": "one window over the first N tokens of each held-out document (BOS + N - 1 text tokens where "
+        "the tokenizer adds BOS), every token scored; exp(token-weighted mean NLL) over the documents",
+        "native": f"the unpatched model in {plan.L}-token windows with stride {plan.L // 2} over the same tokens",
+        "passkey": {
+            "lengths": plan.passkey_lengths,
+            "depths": request.passkey_depths,
+            "keys_per_depth": request.passkey_trials,
+            "seed": 0,
+            "note": f"at L = {plan.L} only the unpatched model (the baseline of the needle tiers)",
+        },
+        "split": {
+            "calibration": plan.data["calibration"],
+            "held_out": plan.data["held_out"],
+            "rule": "calibration documents are scored only by the searches, held-out ones only by the table",
+        },
+        "data": {k: v for k, v in plan.data.items() if k not in ("calibration", "held_out")},
+        "objective": request.objective,
+        "needle_objective_seed": 1,
+        "dtype": plan.dtype_label,
+        "device": str(plan.runtime["device"]),
+        "attn_implementation": plan.runtime["attn_implementation"],
+        "bos_token_id": plan.bos_id,
+        "cells": str(request.cache_dir / "cells"),
+        "searches": str(request.cache_dir / "searches"),
+    }
+
+
+def pruning_rule(session) -> str:
+    from .searches import rung_trials
+
+    request = session.request
+    final = request.trials or (8 if request.budget is None else 32)
+    budget = (
+        f"Under --budget ({request.budget:.0f} s of recorded computation, cells and trials) a rung's trials are cut "
+        "to what the time left allows, after setting aside each survivor's held-out scoring. "
+        if request.budget is not None
+        else ""
+    )
+    return PRUNING_RULE.format(
+        objective=request.objective, rungs=", ".join(str(t) for t in rung_trials(final)), budget=budget
+    )
+
+
+def budget_record(session) -> dict:
+    spent = session.spent_seconds()
+    return {
+        "budget_seconds": session.request.budget,
+        "spent_seconds": spent,
+        "screen_estimate_seconds": session.plan.estimate.get("screen_seconds"),
+        "estimate_how": session.plan.estimate.get("how"),
+        "this_run_seconds": time.perf_counter() - session.started,
+    }
+
+
+# -------------------------------------------------------------------------------------------- formats
+def results_csv(results: dict) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(
+        [
+            "label",
+            "method",
+            "kind",
+            "length",
+            "perplexity",
+            "ratio_to_native",
+            "rank",
+            "passkey_correct",
+            "passkey_trials",
+            "tier",
+            "vllm",
+            "sglang",
+            "llama.cpp",
+            "prefill_ratio",
+            "memory_ratio",
+        ]
+    )
+    for row in results["rows"]:
+        for n in results["lengths"]:
+            passkey = row["passkey"].get(str(n)) or {}
+            cost = row["cost"] or {}
+            writer.writerow([
+                row["label"], row["method"], row["kind"], n, row["perplexity"][str(n)], row["ratio"][str(n)],
+                row["rank"][str(n)], passkey.get("correct"), passkey.get("trials"), row["tier"],
+                *[row["serving"].get(e, {}).get("level") for e in ("vllm", "sglang", "llama.cpp")],
+                cost.get("prefill_ratio"), cost.get("memory_ratio"),
+            ])  # fmt: skip
+    return buffer.getvalue()
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def _ratio(value) -> str:
+    return "..." if value is None else f"{value:.3f}"
+
+
+def markdown(results: dict, plan) -> str:
+    lengths = results["lengths"]
+    model = results["model"]
+    lines = [
+        f"# ctxext compare: {Path(model['name']).name} (L = {model['L']}) at {', '.join(_k(n) for n in lengths)}",
+        "",
+        "## Recommendation",
+        "",
+        "| serve with | row | " + " | ".join(f"{_k(n)} vs native" for n in lengths) + " | passkey | needle |",
+        "|---|---|" + "---:|" * len(lengths) + "---|---|",
+    ]
+    for target in TARGETS:
+        pick = results["recommendations"].get(target)
+        if pick is None:
+            lines.append(
+                f"| {TARGET_NAMES[target]} | none served exactly with every number | "
+                + " - |" * len(lengths)
+                + " - | - |"
+            )
+            continue
+        passkey = ", ".join(f"{c}/{t}" for c, t in pick["passkey"].values())
+        lines.append(
+            f"| {TARGET_NAMES[target]} | {pick['label']} | "
+            + " | ".join(_ratio(pick["ratios"][str(n)]) for n in lengths)
+            + f" | {passkey} | {pick['tier']} |"
+        )
+    lines += [""]
+    for target in TARGETS:
+        pick = results["recommendations"].get(target)
+        if pick is None:
+            continue
+        lines += [f"**{TARGET_NAMES[target]}**: {pick['label']} ({pick['serving'].get('how', '')}):", "", "```bash"]
+        lines += pick["commands"] + ["```", ""]
+    if results["written"]:
+        lines += [f"`--write-best` wrote the checkpoint to `{results['written']}`.", ""]
+    lines += [f"Ranking: {results['ranking_rule']}", ""]
+    lines += table_lines(results)
+    lines += ["", "## Protocol", ""]
+    p = results["protocol"]
+    lines += [
+        f"- **Data**: calibration (searches only): {', '.join(p['split']['calibration']) or 'none'}; held out (the "
+        f"table only): {', '.join(p['split']['held_out'])}. The two are never mixed.",
+        f"- **Perplexity**: {p['perplexity']}.",
+        f"- **Native**: {p['native']}.",
+        f"- **Passkey**: {p['passkey']['keys_per_depth']} key(s) per depth at depths "
+        f"{', '.join(f'{d:g}' for d in p['passkey']['depths'])}, seeded by 0, at "
+        f"{', '.join(str(n) for n in p['passkey']['lengths'])} tokens ({p['passkey']['note']}).",
+        f"- **Searches**: `ctxext search` studies, objective `{p['objective']}` (needle keys seeded by 1, not the "
+        f"table's). {results['pruning_rule']}",
+        f"- **Cost**: prefill time and peak memory of each row's cell on the first held-out document at "
+        f"{_k(max(lengths))}, relative to the unpatched model's (the `none` row) on the same machine.",
+        f"- **Runtime**: {p['dtype']} on {p['device']}, {p['attn_implementation']}; machine: {results['machine']}.",
+        f"- **Cells**: {p['cells']}; searches: {p['searches']} (the same command resumes; nothing is recomputed).",
+    ]
+    if results["excluded"]:
+        lines += ["", "Methods not compared:", ""]
+        lines += [f"- {m}: {why}" for m, why in results["excluded"].items()]
+    if results["failed"]:
+        lines += ["", "Rows that failed here:", ""] + [f"- {m}: {why}" for m, why in results["failed"].items()]
+    lines += search_lines(results)
+    b = results["budget"]
+    budget = "none" if b["budget_seconds"] is None else f"{b['budget_seconds'] / 60:.1f} min"
+    lines += [
+        "",
+        f"**Time**: {b['spent_seconds'] / 60:.1f} min of computation recorded in the cells and trials "
+        f"(budget: {budget}); this run {b['this_run_seconds'] / 60:.1f} min.",
+        "",
+    ]
+    missing = results["missing"]
+    if missing:
+        lines += [f"**Partial report: {len(missing)} cells are missing** (run the same command again):", ""]
+        lines += [f"- {m}" for m in missing[:40]] + (
+            [f"- ... and {len(missing) - 40} more"] if len(missing) > 40 else []
+        )
+    else:
+        lines.append("Every cell is computed.")
+    return "\n".join(lines) + "\n"
+
+
+def table_lines(results: dict) -> list[str]:
+    lengths = results["lengths"]
+    header = "| method | parameters |" + "".join(f" {_k(n)} ppl | rank | vs native |" for n in lengths)
+    header += (
+        "".join(f" passkey {_k(n)} |" for n in lengths) + " needle | vLLM | SGLang | llama.cpp | prefill | memory |"
+    )
+    rule = "|---|---|" + "---:|---:|---:|" * len(lengths) + "---:|" * len(lengths) + "---|---|---|---|---:|---:|"
+    lines = ["## Table", "", header, rule]
+    native = "| **native** (unpatched, L-token windows) | - |"
+    for n in lengths:
+        value = results["native"][str(n)]
+        native += f" {value:.2f} | - | 1.00 |" if value else " ... | - | - |"
+    lines.append(native + " - |" * len(lengths) + " - |" * 6)
+    for row in results["rows"]:
+        params = row["note"] or ("searched (below)" if row["kind"] == "searched" else "defaults")
+        line = f"| {row['label']} | {params} |"
+        for n in lengths:
+            value, rank, ratio = row["perplexity"][str(n)], row["rank"][str(n)], row["ratio"][str(n)]
+            if row["configs"][str(n)] is None:
+                line += " n/a | | |"
+            else:
+                line += f" {value:.2f} | {rank} | {_ratio(ratio)} |" if value else " ... | | |"
+        for n in lengths:
+            cell = row["passkey"].get(str(n))
+            line += f" {cell['correct']}/{cell['trials']} |" if cell else " ... |"
+        serving = row["serving"]
+        cost = row["cost"] or {}
+        prefill = f"{cost['prefill_ratio']:.2f}x" if cost.get("prefill_ratio") else "-"
+        memory = f"{cost['memory_ratio']:.2f}x" if cost.get("memory_ratio") else "-"
+        line += f" {row['tier'] or '...'} |" + "".join(
+            f" {serving.get(e, {}).get('level', '-')} |" for e in ("vllm", "sglang", "llama.cpp")
+        )
+        lines.append(line + f" {prefill} | {memory} |")
+    lines += ["", "Searched parameters (at each length):", ""]
+    for row in results["rows"]:
+        for n, info in row["search"].items():
+            if "pruned" in info:
+                lines.append(f"- {row['label']} at {_k(int(n))}: {info['pruned']}")
+            else:
+                lines.append(
+                    f"- {row['label']} at {_k(int(n))}: {describe_params(row['configs'][n])} (best of {info['trials']} "
+                    f"trials, trial {info['best']}; {info['objective']} {info['calibration_defaults']:.3f} -> "
+                    f"{info['calibration_best']:.3f})"
+                )
+    return lines
+
+
+def search_lines(results: dict) -> list[str]:
+    if not results["searches"]:
+        return []
+    lines = ["", "## Screen and successive halving", ""]
+    for n, record in results["searches"].items():
+        screen = ", ".join(f"{m} {v:.3f}" for m, v in sorted(record["screen"].items(), key=lambda kv: kv[1]))
+        lines.append(f"- {_k(int(n))}: screen {screen or 'none'}")
+        for i, rung in enumerate(record["rungs"], 1):
+            values = ", ".join(f"{m} {rung['values'][m]:.3f}" for m in rung["methods"])
+            lines.append(f"  - rung {i} ({rung['trials']} trials): {values}")
+        if record["stopped"]:
+            lines.append(f"  - stopped: {record['stopped']}")
+    return lines
+
+
+def describe_params(config: dict | None) -> str:
+    if config is None:
+        return "-"
+    shown = {k: v for k, v in config.items() if k not in ("method", "factor", "original_max_position_embeddings")}
+    if "long_factor" in shown:
+        factors = shown.pop("long_factor")
+        shown["long_factor"] = f"{len(factors)} pairs, {min(factors):.2f}..{max(factors):.2f}"
+    if not shown:
+        return "defaults"
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
+
+
+def plot(results: dict, path: Path) -> None:
+    """Left: held-out perplexity / native per length for every row with numbers; right: passkey accuracy by depth
+    and length per row."""
+    from ..outputs import new_figure, save_figure
+
+    rows = [r for r in results["rows"] if any(v is not None for v in r["ratio"].values())]
+    if not rows:
+        return
+    lengths = results["lengths"]
+    fig = new_figure(figsize=(12, 0.25 * len(rows) + 3))
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.2]})
+    for i, row in enumerate(rows):
+        points = [(n, row["ratio"][str(n)]) for n in lengths if row["ratio"][str(n)] is not None]
+        style = "-" if row["kind"] == "defaults" else "--"
+        left.plot(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            style,
+            marker="o",
+            ms=3,
+            label=row["label"],
+            color=f"C{i % 10}",
+        )
+    left.axhline(1.0, color="k", lw=1, ls=":")
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    left.set_xticks(lengths, [_k(n) for n in lengths])
+    left.set_xlabel("length")
+    left.set_ylabel("held-out perplexity / native (log)")
+    left.legend(fontsize=6, ncol=2)
+    columns = [(n, d) for n in lengths for d in results["protocol"]["passkey"]["depths"]]
+    grid = [[row["passkey"].get(str(n), {}).get("by_depth", {}).get(d, math.nan) for n, d in columns] for row in rows]
+    grid = [[math.nan if v is None else v for v in line] for line in grid]
+    image = right.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    right.set_xticks(range(len(columns)), [f"{_k(n)}\n{d:g}" for n, d in columns], fontsize=7)
+    right.set_yticks(range(len(rows)), [r["label"] for r in rows], fontsize=7)
+    right.set_title("passkey accuracy by length and depth", fontsize=9)
+    fig.colorbar(image, ax=right, fraction=0.04)
+    fig.tight_layout()
+    save_figure(fig, path)

@@ -1,0 +1,122 @@
+"""What `ctxext compare` is asked (typed options, no argparse), and the option parsers it needs: budgets and the
+method selection (names and presets). Importing this module is cheap (no torch)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import CtxextError, did_you_mean
+from ..eval.setup import DataOptions, RuntimeOptions
+
+DEFAULT_OBJECTIVE = "ppl+needle-ppl"  # keeps retrieval: a perplexity search alone can cost the needle
+DEFAULT_TRIALS = 8  # trials of the last rung of successive halving, without --budget
+BUDGET_TRIALS_CAP = 32  # under --budget without --trials: the most trials one search is given
+PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
+PRESETS = {
+    "all": "every method that applies to this model (the default)",
+    "training-free": "every method that needs no fine-tuning (all but linear: Position Interpolation fine-tunes)",
+    "servable:vllm": "methods whose checkpoint vLLM serves exactly at these lengths",
+    "servable:sglang": "methods whose checkpoint SGLang serves exactly at these lengths",
+    "servable:llama.cpp": "methods whose GGUF llama.cpp serves exactly at these lengths",
+}
+NEEDS_FINE_TUNING = {"linear": "Position Interpolation is meant to be fine-tuned (Chen et al. 2023)"}
+WRITE_TARGETS = ("ctxext", "vllm", "sglang")  # --write-best TARGET:DIR (llama.cpp reads a GGUF: see the report)
+
+
+@dataclass
+class CompareRequest:
+    """What `ctxext compare` is asked: the model, the lengths past its L, the data and its split, the methods, how
+    much searching (--trials / --budget, the objective), where the cells are kept, and what to write."""
+
+    model: str
+    lengths: list[int]
+    output: str | Path
+    data: DataOptions = field(default_factory=DataOptions)
+    methods: list[str] | None = None  # names and presets; None: every method that applies to the model
+    calibration: list[str] | None = None  # document names (searches only); None: the first calibration_docs
+    held_out: list[str] | None = None  # document names (the table only); None: the next held_out_docs
+    calibration_docs: int = 1
+    held_out_docs: int = 3
+    objective: str = DEFAULT_OBJECTIVE
+    trials: int | None = None  # trials of the last rung (None: DEFAULT_TRIALS, or what --budget allows)
+    budget: float | None = None  # seconds of computation for the whole compare (None: no limit)
+    search: bool = True  # False: the defaults only (no screen, no searches)
+    passkey_depths: list[float] = field(default_factory=lambda: list(PASSKEY_DEPTHS))
+    passkey_trials: int = 1  # keys per depth and length
+    cache: str | Path | None = None  # where cells/ and searches/ are kept (None: OUTPUT)
+    storage: str | None = None  # one Optuna storage for every search (None: each search's own journal)
+    write_best: str | None = None  # [TARGET:]DIR, TARGET one of WRITE_TARGETS (default ctxext)
+    report_only: bool = False  # compute nothing: the report from the cells and searches already kept
+    runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
+
+    @property
+    def cache_dir(self) -> Path:
+        return Path(self.cache if self.cache is not None else self.output).expanduser()
+
+
+# ------------------------------------------------------------------------------------------- parsing
+_BUDGET = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|sec|m|min|h|hr|d)?\s*$", re.IGNORECASE)
+_UNIT_SECONDS = {"ms": 0.001, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hr": 3600, "d": 86400}
+
+
+def parse_budget(text: str) -> float:
+    """'2h', '90m', '45s', '1.5h' (or a number of seconds) -> seconds (> 0)."""
+    match = _BUDGET.match(str(text))
+    if match is None:
+        raise CtxextError(f"--budget must be a time such as 2h, 90m or 600s, got '{text}'")
+    seconds = float(match[1]) * _UNIT_SECONDS[(match[2] or "s").lower()]
+    if seconds <= 0:
+        raise CtxextError(f"--budget must be more than no time, got '{text}'")
+    return seconds
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f} s" if seconds >= 1 else f"{seconds:.2g} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def parse_methods(text: str | list[str] | None) -> list[str] | None:
+    """'yarn,ntk' or ['training-free'] -> the names and presets, each checked (one-line error for an unknown one)."""
+    if text is None:
+        return None
+    parts = [p.strip() for item in ([text] if isinstance(text, str) else text) for p in str(item).split(",")]
+    parts = [p for p in parts if p]
+    if not parts:
+        raise CtxextError("--methods is empty; give method names or a preset (" + ", ".join(PRESETS) + ")")
+    for part in parts:
+        check_method_or_preset(part)
+    return list(dict.fromkeys(parts))
+
+
+def check_method_or_preset(name: str) -> str:
+    from ..methods import METHODS
+
+    if name in METHODS or name in PRESETS:
+        return name
+    known = [*METHODS, *PRESETS]
+    raise CtxextError(
+        f"unknown method or preset '{name}'{did_you_mean(name, known)}; methods: {', '.join(METHODS)}; "
+        f"presets: {', '.join(PRESETS)}"
+    )
+
+
+def parse_write_best(text: str | None) -> tuple[str, Path] | None:
+    """'DIR' or 'vllm:DIR' -> (target, DIR)."""
+    if text is None:
+        return None
+    target, sep, folder = str(text).partition(":")
+    if not sep or target not in (*WRITE_TARGETS, "llama.cpp"):
+        return "ctxext", Path(text)
+    if target == "llama.cpp":
+        raise CtxextError(
+            "--write-best llama.cpp: llama.cpp reads a GGUF, written from a GGUF: the report's llama.cpp row says "
+            "how (convert_hf_to_gguf.py, then ctxext patch MODEL.gguf)"
+        )
+    if not folder:
+        raise CtxextError(f"--write-best {text}: give a folder after '{target}:'")
+    return target, Path(folder)

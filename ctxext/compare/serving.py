@@ -1,0 +1,69 @@
+"""Which engines serve a compared row exactly, read from `ctxext.serving.engines.engine_table` for the checkpoint
+ctxext would write for the row's method (no weights written or loaded), and the commands that serve it."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from ..errors import CtxextError
+
+TARGETS = ("ctxext", "vllm", "sglang", "llama.cpp")
+TARGET_NAMES = {"ctxext": "ctxext runtime", "vllm": "vLLM", "sglang": "SGLang", "llama.cpp": "llama.cpp"}
+
+
+def engine_support(config: dict, model_config, L: int) -> dict[str, dict]:
+    """{engine: {"level": exact|approximate|no, "how": ...}} for the checkpoint `ctxext patch` writes for `config`
+    (a method mapping) on a model with `model_config`: the written rope form, the method's record, the family."""
+    from ..methods import get_method
+    from ..patching import rotary_dim
+    from ..serving.engines import ServedModel, engine_table
+    from ..serving.forms import rope_form
+
+    spec = get_method(config["method"])
+    values = {k: v for k, v in config.items() if k not in ("method", "original_max_position_embeddings", "logn")}
+    params = spec.make_params(**values)
+    rope = dict(getattr(model_config, "rope_parameters", None) or {})
+    base = float(rope.get("rope_theta", getattr(model_config, "rope_theta", 10000.0)))
+    form = rope_form(spec, params, rotary_dim(model_config), base, L, rope.get("partial_rotary_factor"), "native")
+    record = {
+        **values,
+        "method": spec.name,
+        "logn": bool(config.get("logn")),
+        "original_max_position_embeddings": L,
+        "rope_parameters": {"rope_theta": base},
+    }
+    served = ServedModel(
+        Path("."), "checkpoint", model_config.model_type, form.rope_parameters, None, record, model_config.to_dict()
+    )
+    table = {s.engine: {"level": s.level, "how": s.how} for s in engine_table(served)}
+    table["ctxext"] = {"level": "exact", "how": "ctxext's own runtime: `import ctxext` before loading the checkpoint"}
+    return table
+
+
+def serves_exactly(support: dict, target: str) -> bool:
+    return target == "ctxext" or support.get(target, {}).get("level") == "exact"
+
+
+def serve_commands(target: str, model: str, method_file: str, length: int, written: str) -> list[str]:
+    """The commands that serve a row on `target`: patch `model` with the method YAML, then the engine's own."""
+    q = shlex.quote
+    patch = f"ctxext patch {q(model)} --config {q(method_file)} -o {q(written)}"
+    if target == "ctxext":
+        return [
+            patch,
+            f"python -c \"import ctxext, transformers; m = transformers.AutoModelForCausalLM.from_pretrained('{written}')\""
+            "  # ctxext re-installs the method on load",
+        ]
+    if target == "vllm":
+        return [patch, f"vllm serve {q(written)} --max-model-len {length}"]
+    if target == "sglang":
+        return [patch, f"python -m sglang.launch_server --model-path {q(written)} --context-length {length}"]
+    if target == "llama.cpp":
+        gguf = f"{Path(written).name}.gguf"
+        return [
+            f"python convert_hf_to_gguf.py {q(model)} --outfile model.gguf  # llama.cpp's converter, unpatched model",
+            f"ctxext patch model.gguf --config {q(method_file)} -o {q(gguf)}",
+            f"llama-server -m {q(gguf)} -c {length}",
+        ]
+    raise CtxextError(f"unknown serving target '{target}'; choose one of: {', '.join(TARGETS)}")

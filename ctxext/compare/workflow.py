@@ -1,0 +1,314 @@
+"""`run_compare(request)`: which method, with which settings, works for this model at these lengths, and which
+engine serves it; the library behind `ctxext compare`.
+
+plan (no weights) -> output directory -> the defaults table (native, every method at its defaults: held-out
+perplexity and passkey) -> the screen and successive halving (ordinary `ctxext search` studies) -> the searched
+rows -> ranking, recommendation per serving target, cost -> report.md, results.json, results.csv, plots (after
+every stage) -> --write-best. Every cell is kept as soon as it is computed; the same command resumes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import CtxextError
+from .plan import NONE, ComparePlan, default_config, plan_compare
+from .request import BUDGET_TRIALS_CAP, DEFAULT_TRIALS, CompareRequest
+
+
+@dataclass
+class Row:
+    """A row of the table: a method at its defaults or searched; its configuration per length (None: none)."""
+
+    label: str
+    method: str
+    kind: str  # defaults | searched
+    configs: dict[int, dict | None]
+    note: str = ""
+    search: dict = field(default_factory=dict)  # length -> what the report says of its search
+
+
+@dataclass
+class Measurements:
+    """Every cell found so far: perplexity[(label, doc, length)], native[(doc, length)], passkey[(label, length)]."""
+
+    perplexity: dict = field(default_factory=dict)
+    native: dict = field(default_factory=dict)
+    passkey: dict = field(default_factory=dict)
+    failed: dict = field(default_factory=dict)  # label -> why its cells cannot be computed here
+    missing: list = field(default_factory=list)
+
+
+@dataclass
+class CompareResult:
+    output: Path
+    plan: ComparePlan
+    results: dict  # results.json
+    written: Path | None = None  # --write-best
+
+    @property
+    def protocol(self) -> dict:
+        return self.results["protocol"]
+
+
+class Session:
+    """One compare: the plan, the model (loaded on first need), the cells, the searches and the rows so far."""
+
+    def __init__(self, plan: ComparePlan, log: Callable[[str], None]):
+        from ..runtime import machine_description
+        from .cells import Cells
+        from .searches import StudyRunner
+
+        self.plan, self.log = plan, log
+        self.request = plan.request
+        self.started = time.perf_counter()
+        self.machine = machine_description()
+        self.model = None
+        self.compute = not self.request.report_only
+        context = {"model": plan.fingerprint, "dtype": plan.dtype_label, "bos": plan.bos_id}
+        root = self.request.cache_dir
+        self.cells = Cells(
+            root / "cells", context, self.load_model, plan.tokenizer, plan.bos_id, self.machine, self.compute
+        )
+        self.runner = StudyRunner(plan, root, self.load_model, self.compute, log)
+        self.measured = Measurements()
+        self.halving: dict[int, dict] = {}
+        self.progress = None
+
+    def load_model(self):
+        if self.model is None:
+            from ..loading import load_model
+
+            runtime = self.plan.runtime
+            self.log(f"loading {self.request.model} ({self.plan.dtype_label} on {runtime['device']})")
+            self.model = load_model(
+                self.request.model,
+                dtype=runtime["dtype"],
+                device=runtime["device"],
+                attn_implementation=runtime["attn_implementation"],
+                progress=self.request.runtime.progress,
+            )
+        return self.model
+
+    # ----------------------------------------------------------------------------------------- rows
+    def default_rows(self) -> list[Row]:
+        plan = self.plan
+        rows = []
+        for method in plan.methods:
+            configs = {n: default_config(method, n, plan.L) for n in plan.lengths}
+            note = "no default: 'new_base' is required (see the searched row)" if method == "theta" else ""
+            rows.append(Row(method, method, "defaults", configs, note))
+        return rows
+
+    def searched_rows(self) -> list[Row]:
+        from .searches import searched_config
+
+        plan, rows = self.plan, []
+        for method in plan.methods:
+            searched_at = [n for n in plan.lengths if any(method in r["methods"] for r in self.halving_at(n))]
+            if not searched_at:
+                continue
+            row = Row(f"{method} (searched)", method, "searched", {})
+            for length in plan.lengths:
+                if length in searched_at:
+                    config, info = searched_config(self.runner.folder(method, length, False))
+                    row.configs[length] = config
+                    if info:
+                        row.search[length] = info
+                else:
+                    row.configs[length] = default_config(method, length, plan.L)
+                    row.search[length] = {"pruned": "pruned before the rungs (the screen): its defaults"}
+            rows.append(row)
+        return rows
+
+    def halving_at(self, length: int) -> list[dict]:
+        return self.halving.get(length, {}).get("rungs", [])
+
+    # ---------------------------------------------------------------------------------------- cells
+    def measure(self, rows: list[Row], with_native: bool) -> None:
+        plan, m = self.plan, self.measured
+        for length in plan.lengths:
+            if with_native:
+                for doc in plan.held_out:
+                    self.cell(
+                        ("native", doc.name, length),
+                        lambda d=doc, n=length: self.cells.perplexity("native", None, d, n, native_L=plan.L),
+                        m.native,
+                        (doc.name, length),
+                    )
+            for row in rows:
+                config = row.configs.get(length)
+                if config is None or row.label in m.failed:
+                    continue
+                for doc in plan.held_out:
+                    self.cell(
+                        (row.label, doc.name, length),
+                        lambda r=row, c=config, d=doc, n=length: self.cells.perplexity(r.label, c, d, n),
+                        m.perplexity,
+                        (row.label, doc.name, length),
+                    )
+                self.passkey_cell(row, config, length)
+        if with_native and any(r.method == NONE for r in rows):  # the unpatched model inside its window
+            self.passkey_cell(next(r for r in rows if r.method == NONE), {"method": NONE}, plan.L, f"none at {plan.L}")
+
+    def passkey_cell(self, row: Row, config: dict, length: int, failing: str | None = None) -> None:
+        request = self.request
+        self.cell(
+            (f"passkey {row.label}", length),
+            lambda: self.cells.passkey(row.label, config, length, request.passkey_depths, request.passkey_trials),
+            self.measured.passkey,
+            (row.label, length),
+            failing or row.label,
+        )
+
+    def cell(self, what, compute, into: dict, key, failing: str | None = None) -> None:
+        """Find or compute one cell into `into[key]`; a CtxextError marks `failing` (a row's label) as failed."""
+        failing = failing or what[0]
+        try:
+            found = compute()
+        except CtxextError as error:
+            self.measured.failed[failing] = str(error)
+            self.log(f"{failing}: {error}")
+            found = None
+        if self.progress is not None:
+            self.progress.update(1)
+        if found is None:
+            if failing not in self.measured.failed:
+                self.measured.missing.append(" ".join(str(w) for w in what))
+        else:
+            into[key] = found
+
+    def count_cells(self, rows: list[Row], with_native: bool) -> int:
+        plan = self.plan
+        per_length = sum(len(plan.held_out) + 1 for r in rows for n in plan.lengths if r.configs.get(n) is not None)
+        return per_length + (len(plan.held_out) * len(plan.lengths) + 1 if with_native else 0)
+
+    # ------------------------------------------------------------------------------------- budget
+    def spent_seconds(self) -> float:
+        """Seconds recorded in the cells and trials this compare uses (so a resumed run decides the same)."""
+        from .searches import read_history
+
+        m = self.measured
+        cells = [*m.perplexity.values(), *m.native.values(), *m.passkey.values()]
+        seconds = math.fsum(c.get("seconds", 0.0) for c in cells)
+        root = self.runner.root / "searches"
+        for method in self.plan.searchable:
+            for length in self.plan.lengths:
+                for screen in {False, self.runner.screen_is_separate()}:
+                    folder = self.runner.folder(method, length, screen)
+                    seconds += math.fsum(t.get("seconds") or 0.0 for t in read_history(folder))
+        del root
+        return seconds
+
+    def seconds_left(self) -> float:
+        return self.request.budget - self.spent_seconds()
+
+    def row_reserve(self, method: str) -> float:
+        """Seconds to score a searched row at one length: its defaults row's cells there (one length's worth)."""
+        m = self.measured
+        cells = [v for (label, _doc, _n), v in m.perplexity.items() if label == method]
+        cells += [v for (label, _n), v in m.passkey.items() if label == method]
+        return math.fsum(c.get("seconds", 0.0) for c in cells) / max(1, len(self.plan.lengths))
+
+    # ------------------------------------------------------------------------------------- stages
+    def run_progress(self, total: int, what: str):
+        if not self.request.runtime.progress:
+            return None
+        import sys
+
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, unit="cell", desc=what, dynamic_ncols=True, file=sys.stderr)
+
+    def stage_cells(self, rows: list[Row], with_native: bool, what: str) -> None:
+        self.progress = self.run_progress(self.count_cells(rows, with_native), what)
+        try:
+            self.measure(rows, with_native)
+        finally:
+            if self.progress is not None:
+                self.progress.close()
+            self.progress = None
+
+    def stage_searches(self) -> None:
+        from .searches import successive_halving
+
+        request, plan = self.request, self.plan
+        final = request.trials or (DEFAULT_TRIALS if request.budget is None else BUDGET_TRIALS_CAP)
+        searchable = [m for m in plan.searchable if m not in self.measured.failed]
+        for length in plan.lengths:
+            self.halving[length] = successive_halving(
+                self.runner,
+                searchable,
+                length,
+                final,
+                seconds_left=self.seconds_left if request.budget is not None else None,
+                reserve=self.row_reserve,
+            )
+
+
+def run_compare(request: CompareRequest, log: Callable[[str], None] | None = None) -> CompareResult:
+    """Plan, compute what is missing, rank, recommend and write the report of `request`."""
+    from .report import write_report
+
+    say = log or (lambda line: None)
+    plan = plan_compare(request)  # every check that needs no weights: bad input fails here, nothing written
+    out = Path(request.output)
+    out.mkdir(parents=True, exist_ok=True)
+    session = Session(plan, say)
+    say(header(plan))
+    defaults = session.default_rows()
+    session.cells.on_computed = lambda what, record: say(f"  {what} ({record['seconds']:.1f} s)")
+    session.stage_cells(defaults, with_native=True, what="defaults")
+    searching = request.search and bool(plan.searchable)
+    results = write_report(session, defaults, final=not searching)
+    if searching:
+        session.stage_searches()
+        searched = session.searched_rows()
+        session.stage_cells(searched, with_native=False, what="searched rows")
+        results = write_report(session, defaults + searched)
+    written = write_best(session, results) if plan.write_best else None
+    if written is not None:
+        results = write_report(session, defaults + session.searched_rows(), written=written, final=False)
+    return CompareResult(out, plan, results, written)
+
+
+def header(plan: ComparePlan) -> str:
+    request = plan.request
+    return (
+        f"ctxext compare: {request.model} (L = {plan.L}) at {', '.join(str(n) for n in plan.lengths)}; "
+        f"{len(plan.methods)} methods; calibration: {', '.join(d.name for d in plan.calibration) or 'none'}; "
+        f"held out: {', '.join(d.name for d in plan.held_out)}; {plan.dtype_label} on {plan.runtime['device']}"
+        + (f"; budget {request.budget:.0f} s" if request.budget is not None else "")
+    )
+
+
+def write_best(session: Session, results: dict) -> Path:
+    """The recommended row for --write-best's target, written as a checkpoint (the code of `ctxext patch`)."""
+    from ..checkpoint import write_patched_checkpoint
+    from ..config import MethodConfig
+
+    target, folder = session.plan.write_best
+    chosen = results["recommendations"].get(target)
+    if chosen is None:
+        raise CtxextError(f"--write-best {target}: no complete row is served exactly by {target}; nothing written")
+    config = chosen["config"]
+    write_patched_checkpoint(
+        session.request.model,
+        MethodConfig.from_mapping(config),
+        folder,
+        written_by="ctxext compare",
+        extra_record={
+            "compare": {
+                "output": str(Path(session.request.output).resolve()),
+                "row": chosen["label"],
+                "target": target,
+                "length": max(session.plan.lengths),
+            }
+        },
+    )
+    session.log(f"--write-best: {chosen['label']} ({target}) written to {folder}")
+    return Path(folder)
