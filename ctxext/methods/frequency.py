@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CtxextError
+from ..validate import choice, whole_number
 from .registry import DynamicParams, Method, MethodParams, _check_number, param, register
 
 
@@ -334,5 +335,161 @@ register(
         inv_freq_fn=dynamic_ntk_inv_freq,
         length_dependent=True,
         hf_rope_type="dynamic",
+    )
+)
+
+
+# ------------------------------------------------------------------------ low-frequency clipping (p-RoPE, CoPE)
+def pairs_beyond_length(rotary_dim: int, base: float, length: int) -> int:
+    """How many pairs have a wavelength 2*pi/theta_i = 2*pi * b^(2i/d) (float64) longer than `length` tokens: the
+    lowest-frequency pairs, which never complete one turn within the original length. Plain Python, so that it
+    also runs while transformers builds a model on the meta device."""
+    return sum(2 * math.pi * base ** (2 * i / rotary_dim) > length for i in range(rotary_dim // 2))
+
+
+def _fraction_between_zero_and_one(name: str, value) -> None:
+    _check_number(name, value, allow_none=True)
+    if value is not None and not 0 < value <= 1:
+        raise CtxextError(f"'{name}' must be in (0, 1], got {value!r}")
+
+
+@dataclass
+class ProportionalParams(MethodParams):
+    rope_proportion: float | None = param(
+        None,
+        "p in (0, 1]: the share of pairs kept, highest frequencies first; the rest get frequency 0 (written as "
+        "transformers' partial_rotary_factor; default: the pairs whose wavelength fits in L)",
+        search=(0.25, 1.0),
+    )
+
+    def validate(self):
+        super().validate()
+        _fraction_between_zero_and_one("rope_proportion", self.rope_proportion)
+
+
+def proportional_kept_pairs(rotary_dim: int, base: float, original_max_position_embeddings: int, params) -> int:
+    """The number of pairs p-RoPE keeps: int(p * d // 2) as transformers rounds it, or by default the pairs whose
+    wavelength fits in L."""
+    if params.rope_proportion is not None:
+        return int(params.rope_proportion * rotary_dim // 2)
+    kept = rotary_dim // 2 - pairs_beyond_length(rotary_dim, base, original_max_position_embeddings)
+    if kept == 0:
+        raise CtxextError(
+            f"proportional: every pair's wavelength exceeds L = {original_max_position_embeddings}, so the default "
+            "keeps none; give --rope-proportion"
+        )
+    return kept
+
+
+def proportional_fraction(rotary_dim: int, base: float, original_max_position_embeddings: int, params) -> float:
+    """The p written as `partial_rotary_factor`: the one given, or the smallest float whose int(p * d // 2) (what
+    transformers, vLLM and SGLang compute) is the default's number of kept pairs."""
+    if params.rope_proportion is not None:
+        return float(params.rope_proportion)
+    kept = proportional_kept_pairs(rotary_dim, base, original_max_position_embeddings, params)
+    p = kept / (rotary_dim // 2)
+    while int(p * rotary_dim // 2) < kept:  # kept / pairs may round just below in binary
+        p = math.nextafter(p, 2.0)
+    return p
+
+
+def proportional_inv_freq(rotary_dim, base, original_max_position_embeddings, params, seq_len=None):
+    # transformers' `proportional`: theta_i for the first int(p*d//2) pairs, 0 for the rest, all divided by s.
+    kept = proportional_kept_pairs(rotary_dim, base, original_max_position_embeddings, params)
+    inv_freq = rope_inv_freq(rotary_dim, base)
+    inv_freq[kept:] = 0.0
+    return inv_freq / params.factor, 1.0
+
+
+register(
+    Method(
+        name="proportional",
+        summary="p-RoPE: the highest-frequency share p of pairs kept, the rest set to frequency 0; all divided by s",
+        source="Barbero et al. 2025, Round and Round We Go! What makes Rotary Positional Encodings useful? "
+        "(ICLR 2025); Gemma 4's rope type 'proportional'",
+        params_cls=ProportionalParams,
+        inv_freq_fn=proportional_inv_freq,
+        hf_rope_type="proportional",
+    )
+)
+
+
+CLIP_FORMS = ("soft", "hard")
+
+
+@dataclass
+class CopeParams(MethodParams):
+    clip_pairs: int | None = param(
+        None,
+        "c: how many of the lowest-frequency pairs are clipped (default: the pairs whose wavelength exceeds L)",
+        search=(1, 32, "int"),
+    )
+    clip: str = param(
+        "soft", "'soft': CoPE's raised-cosine taper over the c pairs; 'hard': HardClip, the c pairs set to 0"
+    )
+
+    def validate(self):
+        super().validate()
+        whole_number("clip_pairs", self.clip_pairs, minimum=1, allow_none=True)
+        choice("clip", self.clip, CLIP_FORMS)
+
+    def resolved(self, original_max_position_embeddings: int) -> CopeParams:
+        return self
+
+    def check_model(self, rotary_dim: int, num_layers: int) -> None:
+        """A one-line CtxextError when an explicit c is more than this model's rotary pairs (checked before any
+        weights load)."""
+        check_clip_pairs(self.clip_pairs, rotary_dim // 2)
+
+
+def check_clip_pairs(clip_pairs: int, pairs: int) -> None:
+    if clip_pairs is not None and not 1 <= clip_pairs <= pairs:
+        raise CtxextError(
+            f"'clip_pairs' must be in [1, {pairs}] (this model has {pairs} rotary pairs), got {clip_pairs}"
+        )
+
+
+def cope_clip_pairs(rotary_dim: int, base: float, original_max_position_embeddings: int, params: CopeParams) -> int:
+    """c: the one given, or the number of pairs whose wavelength 2*pi/theta_i exceeds L."""
+    pairs = rotary_dim // 2
+    if params.clip_pairs is not None:
+        check_clip_pairs(params.clip_pairs, pairs)
+        return int(params.clip_pairs)
+    clipped = pairs_beyond_length(rotary_dim, base, original_max_position_embeddings)
+    if clipped == 0:
+        raise CtxextError(
+            f"cope: no pair's wavelength exceeds L = {original_max_position_embeddings}, so the default clips "
+            "nothing; give --clip-pairs"
+        )
+    return clipped
+
+
+def cope_weights(pairs: int, clip_pairs: int, clip: str) -> torch.Tensor:
+    """Per pair (pair 0 the highest frequency), the factor its frequency is multiplied by, float64: 1 for the first
+    pairs - c; over the last c, CoPE's 0.5 * (1 + cos(pi * k / (c - 1))), k = 0..c-1 (1 down to exactly 0; a single
+    clipped pair keeps weight 1), or 0 for HardClip."""
+    weights = torch.ones(pairs, dtype=torch.float64)
+    if clip == "hard":
+        weights[pairs - clip_pairs :] = 0.0
+    elif clip_pairs > 1:
+        k = torch.arange(clip_pairs, dtype=torch.float64)
+        weights[pairs - clip_pairs :] = 0.5 * (1.0 + torch.cos(math.pi * k / (clip_pairs - 1)))
+    return weights
+
+
+def cope_inv_freq(rotary_dim, base, original_max_position_embeddings, params, seq_len=None):
+    clip_pairs = cope_clip_pairs(rotary_dim, base, original_max_position_embeddings, params)
+    weights = cope_weights(rotary_dim // 2, clip_pairs, params.clip)
+    return (rope_inv_freq(rotary_dim, base).double() * weights).to(torch.float32), 1.0
+
+
+register(
+    Method(
+        name="cope",
+        summary="CoPE: the last c pairs (wavelength > L) tapered to frequency 0 by a raised cosine; HardClip zeroes them",
+        source="CoPE: Clipped RoPE as A Scalable Free Lunch for Long Context LLMs (arXiv 2602.05258, 2026; "
+        "code: hrlics/CoPE)",
+        params_cls=CopeParams,
+        inv_freq_fn=cope_inv_freq,
     )
 )

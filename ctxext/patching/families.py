@@ -67,13 +67,20 @@ def check_supported(config, what: str | None = None) -> None:
         )
 
 
+def own_partial_rotary_factor(rope_parameters: dict, config=None) -> float | None:
+    """The share of each head the model rotates (None: all of it), from its rope parameters (or its config).
+
+    Under rope type `proportional` (p-RoPE, Gemma 4) `partial_rotary_factor` is p, the share of pairs that keep a
+    frequency, and the whole head rotates; elsewhere it is the share of channels rotated (Phi, GPT-NeoX)."""
+    if rope_parameters.get("rope_type") == "proportional":
+        return None
+    return rope_parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+
+
 def rotary_dim(config, layer_type: str | None = None) -> int:
-    """The number of rotated channels per head: head_dim, times partial_rotary_factor where set."""
+    """The number of rotated channels per head: head_dim, times the model's own partial rotary factor."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    partial = rope_parameters_of(config, layer_type).get(
-        "partial_rotary_factor", getattr(config, "partial_rotary_factor", None)
-    )
-    return int(head_dim * (partial or 1.0))
+    return int(head_dim * (own_partial_rotary_factor(rope_parameters_of(config, layer_type), config) or 1.0))
 
 
 # ------------------------------------------------------------------------------------------ the model

@@ -17,7 +17,7 @@ from .attention import (
     record_attention_in_config,
     sync_attention_with_config,
 )
-from .families import is_nested, rope_layout, rope_parameters_of, rotary_dim, rotary_host
+from .families import is_nested, own_partial_rotary_factor, rope_layout, rope_parameters_of, rotary_dim, rotary_host
 from .rope_types import rope_parameters_for
 from .rotary import ScaledRotaryEmbedding
 
@@ -79,7 +79,7 @@ def patch(
             layout.rotary_dims[key],
             layout.bases[key],
             L,
-            rope_parameters_of(config, key).get("partial_rotary_factor"),
+            own_partial_rotary_factor(rope_parameters_of(config, key)),
         )
         for key in keys
     }

@@ -1,6 +1,6 @@
 """Config round trip: the `rope_parameters` a patched model records, and ctxext's rope types in transformers.
 
-Methods with an exact transformers equivalent (linear, dynamic, yarn, llama3, longrope) are written with
+Methods with an exact transformers equivalent (linear, dynamic, yarn, llama3, longrope, proportional) are written with
 transformers' own rope_type, so the saved checkpoint loads anywhere transformers' configs are understood.
 The others are written as `ctxext_<method>` (`ctxext_<method>_dynamic` when dynamic) and registered here,
 in `ROPE_INIT_FUNCTIONS` and as a validation method on the config mixin, when `ctxext` is imported.
@@ -15,6 +15,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from .. import compat
 from ..errors import CtxextError
 from ..methods import METHODS, Method, MethodParams, compute_inv_freq
+from ..methods.frequency import proportional_fraction
 from ..methods.registry import method_for_rope_type
 from .families import rope_parameters_of, rotary_dim
 
@@ -35,6 +36,9 @@ _TRANSFORMERS_KEYS = {
     },
     "llama3": {"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"},
     "longrope": {"factor", "original_max_position_embeddings", "short_factor", "long_factor", "attention_factor"},
+    # p itself is `partial_rotary_factor` (see rope_parameters_for); transformers' validator warns about the
+    # other two keys, which its proportional function reads (factor) or ctxext records (L).
+    "proportional": {"factor", "original_max_position_embeddings"},
 }
 
 
@@ -88,8 +92,17 @@ def rope_parameters_for(
     original_max_position_embeddings: int,
     partial_rotary_factor: float | None = None,
 ) -> dict:
-    """The `rope_parameters` dict that reproduces `method` with `params` when a config is loaded again."""
+    """The `rope_parameters` dict that reproduces `method` with `params` when a config is loaded again.
+
+    `partial_rotary_factor` is the model's own (the share of each head it rotates), None where it rotates all.
+    """
     rope_type = method.rope_type(params)
+    if rope_type == "proportional":
+        p = proportional_fraction(rotary_dim, base, original_max_position_embeddings, params)
+        if rotates_part_of_each_head(partial_rotary_factor):
+            rope_type = f"ctxext_{method.name}"
+        else:
+            partial_rotary_factor = p  # transformers reads p from this key, and rotates the whole head
     values = {k: v for k, v in params.to_dict().items() if v is not None and k not in method.forced}
     if rope_type in _TRANSFORMERS_KEYS:
         values = {k: v for k, v in values.items() if k in _TRANSFORMERS_KEYS[rope_type]}
@@ -107,6 +120,13 @@ def rope_parameters_for(
     if partial_rotary_factor is not None:
         rope_parameters["partial_rotary_factor"] = partial_rotary_factor
     return with_float_numbers(rope_parameters)
+
+
+def rotates_part_of_each_head(partial_rotary_factor: float | None) -> bool:
+    """Whether a model whose own partial rotary factor (`families.own_partial_rotary_factor`) is this rotates only
+    part of each head, so that transformers' `proportional` (which reads that key as p and rotates the whole head)
+    cannot express p-RoPE on it."""
+    return partial_rotary_factor not in (None, 1, 1.0)
 
 
 def params_from_rope_parameters(rope_parameters: dict) -> tuple[Method, MethodParams]:
