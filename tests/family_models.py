@@ -39,6 +39,9 @@ SMALL = dict(
     first_k_dense_replace=0,
 )
 
+MLA_SMALL = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+MLA_MOE_SMALL = dict(n_shared_experts=1, n_group=1, topk_group=1)
+
 
 def rope_families() -> list[str]:
     """Every causal-LM model type whose default config has rope parameters, in the installed transformers."""
@@ -70,6 +73,9 @@ def _values(model_type: str, default) -> dict:
             values["sliding_window"] = 4 * L
     if hasattr(default, "sliding_window") and "sliding_window" not in values:
         values["sliding_window"] = None  # one window for every layer (Mistral): off, so the layers see everything
+    if getattr(default, "qk_rope_head_dim", None):  # MLA (DeepSeek): small latent ranks, RoPE on 8 channels a head
+        values.update(MLA_SMALL, head_dim=MLA_SMALL["qk_rope_head_dim"])
+        values.update({k: v for k, v in MLA_MOE_SMALL.items() if hasattr(default, k)})
     if hasattr(default, "no_rope_layers"):
         values["no_rope_layers"] = [1, 0]  # SmolLM3: layer 1 is NoPE
     return values

@@ -77,7 +77,9 @@ def status(model_type: str) -> tuple[str, str]:
         notes.append("frequencies per layer type")
     if not all(layout.uses_rope[i] for i in range(len(layout.uses_rope)) if layout.attention[i]):
         notes.append("NoPE layers")
-    if partial:
+    if layout.latent_attention:
+        notes.append("multi-head latent attention (RoPE on its qk_rope_head_dim slice; no remapping)")
+    elif partial:
         notes.append("partial rotary")
     return "patched", "; ".join(notes)
 
@@ -345,6 +347,30 @@ SHIPPED = {
         },
         L,
     ),
+    # DeepSeek's yarn with mscale = mscale_all_dim: its MLA attention computes a softmax scale from them
+    "deepseek_v3": (
+        {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": L,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        L,
+    ),
+    "gpt_oss": (
+        {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": L,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },
+        L,
+    ),
     "phi3": (
         {
             "rope_type": "longrope",
@@ -389,6 +415,54 @@ def test_a_shipped_scaling_is_read_and_patching_again_scales_from_its_L_and_base
     ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
     expected = plain / 8 * ramp + plain * (1 - ramp)
     torch.testing.assert_close(inv_freq.double(), expected, atol=1e-6, rtol=1e-5)
+
+
+def shipped_model(family):
+    """The tiny model of `family` with SHIPPED's rope parameters and the tiny model's weights."""
+    from transformers import AutoConfig
+
+    shipped, _ = SHIPPED[family]
+    model, _ = build(family)
+    values = model.config.to_dict()
+    values["rope_parameters"] = {**shipped, "rope_theta": float(values["rope_parameters"]["rope_theta"])}
+    values["max_position_embeddings"] = 4 * L
+    scaled = AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values)).eval()
+    scaled.load_state_dict(model.state_dict())
+    return scaled
+
+
+@pytest.mark.parametrize(
+    ("method", "params", "m_all"),
+    [("linear", {}, None), ("yarn", {"mscale": 1.0, "mscale_all_dim": 1.0}, 1.0), ("yarn", {}, None)],
+)
+def test_mla_softmax_scale_follows_the_written_rope_parameters(tmp_path, method, params, m_all):
+    """DeepSeek V3 shipped with yarn x40 (mscale = mscale_all_dim = 1) builds its attention's softmax scale from
+    them; patched again, the model in memory has the scale a reload of the saved checkpoint builds (the oracle:
+    plain transformers), qk_head_dim^-1/2 (0.1 m_all ln s + 1)^2, and unpatch restores it."""
+    model = shipped_model("deepseek_v3")
+    attention = ctxext.patching.rotary_host(model).layers[0].self_attn
+    shipped_scale = attention.scaling
+    assert shipped_scale == pytest.approx(attention.qk_head_dim**-0.5 * (0.1 * math.log(40) + 1) ** 2)
+    tokens = _tokens()
+    with torch.no_grad():
+        before = model(tokens).logits
+        ctxext.patch(model, method, factor=8.0, **params)
+        expected = attention.qk_head_dim**-0.5 * ((0.1 * m_all * math.log(8) + 1) ** 2 if m_all else 1.0)
+        assert attention.scaling == pytest.approx(expected, rel=1e-12)
+        patched = model(tokens).logits
+        model.save_pretrained(tmp_path / "again")
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "again", dtype=torch.float32).eval()
+        torch.testing.assert_close(reloaded(tokens).logits, patched, atol=1e-5, rtol=1e-5)
+        ctxext.unpatch(model)
+        assert attention.scaling == shipped_scale
+        assert torch.equal(model(tokens).logits, before)
+
+
+def test_a_remapping_method_on_mla_is_one_line():
+    model = shipped_model("deepseek_v3")
+    with pytest.raises(CtxextError, match="multi-head latent attention") as error:
+        ctxext.patch(model, "self_extend", factor=4.0)
+    assert "\n" not in str(error.value)
 
 
 def test_cli_layer_types_writes_nested_rope_parameters_and_refuses_unknown_types(tmp_path, capsys):

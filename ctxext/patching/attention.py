@@ -194,8 +194,8 @@ def check_sliding_window(
 
 def check_layout(settings: AttentionSettings, layout, layers: tuple[int, ...], config) -> None:
     """What a model's rope layout refuses of an attention-level method, as one line: no layer to put it on, and
-    for a remapping method interleaved rotary (Cohere) and attention that is more than softmax(q.k) (logit
-    soft-capping, attention sinks)."""
+    for a remapping method multi-head latent attention, interleaved rotary (Cohere) and attention that is more
+    than softmax(q.k) (logit soft-capping, attention sinks)."""
     if not layers:
         raise CtxextError(
             f"{settings.method or 'log-n scaling'} has no layer to act on: every RoPE layer of this model is a "
@@ -203,6 +203,12 @@ def check_layout(settings: AttentionSettings, layout, layers: tuple[int, ...], c
         )
     if settings.remap is None:
         return
+    if layout.latent_attention:
+        raise CtxextError(
+            f"{settings.method} remaps positions in whole rotate-half heads; this model uses multi-head latent "
+            f"attention (MLA, {layout.model_type}: RoPE on a separate qk_rope_head_dim slice), which ctxext's "
+            "remapping methods do not support; use a frequency method (yarn is DeepSeek's own)"
+        )
     if layout.angles != "halves":
         raise CtxextError(
             f"{settings.method} rotates rotate-half pairs; this model lays its rotary angles out "

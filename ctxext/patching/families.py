@@ -60,11 +60,6 @@ def check_supported(config, what: str | None = None) -> None:
         raise CtxextError(f"{what} has no rotary position embedding (RoPE): there is nothing for ctxext to scale")
     if any(isinstance(values, dict) and "mrope_section" in values for values in types):
         raise CtxextError(f"{what} uses multimodal RoPE (mrope_section), which ctxext does not patch yet")
-    if getattr(config, "qk_rope_head_dim", None):
-        raise CtxextError(
-            f"{what} uses multi-head latent attention (MLA: RoPE on a separate qk_rope_head_dim slice), which "
-            "ctxext does not patch yet"
-        )
 
 
 def own_partial_rotary_factor(rope_parameters: dict, config=None) -> float | None:
@@ -105,6 +100,7 @@ class RopeLayout:
     attention: tuple[bool, ...]
     rotary_dims: dict
     bases: dict
+    latent_attention: bool = False  # MLA (DeepSeek): RoPE on a separate qk_rope_head_dim slice of each head
 
     @property
     def types(self) -> tuple[str, ...]:
@@ -324,6 +320,7 @@ def rope_layout(model: nn.Module) -> RopeLayout:
         attention=attention,
         rotary_dims=dims,
         bases=bases,
+        latent_attention=bool(getattr(config, "qk_rope_head_dim", None)),
     )
 
 
@@ -348,3 +345,18 @@ def rotary_wavelengths(model: nn.Module) -> list[float] | None:
     if base is None:
         return None
     return (2 * math.pi / rope_inv_freq(rotary_dim(config), float(base)).double()).tolist()
+
+
+# ------------------------------------------------------------------------- multi-head latent attention
+def latent_attention_scale(rope_parameters: dict, qk_head_dim: int) -> float:
+    """The softmax scale an MLA family (DeepSeek V2/V3, MiniCPM3, GLM-4 MoE Lite, ...) computes from its rope
+    parameters when its attention is built: qk_head_dim^-1/2, times m(s, mscale_all_dim)^2 under a scaled rope
+    type that sets mscale_all_dim, where m(s, c) = 0.1 c ln s + 1 (1 for s <= 1). YaRN's temperature in
+    DeepSeek's convention: the rest of it, m(s, mscale) / m(s, mscale_all_dim), is in cos/sin."""
+    scale = qk_head_dim**-0.5
+    mscale_all_dim = rope_parameters.get("mscale_all_dim") or 0
+    factor = rope_parameters.get("factor") or 1.0
+    if rope_parameters.get("rope_type", "default") != "default" and mscale_all_dim and factor > 1:
+        m = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale *= m * m
+    return scale

@@ -17,7 +17,16 @@ from .attention import (
     record_attention_in_config,
     sync_attention_with_config,
 )
-from .families import is_nested, own_partial_rotary_factor, rope_layout, rope_parameters_of, rotary_dim, rotary_host
+from .families import (
+    attention_of,
+    is_nested,
+    latent_attention_scale,
+    own_partial_rotary_factor,
+    rope_layout,
+    rope_parameters_of,
+    rotary_dim,
+    rotary_host,
+)
 from .rope_types import rope_parameters_for
 from .rotary import ScaledRotaryEmbedding
 
@@ -97,6 +106,8 @@ def patch(
     grows = any("dynamic" in values["rope_type"] for values in written.values())
     config.max_position_embeddings = L if grows else int(round(L * method_params.factor))
     host.rotary_emb = scaled
+    if layout.latent_attention:  # the softmax scale MLA attention computed from the rope parameters at build time
+        scaled.saved_config["latent_attention_scales"] = rescale_latent_attention(host, config)
     record_attention_in_config(config, attention, None if layers == layout.attention_layers() else layers)
     install_attention(host, attention, layers=layers)
     return model
@@ -161,6 +172,18 @@ NATIVE_QUERY_TEMPERATURE = "llama_4_scaling_beta"
 FAMILY_KEYS = (NATIVE_QUERY_TEMPERATURE,)
 
 
+def rescale_latent_attention(host: nn.Module, config) -> list:
+    """Give each MLA attention module the softmax scale its family computes from `config`'s (new) rope
+    parameters, so the model in memory is the one a reload of the saved checkpoint builds; [(module, old scale)]."""
+    changed = []
+    for layer in host.layers:
+        module = attention_of(layer)
+        if module is not None and hasattr(module, "qk_head_dim") and hasattr(module, "scaling"):
+            changed.append((module, module.scaling))
+            module.scaling = latent_attention_scale(config.rope_parameters, module.qk_head_dim)
+    return changed
+
+
 def check_shape(config, method_params, original_max_position_embeddings: int) -> None:
     """What `patch` refuses about the model's shape, from its config alone (so before any weights load): DPE's
     groups must divide the rotary pairs and its selected pairs exist."""
@@ -195,6 +218,8 @@ def unpatch(model: nn.Module) -> nn.Module:
         host.rotary_emb = scaled.original
         host.config.rope_parameters = scaled.saved_config["rope_parameters"]
         host.config.max_position_embeddings = scaled.saved_config["max_position_embeddings"]
+        for module, scale in scaled.saved_config.get("latent_attention_scales", []):
+            module.scaling = scale
         saved_attention = scaled.saved_config.get(CONFIG_KEY)
         if saved_attention is not None:
             setattr(host.config, CONFIG_KEY, saved_attention)
