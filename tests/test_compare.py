@@ -242,3 +242,36 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny, tmp_path, capsys)
         if "screen" in message:
             assert "it needs about" in lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one.txt"]  # no output directory was created
+
+
+def test_full_searches_write_the_page_layout_and_a_report_only_run_rebuilds_it(tiny, tmp_path, one_torch_thread):
+    """--full-search kinds (the protocol of docs/comparison.md) give one row per method and kind, each search an
+    ordinary study run to its trials; --page writes the page; report-only rebuilds it from the cells alone."""
+    from dataclasses import replace
+
+    from ctxext.compare.request import FullSearch
+    from ctxext.compare.searches import read_history
+    from tests.test_compare_methods import page_numbers
+
+    page = tmp_path / "page" / "comparison.md"
+    cache = tmp_path / "cache"
+    kinds = [FullSearch("ppl", 2), FullSearch("needle-ppl", 1, ("rerope",))]
+    asked = request(tiny, "llama", None, methods=["yarn", "rerope"], cache=cache, page=page, full_searches=kinds,
+                    passkey_lengths=[128])  # fmt: skip
+    result = run_compare(asked)
+    assert result.results["failed"] == {}
+    record = json.loads(page.with_suffix(".json").read_text())
+    assert [r["label"] for r in record["rows"]] == [
+        "none", "yarn", "yarn (searched)", "rerope", "rerope (searched)", "rerope (searched, needle-ppl)"
+    ]  # fmt: skip
+    folders = {f.name: len(read_history(f)) for f in (cache / "searches").iterdir() if f.is_dir()}
+    assert folders == {"yarn-128": 2, "rerope-128": 2, "rerope-128-needle-ppl": 1}
+    assert record["missing"] == [] and "Every cell is computed." in page.read_text()
+    assert not (tmp_path / "out").exists() and page.with_suffix(".png").is_file()
+    cells = sorted(p.name for p in (cache / "cells").iterdir())
+    first = page_numbers(page.read_text())
+    assert ("main", "rerope (searched, needle-ppl)") in first
+
+    run_compare(replace(asked, report_only=True, page=tmp_path / "again.md"))
+    assert page_numbers((tmp_path / "again.md").read_text()) == first
+    assert sorted(p.name for p in (cache / "cells").iterdir()) == cells  # nothing computed again

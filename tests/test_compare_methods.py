@@ -1,7 +1,11 @@
-"""scripts/compare_methods.py: its committed cells must be found again by any fresh checkout that builds the model
-(the cells are named by ctxext.outputs.CellCache under ctxext.outputs.content_fingerprint)."""
+"""docs/comparison.md, written by `ctxext compare --page` with the page's settings (scripts/compare_methods.py): its
+committed cells must be found again by any fresh checkout that builds the model (the cells are named by
+ctxext.outputs.CellCache under ctxext.outputs.content_fingerprint), and the page rebuilt from them must be the
+committed page, number for number."""
 
+import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +84,62 @@ def test_an_unknown_device_is_one_line_exit_2_and_writes_nothing(tmp_path):
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "compare_methods: unknown device 'tpu'; use auto, cpu, cuda, cuda:N or mps"
+        "ctxext compare: error: unknown device 'tpu'; use auto, cpu, cuda, cuda:N or mps"
     ]
     assert list(tmp_path.iterdir()) == []
+
+
+def page_script():
+    spec = importlib.util.spec_from_file_location("compare_methods", REPO / "scripts" / "compare_methods.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def page_numbers(text: str) -> dict:
+    """What the page says with numbers: every table row (by table and label) and every searched-parameters line;
+    not the header, the machines or the run time."""
+    found, table = {}, "main"
+    for line in text.splitlines():
+        if re.fullmatch(r"\*\*\d+k\*\*", line):
+            table = line  # the per-document table of that length
+        elif line.startswith("| ") and not line.startswith("| method "):
+            label = line.split(" | ")[0][2:]
+            found[(table, label)] = line
+        elif re.match(r"- .+ at \d+k: ", line):
+            found[("searched parameters", line.split(": ")[0])] = line
+    return found
+
+
+def test_the_page_rebuilt_from_the_committed_cells_is_the_committed_page(tmp_path, smollm2_path, monkeypatch):
+    """`ctxext compare` with the page's settings, report-only, from docs/comparison_cells: every table row and
+    searched parameter of docs/comparison.md, number for number, without loading the model."""
+    import argparse
+
+    import ctxext.loading
+    from ctxext.cli import main
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("report-only loaded the model")
+
+    monkeypatch.setattr(ctxext.loading, "load_model", no_model)
+    script = page_script()
+    args = argparse.Namespace(
+        needle_methods=",".join(script.NEEDLE_METHODS), held_out=",".join(script.HELD_OUT),
+        passkey_lengths=list(script.PASSKEY_LENGTHS), dtype="bf16", device="cpu", cells=CELLS,
+        search_trials=12, needle_trials=8,
+    )  # fmt: skip
+    page = tmp_path / "comparison.md"
+    argv = script.compare_argv(str(smollm2_path), args, list(script.DEFAULT_LENGTHS), None, True, page)
+    assert main([*argv, "--no-progress"]) == 0
+    written, committed = page.read_text(), (REPO / "docs" / "comparison.md").read_text()
+    assert page_numbers(written) == page_numbers(committed)
+    assert len(page_numbers(committed)) > 100
+    assert list(CELLS.glob("**/*.md")) == []  # nothing written among the cells
+    record = json.loads(page.with_suffix(".json").read_text())
+    assert record["table"] == json.loads((REPO / "docs" / "comparison.json").read_text())["table"]
+    # what is missing is only what no cell holds yet: rows of methods never computed, never a cached row's cells
+    computed = {row.split(" | ")[0][2:] for (table, _), row in page_numbers(committed).items() if "k**" in table}
+    for line in record["missing"]:
+        label = re.match(r"(?:perplexity|passkey|search): (.+?) at \d+", line)[1]
+        assert label not in computed or line.startswith("search:"), line

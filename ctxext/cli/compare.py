@@ -38,7 +38,9 @@ def add_arguments(parser) -> None:
         "--lengths", required=True, metavar="N,N", help="target lengths past L, e.g. 16k,32k or 16384,32768"
     )
     parser.add_argument(
-        "-o", "--output", required=True, help="directory for the report; running the same command again resumes"
+        "-o",
+        "--output",
+        help="directory for the report; running the same command again resumes (may be left out with --page)",
     )
     parser.add_argument(
         "--methods",
@@ -82,6 +84,15 @@ def add_arguments(parser) -> None:
     )
     search.add_argument("--no-search", action="store_true", help="the defaults only: no screen, no searches")
     search.add_argument(
+        "--full-search",
+        action="append",
+        metavar="OBJECTIVE:TRIALS[:METHODS]",
+        help="a fixed protocol instead of the screen and successive halving: every searchable method (or METHODS, "
+        "comma-separated; '-name' leaves one out) searched in full to TRIALS trials with OBJECTIVE; repeated, each "
+        "kind is its own rows ('M (searched)' for the first, 'M (searched, OBJECTIVE)' for the others), e.g. "
+        "--full-search ppl:12:-dpe --full-search needle-ppl:8:dpe,rerope",
+    )
+    search.add_argument(
         "--storage",
         metavar="URL",
         help="one Optuna storage for every search (sqlite:///s.db, ...): processes and machines share the studies",
@@ -92,6 +103,11 @@ def add_arguments(parser) -> None:
     )
     scoring.add_argument("--passkey-trials", type=int, default=1, metavar="K", help="keys per depth (default 1)")
     scoring.add_argument(
+        "--passkey-lengths",
+        metavar="N,N",
+        help="where passkey runs (default: L, the unpatched model only, and every length); each L or one of --lengths",
+    )
+    scoring.add_argument(
         "--cache",
         metavar="DIR",
         help="where the cells (DIR/cells) and searches (DIR/searches) are kept (default: OUT); several compares "
@@ -100,6 +116,12 @@ def add_arguments(parser) -> None:
     scoring.add_argument(
         "--report-only", action="store_true", help="compute nothing: the report from the cells and searches kept"
     )
+    parser.add_argument(
+        "--page",
+        metavar="PAGE.md",
+        help="also write the one-page layout of docs/comparison.md (PAGE.md, PAGE.json, PAGE.png)",
+    )
+    parser.add_argument("--model-name", metavar="NAME", help="how the report names the model (default: its folder)")
     parser.add_argument(
         "--write-best",
         metavar="[TARGET:]DIR",
@@ -111,7 +133,7 @@ def add_arguments(parser) -> None:
 
 def request_from_args(args):
     """The CompareRequest the flags ask for (parsed here; checked by the library)."""
-    from ..compare.request import CompareRequest, parse_budget, parse_methods
+    from ..compare.request import CompareRequest, parse_budget, parse_full_search, parse_methods
     from ..eval.options import parse_depths, parse_lengths
     from ..eval.setup import DataOptions, RuntimeOptions
 
@@ -146,6 +168,10 @@ def request_from_args(args):
         storage=args.storage,
         write_best=args.write_best,
         report_only=args.report_only,
+        full_searches=[parse_full_search(t) for t in args.full_search] if args.full_search else None,
+        passkey_lengths=parse_lengths(args.passkey_lengths) if args.passkey_lengths else None,
+        page=args.page,
+        model_name=args.model_name,
         runtime=RuntimeOptions(args.device, args.dtype, args.attn_implementation, args.bos, not args.no_progress),
     )
 
@@ -170,4 +196,8 @@ def _print_summary(result) -> None:
         ratios = ", ".join(f"{n}: {r:.3f}" for n, r in pick["ratios"].items())
         print(f"{TARGET_NAMES[target]:>16}: {pick['label']} (vs native {ratios}; {pick['tier']})")
     missing = len(results["missing"])
-    print(f"report: {result.output.resolve() / 'report.md'}" + (f" ({missing} cells missing)" if missing else ""))
+    if result.output is not None:
+        print(f"report: {result.output.resolve() / 'report.md'}" + (f" ({missing} cells missing)" if missing else ""))
+    page = result.plan.request.page
+    if page is not None:
+        print(f"page: {page}")

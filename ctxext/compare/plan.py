@@ -288,6 +288,18 @@ def check_request(request: CompareRequest) -> None:
         raise CtxextError(f"--trials must be at least 1, got {request.trials}")
     if not request.passkey_depths:
         raise CtxextError("--passkey-depths: give at least one depth")
+    if request.full_searches and request.budget is not None:
+        raise CtxextError("--budget cuts the screen and successive halving; --full-search runs every search in full")
+    if request.output is None and request.page is None:
+        raise CtxextError("give -o/--output (the report) or --page (the one-page layout), or both")
+    if request.output is None and request.write_best is not None:
+        raise CtxextError("--write-best needs -o/--output (the recommendation's method file is written there)")
+    if request.output is None and request.cache is None:
+        raise CtxextError("--page without -o/--output: give --cache, where the cells and searches are kept")
+    if request.page is not None and Path(request.page).suffix != ".md":
+        raise CtxextError(
+            f"--page must name a .md file (its .json and .png are written beside it), got '{request.page}'"
+        )
 
 
 def model_length(model_config) -> int:
@@ -302,6 +314,15 @@ def check_lengths(lengths: list[int], L: int) -> None:
             f"compare is for lengths past the model's trained L = {L}; {low[0]} is not above it "
             f"(ctxext eval scores any length, the unpatched model included)"
         )
+
+
+def check_passkey_lengths(asked: list[int] | None, lengths: list[int], L: int) -> None:
+    for n in asked or []:
+        if n != L and n not in lengths:
+            raise CtxextError(
+                f"--passkey-lengths {n}: each must be L = {L} (the unpatched model only: the baseline) or one of "
+                f"--lengths ({', '.join(str(m) for m in lengths)})"
+            )
 
 
 def check_output(request: CompareRequest, protected: list) -> None:
@@ -360,13 +381,19 @@ def plan_compare(request: CompareRequest, measure=measured_flops) -> ComparePlan
     documents = request.data.load(tokenizer)
     calibration, held_out = split_documents(request, documents.documents, bos_id)
     protected = [p for p in [request.model] if Path(p).exists()] + request.data.local_paths()
-    check_output(request, protected)
+    if request.output is not None:
+        check_output(request, protected)
+    if request.page is not None:
+        from ..outputs import check_overlap
+
+        check_overlap(Path(request.page).parent, protected)
     if write_best is not None:
         from ..outputs import check_output_dir
 
         check_output_dir(write_best[1], protected)
     rt = request.runtime
     runtime = inference_runtime(rt.device, rt.dtype, rt.attn_implementation, Processes(cpu=rt.device == "cpu" or None))
+    check_passkey_lengths(request.passkey_lengths, lengths, L)
     plan = ComparePlan(
         request=request,
         model_config=model_config,
@@ -388,7 +415,7 @@ def plan_compare(request: CompareRequest, measure=measured_flops) -> ComparePlan
         runtime=runtime,
         dtype_label=dtype_label(runtime["dtype"]),
         fingerprint=model_fingerprint(request.model),
-        passkey_lengths=[L, *lengths],
+        passkey_lengths=sorted(set(request.passkey_lengths)) if request.passkey_lengths else [L, *lengths],
         write_best=write_best,
     )
     plan.estimate = estimate_screen(plan, measure(runtime["device"], runtime["dtype"]))

@@ -92,7 +92,9 @@ def cost_numbers(rows, measured, docs: list[str], longest: int) -> dict[str, dic
     return costs
 
 
-def row_numbers(rows, table, measured, lengths, serving, costs) -> list[RowNumbers]:
+def row_numbers(rows, table, measured, lengths, serving, costs, passkey_lengths=None) -> list[RowNumbers]:
+    """What ranking reads of each row with every configuration; passkey at the `passkey_lengths` among `lengths`."""
+    passkey_at = [n for n in lengths if passkey_lengths is None or n in passkey_lengths]
     out = []
     for row in rows:
         if row.label in measured.failed or any(row.configs.get(n) is None for n in lengths):
@@ -101,7 +103,7 @@ def row_numbers(rows, table, measured, lengths, serving, costs) -> list[RowNumbe
         for n in lengths:
             value, native = table[n]["perplexity"].get(row.label), table[n]["native"]
             ratios[n] = value / native if value is not None and native else None
-        passkey = {n: passkey_result(measured.passkey.get((row.label, n))) for n in lengths}
+        passkey = {n: passkey_result(measured.passkey.get((row.label, n))) for n in passkey_at}
         support = serving.get(row.label, {})
         out.append(
             RowNumbers(
@@ -156,14 +158,32 @@ def write_report(session, rows, written: Path | None = None, final: bool = True)
     """Write report.md, results.json, results.csv (and, when `final`, the plot) from the cells so far."""
     from ..outputs import atomic_write_text, write_json
 
-    plan, measured = session.plan, session.measured
+    plan = session.plan
     out = Path(session.request.output)
+    results = report_results(session, rows, written)
+    by_label = {r.label: r for r in rows}
+    for pick in results["recommendations"].values():
+        if pick is not None:
+            write_method_file(Path(pick["method_file"]), by_label[pick["label"]].configs[max(plan.lengths)])
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / RESULTS_FILE, results, allow_nan=True)
+    atomic_write_text(out / CSV_FILE, results_csv(results))
+    atomic_write_text(out / REPORT_FILE, markdown(results, plan))
+    if final:
+        plot(results, out / PLOT_FILE)
+    return results
+
+
+def report_results(session, rows, written: Path | None = None) -> dict:
+    """results.json's record of the rows from the cells so far (pure: nothing written)."""
+    plan, measured = session.plan, session.measured
+    out = Path(session.request.output or ".")
     docs = [d.name for d in plan.held_out]
     lengths, longest = plan.lengths, max(plan.lengths)
     table = table_numbers(rows, measured, docs, lengths)
     serving = serving_table(plan, rows)
     costs = cost_numbers(rows, measured, docs, longest)
-    numbers = row_numbers(rows, table, measured, lengths, serving, costs)
+    numbers = row_numbers(rows, table, measured, lengths, serving, costs, plan.passkey_lengths)
     baseline = baseline_accuracy(measured, plan.L)
     ranked = rank_rows(numbers, baseline)
     chosen = recommend(numbers, baseline, TARGETS)
@@ -175,13 +195,12 @@ def write_report(session, rows, written: Path | None = None, final: bool = True)
             continue
         row = by_label[pick.label]
         method_file = out / METHODS_DIR / f"{slug(pick.label)}-{longest}.yaml"
-        write_method_file(method_file, row.configs[longest])
         written_name = f"{Path(session.request.model.rstrip('/')).name}-{pick.label.split()[0]}-{_k(longest)}"
         recommendations[target] = {
             "label": pick.label,
             "config": row.configs[longest],
             "ratios": {str(n): pick.ratios[n] for n in lengths},
-            "passkey": {str(n): list(pick.passkey[n]) for n in lengths},
+            "passkey": {str(n): list(result) for n, result in pick.passkey.items()},
             "tier": TIERS[needle_tier(pick.passkey, baseline)],
             "mean_ratio": mean_ratio(pick.ratios),
             "serving": serving[pick.label].get(target, {}),
@@ -191,7 +210,12 @@ def write_report(session, rows, written: Path | None = None, final: bool = True)
     effective = effective_lengths(measured, [r.label for r in rows], [plan.L, *lengths])
     results = {
         "protocol": protocol(session),
-        "model": {"name": session.request.model, "L": plan.L, "fingerprint": plan.fingerprint},
+        "model": {
+            "name": session.request.model,
+            "display_name": session.request.display_name,
+            "L": plan.L,
+            "fingerprint": plan.fingerprint,
+        },
         "machine": session.machine,
         "lengths": lengths,
         "documents": {"calibration": plan.data["calibration"], "held_out": docs},
@@ -210,12 +234,6 @@ def write_report(session, rows, written: Path | None = None, final: bool = True)
         "written": str(written) if written else None,
         "missing": list(dict.fromkeys(measured.missing)),
     }
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / RESULTS_FILE, results, allow_nan=True)
-    atomic_write_text(out / CSV_FILE, results_csv(results))
-    atomic_write_text(out / REPORT_FILE, markdown(results, plan))
-    if final:
-        plot(results, out / PLOT_FILE)
     return results
 
 
@@ -279,6 +297,10 @@ def protocol(session) -> dict:
         },
         "data": {k: v for k, v in plan.data.items() if k not in ("calibration", "held_out")},
         "objective": request.objective,
+        "full_searches": [
+            {"objective": k.objective, "trials": k.trials, "methods": k.methods, "skip": k.skip}
+            for k in request.full_searches or []
+        ],
         "needle_objective_seed": 1,
         "dtype": plan.dtype_label,
         "device": str(plan.runtime["device"]),
@@ -290,9 +312,12 @@ def protocol(session) -> dict:
 
 
 def pruning_rule(session) -> str:
+    return pruning_rule_for(session.request)
+
+
+def pruning_rule_for(request) -> str:
     from .searches import rung_trials
 
-    request = session.request
     final = request.trials or (8 if request.budget is None else 32)
     budget = (
         f"Under --budget ({request.budget:.0f} s of recorded computation, cells and trials) a rung's trials are cut "
@@ -364,7 +389,7 @@ def markdown(results: dict, plan) -> str:
     lengths = results["lengths"]
     model = results["model"]
     lines = [
-        f"# ctxext compare: {Path(model['name']).name} (L = {model['L']}) at {', '.join(_k(n) for n in lengths)}",
+        f"# ctxext compare: {model['display_name']} (L = {model['L']}) at {', '.join(_k(n) for n in lengths)}",
         "",
         "## Recommendation",
         "",
@@ -458,12 +483,13 @@ def table_lines(results: dict) -> list[str]:
         for n in lengths:
             value, rank, ratio = row["perplexity"][str(n)], row["rank"][str(n)], row["ratio"][str(n)]
             if row["configs"][str(n)] is None:
-                line += " n/a | | |"
+                line += " n/a | | |" if row["kind"] == "defaults" else " ... | | |"
             else:
                 line += f" {value:.2f} | {rank} | {_ratio(ratio)} |" if value else " ... | | |"
         for n in lengths:
             cell = row["passkey"].get(str(n))
-            line += f" {cell['correct']}/{cell['trials']} |" if cell else " ... |"
+            asked = n in results["protocol"]["passkey"]["lengths"]
+            line += f" {cell['correct']}/{cell['trials']} |" if cell else " ... |" if asked else " - |"
         serving = row["serving"]
         cost = row["cost"] or {}
         prefill = f"{cost['prefill_ratio']:.2f}x" if cost.get("prefill_ratio") else "-"

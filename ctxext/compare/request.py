@@ -23,6 +23,21 @@ PRESETS = {
 }
 NEEDS_FINE_TUNING = {"linear": "Position Interpolation is meant to be fine-tuned (Chen et al. 2023)"}
 WRITE_TARGETS = ("ctxext", "vllm", "sglang")  # --write-best TARGET:DIR (llama.cpp reads a GGUF: see the report)
+OBJECTIVES = ("ppl", "passkey", "ppl+passkey", "needle-ppl", "ppl+needle-ppl")
+
+
+@dataclass(frozen=True)
+class FullSearch:
+    """One kind of searched row under a fixed protocol (no screen, no halving): each method of `methods` (None:
+    every searchable one) except those of `skip`, searched in full to `trials` trials with `objective`."""
+
+    objective: str
+    trials: int
+    methods: tuple[str, ...] | None = None
+    skip: tuple[str, ...] = ()
+
+    def covers(self, method: str) -> bool:
+        return method not in self.skip and (self.methods is None or method in self.methods)
 
 
 @dataclass
@@ -32,7 +47,7 @@ class CompareRequest:
 
     model: str
     lengths: list[int]
-    output: str | Path
+    output: str | Path | None  # None: only --page is written (then --cache is required)
     data: DataOptions = field(default_factory=DataOptions)
     methods: list[str] | None = None  # names and presets; None: every method that applies to the model
     calibration: list[str] | None = None  # document names (searches only); None: the first calibration_docs
@@ -50,10 +65,18 @@ class CompareRequest:
     write_best: str | None = None  # [TARGET:]DIR, TARGET one of WRITE_TARGETS (default ctxext)
     report_only: bool = False  # compute nothing: the report from the cells and searches already kept
     runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
+    full_searches: list[FullSearch] | None = None  # a fixed protocol instead of the screen and successive halving
+    passkey_lengths: list[int] | None = None  # None: L (the unpatched model only) and every length
+    page: str | Path | None = None  # also write the one-page layout (PAGE, its .json and .png) of docs/comparison.md
+    model_name: str | None = None  # how the report names the model (None: the checkpoint's folder name)
 
     @property
     def cache_dir(self) -> Path:
         return Path(self.cache if self.cache is not None else self.output).expanduser()
+
+    @property
+    def display_name(self) -> str:
+        return self.model_name or Path(str(self.model).rstrip("/")).name
 
 
 # ------------------------------------------------------------------------------------------- parsing
@@ -103,6 +126,24 @@ def check_method_or_preset(name: str) -> str:
         f"unknown method or preset '{name}'{did_you_mean(name, known)}; methods: {', '.join(METHODS)}; "
         f"presets: {', '.join(PRESETS)}"
     )
+
+
+def parse_full_search(text: str) -> FullSearch:
+    """'ppl:12' (every searchable method), 'ppl:12:-dpe' (all but dpe), 'needle-ppl:8:rerope,dpe' (those)."""
+    objective, _, rest = str(text).partition(":")
+    trials, _, names = rest.partition(":")
+    if objective not in OBJECTIVES or not trials.isdigit() or int(trials) < 1:
+        raise CtxextError(
+            f"--full-search must be OBJECTIVE:TRIALS[:METHODS] (objective one of {', '.join(OBJECTIVES)}, trials at "
+            f"least 1; METHODS comma-separated, '-name' to leave one out), got '{text}'"
+        )
+    parts = [p.strip() for p in names.split(",") if p.strip()]
+    skip = tuple(check_method_or_preset(p[1:]) for p in parts if p.startswith("-"))
+    chosen = tuple(check_method_or_preset(p) for p in parts if not p.startswith("-"))
+    for name in (*skip, *chosen):
+        if name in PRESETS:
+            raise CtxextError(f"--full-search {text}: name methods, not presets ('{name}')")
+    return FullSearch(objective, int(trials), chosen or None, skip)
 
 
 def parse_write_best(text: str | None) -> tuple[str, Path] | None:

@@ -94,6 +94,17 @@ def best_of(history: list[dict]) -> dict | None:
     return best_trial(history)
 
 
+def search_pending(folder: Path, wanted: int) -> str | None:
+    """Why a search of a fixed protocol has no row yet ('not started', 'k of N trials done', 'no valid trial'), or
+    None when its `wanted` trials are done: a partial search's best would be scored, then superseded."""
+    history = read_history(folder)
+    if not history:
+        return "not started"
+    if len(history) < wanted:
+        return f"{len(history)} of {wanted} trials done"
+    return "no valid trial" if best_of(history) is None else None
+
+
 def searched_config(folder: Path) -> tuple[dict | None, dict | None]:
     """(the best trial's method mapping, what the report says of the search) of a kept search; (None, None) if none."""
     from ..search.space import collapse_elements
@@ -133,8 +144,8 @@ class StudyRunner:
     log: Callable[[str], None] = lambda line: None
     ran: list = field(default_factory=list)
 
-    def folder(self, method: str, length: int, screen: bool) -> Path:
-        return search_folder(self.root, method, length, self.plan.request.objective, screen)
+    def folder(self, method: str, length: int, screen: bool, objective: str | None = None) -> Path:
+        return search_folder(self.root, method, length, objective or self.plan.request.objective, screen)
 
     def screen_is_separate(self) -> bool:
         return len(self.plan.calibration) > 1
@@ -149,15 +160,15 @@ class StudyRunner:
             return DataOptions(dataset="shakespeare:" + ",".join(names))
         return data  # a dataset: the calibration documents are its first long-enough ones (checked after planning)
 
-    def request(self, method: str, length: int, trials: int, screen: bool):
+    def request(self, method: str, length: int, trials: int, screen: bool, objective: str | None = None):
         from ..search.plan import SearchRequest
         from .plan import search_start
 
         plan = self.plan
         documents = plan.calibration[:1] if screen else plan.calibration
-        objective = plan.request.objective
+        objective = objective or plan.request.objective
         storage = plan.request.storage
-        folder = self.folder(method, length, screen)
+        folder = self.folder(method, length, screen, objective)
         return SearchRequest(
             model=plan.request.model,
             method=search_start(method, length, plan.L, plan.rotary_dim, plan.base),
@@ -185,12 +196,12 @@ class StudyRunner:
             study_name=f"ctxext-compare-{folder.name}" if storage else "ctxext-search",
         )
 
-    def run(self, method: str, length: int, trials: int, screen: bool = False) -> list[dict]:
+    def run(self, method: str, length: int, trials: int, screen: bool = False, objective: str | None = None) -> list:
         """The study's trials after running it to `trials` (or as kept, report-only)."""
         from ..outputs import write_json
         from ..search.workflow import run_search
 
-        folder = self.folder(method, length, screen)
+        folder = self.folder(method, length, screen, objective)
         history = read_history(folder)
         if len(history) >= trials or not self.compute:
             return history
@@ -199,7 +210,7 @@ class StudyRunner:
         elif not model_file(folder).exists():
             folder.parent.mkdir(parents=True, exist_ok=True)
             write_json(model_file(folder), {"model_fingerprint": self.plan.fingerprint})
-        request = self.request(method, length, trials, screen)
+        request = self.request(method, length, trials, screen, objective)
         self.log(f"search: {method} at {length}, {trials} trials ({request.objective})")
         result = run_search(request, model=self.model_loader())
         self.ran.append(folder.name)

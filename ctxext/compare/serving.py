@@ -17,6 +17,7 @@ def engine_support(config: dict, model_config, L: int) -> dict[str, dict]:
     (a method mapping) on a model with `model_config`: the written rope form, the method's record, the family."""
     from ..methods import get_method
     from ..patching import rotary_dim
+    from ..patching.families import own_partial_rotary_factor
     from ..serving.engines import ServedModel, engine_table
     from ..serving.forms import rope_form
 
@@ -25,7 +26,7 @@ def engine_support(config: dict, model_config, L: int) -> dict[str, dict]:
     params = spec.make_params(**values)
     rope = dict(getattr(model_config, "rope_parameters", None) or {})
     base = float(rope.get("rope_theta", getattr(model_config, "rope_theta", 10000.0)))
-    form = rope_form(spec, params, rotary_dim(model_config), base, L, rope.get("partial_rotary_factor"), "native")
+    form = rope_form(spec, params, rotary_dim(model_config), base, L, own_partial_rotary_factor(rope), "native")
     record = {
         **values,
         "method": spec.name,

@@ -30,6 +30,8 @@ class Row:
     configs: dict[int, dict | None]
     note: str = ""
     search: dict = field(default_factory=dict)  # length -> what the report says of its search
+    objective: str | None = None  # a searched row's objective
+    pending: dict = field(default_factory=dict)  # length -> why a full search has no configuration there yet
 
 
 @dataclass
@@ -105,6 +107,8 @@ class Session:
         return rows
 
     def searched_rows(self) -> list[Row]:
+        if self.request.full_searches:
+            return self.full_search_rows()
         from .searches import searched_config
 
         plan, rows = self.plan, []
@@ -112,7 +116,7 @@ class Session:
             searched_at = [n for n in plan.lengths if any(method in r["methods"] for r in self.halving_at(n))]
             if not searched_at:
                 continue
-            row = Row(f"{method} (searched)", method, "searched", {})
+            row = Row(f"{method} (searched)", method, "searched", {}, objective=self.request.objective)
             for length in plan.lengths:
                 if length in searched_at:
                     config, info = searched_config(self.runner.folder(method, length, False))
@@ -123,6 +127,30 @@ class Session:
                     row.configs[length] = default_config(method, length, plan.L)
                     row.search[length] = {"pruned": "pruned before the rungs (the screen): its defaults"}
             rows.append(row)
+        return rows
+
+    def full_search_rows(self) -> list[Row]:
+        """One row per method and --full-search kind that covers it: the first kind's rows are 'METHOD (searched)',
+        the others' 'METHOD (searched, OBJECTIVE)'; a length whose search is not done has no configuration yet."""
+        from .searches import search_pending, searched_config
+
+        plan, rows = self.plan, []
+        for method in plan.searchable:
+            for index, kind in enumerate(self.request.full_searches):
+                if not kind.covers(method):
+                    continue
+                label = f"{method} (searched)" if index == 0 else f"{method} (searched, {kind.objective})"
+                row = Row(label, method, "searched", {}, objective=kind.objective)
+                for length in plan.lengths:
+                    folder = self.runner.folder(method, length, False, kind.objective)
+                    pending = search_pending(folder, kind.trials)
+                    config, info = (None, None) if pending else searched_config(folder)
+                    row.configs[length] = config
+                    if info:
+                        row.search[length] = info
+                    if pending:
+                        row.pending[length] = pending
+                rows.append(row)
         return rows
 
     def halving_at(self, length: int) -> list[dict]:
@@ -151,8 +179,10 @@ class Session:
                         m.perplexity,
                         (row.label, doc.name, length),
                     )
-                self.passkey_cell(row, config, length)
-        if with_native and any(r.method == NONE for r in rows):  # the unpatched model inside its window
+                if length in plan.passkey_lengths:
+                    self.passkey_cell(row, config, length)
+        baseline = with_native and plan.L in plan.passkey_lengths
+        if baseline and any(r.method == NONE for r in rows):  # the unpatched model inside its window
             self.passkey_cell(next(r for r in rows if r.method == NONE), {"method": NONE}, plan.L, f"none at {plan.L}")
 
     def passkey_cell(self, row: Row, config: dict, length: int, failing: str | None = None) -> None:
@@ -184,7 +214,12 @@ class Session:
 
     def count_cells(self, rows: list[Row], with_native: bool) -> int:
         plan = self.plan
-        per_length = sum(len(plan.held_out) + 1 for r in rows for n in plan.lengths if r.configs.get(n) is not None)
+        per_length = sum(
+            len(plan.held_out) + (n in plan.passkey_lengths)
+            for r in rows
+            for n in plan.lengths
+            if r.configs.get(n) is not None
+        )
         return per_length + (len(plan.held_out) * len(plan.lengths) + 1 if with_native else 0)
 
     # ------------------------------------------------------------------------------------- budget
@@ -233,10 +268,22 @@ class Session:
                 self.progress.close()
             self.progress = None
 
+    def stage_full_searches(self) -> None:
+        """Every --full-search kind's searches run to its trials, length by length (report-only: none)."""
+        plan = self.plan
+        searchable = [m for m in plan.searchable if m not in self.measured.failed]
+        for length in plan.lengths:
+            for kind in self.request.full_searches:
+                for method in [m for m in searchable if kind.covers(m)]:
+                    self.runner.run(method, length, kind.trials, objective=kind.objective)
+
     def stage_searches(self) -> None:
         from .searches import successive_halving
 
         request, plan = self.request, self.plan
+        if request.full_searches:
+            self.stage_full_searches()
+            return
         final = request.trials or (DEFAULT_TRIALS if request.budget is None else BUDGET_TRIALS_CAP)
         searchable = [m for m in plan.searchable if m not in self.measured.failed]
         for length in plan.lengths:
@@ -256,24 +303,39 @@ def run_compare(request: CompareRequest, log: Callable[[str], None] | None = Non
 
     say = log or (lambda line: None)
     plan = plan_compare(request)  # every check that needs no weights: bad input fails here, nothing written
-    out = Path(request.output)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(request.output) if request.output is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
     session = Session(plan, say)
     say(header(plan))
     defaults = session.default_rows()
     session.cells.on_computed = lambda what, record: say(f"  {what} ({record['seconds']:.1f} s)")
     session.stage_cells(defaults, with_native=True, what="defaults")
     searching = request.search and bool(plan.searchable)
-    results = write_report(session, defaults, final=not searching)
+    results = write_outputs(session, defaults, final=not searching)
+    rows = defaults
     if searching:
         session.stage_searches()
         searched = session.searched_rows()
         session.stage_cells(searched, with_native=False, what="searched rows")
-        results = write_report(session, defaults + searched)
+        rows = defaults + searched
+        results = write_outputs(session, rows)
     written = write_best(session, results) if plan.write_best else None
     if written is not None:
-        results = write_report(session, defaults + session.searched_rows(), written=written, final=False)
+        results = write_report(session, rows, written=written, final=False)
     return CompareResult(out, plan, results, written)
+
+
+def write_outputs(session: Session, rows: list[Row], final: bool = True) -> dict:
+    """The report in OUTPUT (when given) and the one-page layout at --page (when asked); results.json's record."""
+    from .page import write_page
+    from .report import report_results, write_report
+
+    if session.request.page is not None:
+        write_page(session, rows, Path(session.request.page), final=final)
+    if session.request.output is None:
+        return report_results(session, rows)
+    return write_report(session, rows, final=final)
 
 
 def header(plan: ComparePlan) -> str:
