@@ -137,8 +137,8 @@ def random_model(
     if mlp is not None:
         config.intermediate_size = min(config.intermediate_size, mlp)
     if getattr(config, "layer_types", None) is not None:
-        config.layer_types = ["full_attention"] * layers
-    if getattr(config, "sliding_window", None) is not None:
+        config.layer_types = ["full_attention"] * layers  # every layer sees every key (its window goes unused)
+    elif getattr(config, "sliding_window", None) is not None:
         config.sliding_window = None  # remapping methods need every key; ctxext patch refuses short windows
     if max_length is not None:
         config.max_position_embeddings = max_length
@@ -195,7 +195,9 @@ def per_cell_attention(module, query, key, value, attention_mask, **kwargs):
     settings, host = module.__dict__[_REFERENCE]
     q_len, total = query.shape[2], key.shape[2]
     positions = torch.arange(total)
-    cos, sin = host.rotary_emb(query, positions[None].float().to(query.device))
+    rotary, layer_type = host.rotary_emb, _rotary_layer_type(host, module)
+    at = positions[None].float().to(query.device)
+    cos, sin = rotary(query, at) if layer_type is None else rotary(query, at, layer_type)
     q = undo_rotation(query, cos[:, -q_len:], sin[:, -q_len:]).double()
     k = undo_rotation(key, cos, sin).double()
     if settings.logn:
@@ -203,8 +205,9 @@ def per_cell_attention(module, query, key, value, attention_mask, **kwargs):
 
         n_scale = logn_scale(positions[-q_len:], settings.original_max_position_embeddings).double()
         q = q * n_scale.to(q.device)[None, None, :, None]
-    inv_freq = host.rotary_emb.inv_freq.double().cpu()
-    factor = float(getattr(host.rotary_emb, "attention_scaling", 1.0))
+    prefix = "" if layer_type is None else f"{layer_type}_"  # per-type rotary (Gemma 3) keeps a set per type
+    inv_freq = getattr(rotary, f"{prefix}inv_freq").double().cpu()
+    factor = float(getattr(rotary, f"{prefix}attention_scaling", 1.0))
 
     def turn(x, at):  # rotate-half RoPE at float64 positions `at` ((n,) or (n, pairs)), times the attention factor
         angles = (at.double() if at.dim() == 2 else at.double()[:, None]) * inv_freq
@@ -229,6 +232,18 @@ def per_cell_attention(module, query, key, value, attention_mask, **kwargs):
     probs = torch.softmax((scores * module.scaling).masked_fill(~causal, float("-inf")), dim=-1)
     out = probs @ value.double().repeat_interleave(groups, 1)
     return out.to(value.dtype).transpose(1, 2).contiguous(), None
+
+
+def _rotary_layer_type(host, module) -> str | None:
+    """The layer type to ask `host.rotary_emb` for, where it keeps one set of frequencies per type; else None."""
+    import inspect
+
+    from .patching.families import is_nested
+
+    per_type = "layer_type" in inspect.signature(host.rotary_emb.forward).parameters
+    if not (per_type and is_nested(host.config.rope_parameters)):
+        return None
+    return host.config.layer_types[module.layer_idx]
 
 
 def _positions(region, rule, at: torch.Tensor, layer: int, pairs: int) -> torch.Tensor:

@@ -144,3 +144,19 @@ def test_the_help_names_the_methods_that_are_checked_by_default():
     listed_in_description = re.search(r"each method \(([\w, ]+)\)", check_cli.DESCRIPTION).group(1).split(", ")
     assert listed_in_help == listed_in_description == list(AGREEMENT_CASES) == list(COST_CASES)
     assert CheckOptions().methods == list(AGREEMENT_CASES)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "phi"])
+def test_a_sliding_window_and_a_partial_rotary_family_agree(family, tmp_path, capsys):
+    """Gemma 3 (one set of frequencies per layer type, sliding layers) and Phi (partial rotary): the check's
+    per-cell reference reads the family's own rotary; every method it runs agrees."""
+    from tests.family_models import build
+
+    model, _ = build(family)
+    model.config.save_pretrained(tmp_path / family)
+    flags = ["--model", str(tmp_path / family), "--methods", "self_extend,logn", "--implementations", "sdpa"]
+    code, out, err = run_check(capsys, *flags, "--lengths", "256", "--json", str(tmp_path / "check.json"))
+    assert code == 0, err
+    rows = json.loads((tmp_path / "check.json").read_text())["agreement"]
+    assert {row["method"] for row in rows} == {"self_extend", "logn"}
+    assert all(row["ok"] for row in rows), rows
