@@ -9,6 +9,13 @@
    scoring at steps 0, 200, ..., 1000.
 4. Write the table (the shape of PI Table 3) and the plot to docs/pi_reproduction.{md,png,json,csv}.
 
+    python scripts/reproduce_pi.py --preset tiny-cpu --mixed-window [--short-fraction 0.5]
+
+fine-tunes the same pretrained model with mixed-window LoRA instead (LongRoPE2: a fraction of the micro-batches
+cut at 256 tokens and trained with the original rotary, the rest at 1024 with PI x4), scored every 200 steps at
+1024 (PI x4) and at 256 (the original rotary, and the patched one too), and adds it to docs/pi_reproduction.md
+beside the plain LoRA run already in docs/pi_reproduction.json (whose recipe must be the same, mixed_window aside).
+
 Every perplexity is the docs/METHODS.md sliding-window protocol (ctxext.eval), stride 256, on the same held-out
 tokens, under the same precision as the fine-tuning (bf16 autocast on a CPU with native bf16).
 """
@@ -283,6 +290,7 @@ def markdown(result: dict) -> str:
         "",
         "![perplexity against step](pi_reproduction.png)",
         "",
+        *mixed_window_markdown(result),
         "## Set-up",
         "",
         f"- Model: {result['model']['description']}.",
@@ -337,6 +345,132 @@ def timing_text(timing: dict) -> str:
     return ", ".join(parts)
 
 
+def run_curves(setup, records) -> dict:
+    """One fine-tuning run's evaluations (perplexity by window, then by step) and its speed."""
+    evals = [r for r in records if r["kind"] == "eval"]
+    windows = sorted({k for r in evals for k in r["perplexity"]}, key=int, reverse=True)
+    speeds = sorted(r["tokens_per_second"] for r in records if r["kind"] == "train")
+    curves = {
+        "perplexity": {w: {str(r["step"]): r["perplexity"][w] for r in evals} for w in windows},
+        "median_tokens_per_second": speeds[len(speeds) // 2] if speeds else None,
+        "output_dir": str(setup.output),
+    }
+    if evals and "rotary" in evals[0]:  # a mixed-window run: which rotary scored each window, and the patched one
+        curves["rotary"] = evals[0]["rotary"]
+        curves["perplexity_patched_rotary"] = {
+            w: {str(r["step"]): r["perplexity_patched_rotary"][w] for r in evals}
+            for w in evals[0]["perplexity_patched_rotary"]
+        }
+    return curves
+
+
+def recipe_summary(recipe, run: dict, recipe_path: str) -> str:
+    return (
+        f"{recipe_path}: LoRA r={recipe.lora.r} (alpha {recipe.lora.alpha:g}, dropout "
+        f"{recipe.lora.dropout:g}) on {', '.join(recipe.lora.target_modules)}, embeddings and "
+        f"norms trained; AdamW {tuple(recipe.optim.betas)}, lr {recipe.optim.lr:g}, "
+        f"{recipe.optim.warmup_steps} warm-up steps from {recipe.optim.warmup_start_factor:g} "
+        f"of lr, {recipe.train.max_steps} steps of {recipe.train.global_batch_size} x "
+        f"{recipe.seq_len} tokens; {run['parameters']['trainable']} trainable parameters"
+    )
+
+
+def mixed_window_markdown(result: dict) -> list[str]:
+    """The section comparing mixed-window with plain LoRA, from pi_reproduction.json's `mixed_window` entry."""
+    section = result.get("mixed_window")
+    if not section:
+        return []
+    if "status" in section:  # not measured yet: what will be, and how
+        return [
+            "## Mixed-window fine-tuning (LongRoPE2)",
+            "",
+            "Mixed-window training (LongRoPE2, arXiv 2502.20082) against plain LoRA on this miniature: "
+            + section["status"],
+            "",
+            "```",
+            section["command"],
+            "```",
+            "",
+        ]
+    plain, mixed = section["plain"], section["mixed"]
+    original, target, label = section["original"], section["target"], section["label"]
+    short, long = str(original), str(target)
+    steps = sorted({int(s) for run in (plain, mixed) for s in run["perplexity"].get(long, {})})
+    timing = section["timing"]
+
+    def row(name: str, values: dict) -> str:
+        return f"| {name} | " + " | ".join(fmt(values[str(s)]) if str(s) in values else "-" for s in steps) + " |"
+
+    lines = [
+        "## Mixed-window fine-tuning (LongRoPE2)",
+        "",
+        "Mixed-window training (LongRoPE2, arXiv 2502.20082) against plain LoRA, from the same pretrained model "
+        f"with the same recipe: in the mixed-window run, {section['short_fraction']:g} of the micro-batches (spread "
+        f"evenly by index) hold the same packed tokens cut into sequences of {section['short_length']} tokens and "
+        f"train with the original rotary; the others train at {target} with {label}. The claim to check: "
+        "short-context quality is kept.",
+        "",
+        "Made by (both runs, one after the other, then this section):",
+        "",
+        "```",
+        section["command"],
+        "```",
+        "",
+        f"Machine: {section['machine']}. Date: {section['date_utc']}. Wall time: {timing_text_mixed(timing)}. "
+        f"Load average at start / end: {section['load_average']['start']} / {section['load_average']['end']}. "
+        f"Precision: {section['precision']}.",
+        "",
+        f"Held-out perplexity (lower is better; the evaluation of the run above). Base model at {original}, no "
+        f"fine-tuning: **{fmt(section['base_at_original'])}**. Each row names the rotary it was scored with: a "
+        f"mixed-window model runs the original rotary within {original} tokens and {label} past it.",
+        "",
+        "| model, window (rotary) | " + " | ".join("0 steps" if s == 0 else str(s) for s in steps) + " |",
+        "|---|" + "---|" * len(steps),
+        row(f"plain LoRA, {short} ({label})", plain["perplexity"].get(short, {})),
+        row(f"mixed-window, {short} (original rotary)", mixed["perplexity"].get(short, {})),
+        row(f"mixed-window, {short} ({label}, the switch not used)", mixed["perplexity_patched_rotary"].get(short, {})),
+        row(f"plain LoRA, {long} ({label})", plain["perplexity"].get(long, {})),
+        row(f"mixed-window, {long} ({label})", mixed["perplexity"].get(long, {})),
+        "",
+        *mixed_window_findings(section),
+        "",
+        f"Fine-tuning speed (median tokens/s): plain {plain['median_tokens_per_second'] or 0:.0f}, mixed-window "
+        f"{mixed['median_tokens_per_second'] or 0:.0f}. The plain LoRA run here repeats the one in the table above "
+        "on this machine, so that both rows come from the same pretrained model, precision and code.",
+        "",
+    ]
+    return lines
+
+
+def timing_text_mixed(timing: dict) -> str:
+    parts = [f"{timing[key]:.1f} min {label}" for key, label in TIMING_LABELS if key in timing]
+    return ", ".join(parts) + f"; {timing.get('cpu_minutes', 0):.1f} CPU-minutes on 1 torch thread"
+
+
+TIMING_LABELS = [
+    ("pretrain_minutes", "pretraining (not cached on this machine)"),
+    ("plain_minutes", "plain LoRA with evaluations"),
+    ("mixed_minutes", "mixed-window LoRA with evaluations"),
+    ("total_minutes", "in all"),
+]
+
+
+def mixed_window_findings(section: dict) -> list[str]:
+    """The short- and long-context numbers at step 200 and at the last step both runs reached."""
+    plain, mixed = section["plain"]["perplexity"], section["mixed"]["perplexity"]
+    base, short, long = section["base_at_original"], str(section["original"]), str(section["target"])
+    done = sorted(set(plain.get(long, {})) & set(mixed.get(long, {})), key=int)
+    lines = []
+    for step in dict.fromkeys(s for s in ("200", done[-1] if done else None) if s in done):
+        m_short, p_short, m_long, p_long = mixed[short][step], plain[short][step], mixed[long][step], plain[long][step]
+        lines.append(
+            f"- Step {step}: at {short}, mixed-window {fmt(m_short)} ({m_short / base:.3f} x base) against plain "
+            f"LoRA {fmt(p_short)} ({p_short / base:.3f} x base); at {long}, mixed-window {fmt(m_long)} against "
+            f"plain LoRA {fmt(p_long)} ({m_long / p_long:.3f} x)."
+        )
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny-cpu")
@@ -353,6 +487,20 @@ def main(argv=None) -> int:
         help="torch CPU threads: a number, or auto (all cores on an idle "
         "machine, 1 when other jobs already keep the cores busy: 2 threads fighting other "
         "processes for 2 cores run 2-3x slower than 1 thread here)",
+    )
+    parser.add_argument(
+        "--mixed-window",
+        action="store_true",
+        help="instead of the PI run: fine-tune with mixed-window LoRA (LongRoPE2) and with plain LoRA, one after "
+        "the other, and add the comparison to DOCS/pi_reproduction.md (a section) and .json (mixed_window)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="with --mixed-window: continue the runs in an existing --work-dir from their checkpoints",
+    )
+    parser.add_argument(
+        "--short-fraction", type=float, default=0.5, help="with --mixed-window: the fraction of short micro-batches"
     )
     parser.add_argument("--render", metavar="JSON", help="only re-write the .md/.png/.csv from a pi_reproduction.json")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. train.max_steps=200")
@@ -381,10 +529,14 @@ def main(argv=None) -> int:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     work = Path(args.work_dir or REPO / "outputs" / f"reproduce-pi-{args.preset}-{stamp}")
     overrides = {"output_dir": str(work / "finetune"), **parse_overrides(args.overrides)}
+    if args.mixed_window:
+        overrides.update({"mixed_window.enabled": True, "mixed_window.short_fraction": args.short_fraction})
     try:
         recipe = load_recipe(REPO / recipe_path, overrides)
-        if work.exists():
-            raise CtxextError(f"work directory '{work}' already exists; choose another --work-dir")
+        if work.exists() and not args.resume:
+            raise CtxextError(f"work directory '{work}' already exists; choose another --work-dir, or --resume")
+        if args.resume and not (args.mixed_window and work.is_dir()):
+            raise CtxextError("--resume continues a --mixed-window run: give both, and the run's --work-dir")
     except CtxextError as error:
         print(f"reproduce_pi: error: {error}", file=sys.stderr)
         return 2
@@ -407,6 +559,16 @@ def main(argv=None) -> int:
     if pretrain_record and "cpu_seconds" in pretrain_record:
         timing["pretrain_cpu_minutes"] = pretrain_record["cpu_seconds"] / 60
     print(f"   {checkpoint} ({'cached' if cached else 'built'})", flush=True)
+    if args.mixed_window:
+        command = "python scripts/reproduce_pi.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+        info = {
+            "command": command.strip(),
+            "started": started,
+            "load_start": load_start,
+            "machine": f"{machine_description()} ({torch.get_num_threads()} torch threads)",
+            "timing": {} if cached else {"pretrain_minutes": timing["pretrain_minutes"]},
+        }
+        return run_mixed_window(recipe, recipe_path, work, REPO / args.docs_dir, info, args.resume)
 
     print("2. perplexity before fine-tuning", flush=True)
     t0 = time.perf_counter()
@@ -482,14 +644,7 @@ def main(argv=None) -> int:
         },
         "stride": recipe.eval.stride,
         "precision": run["precision"],
-        "recipe_summary": (
-            f"{recipe_path}: LoRA r={recipe.lora.r} (alpha {recipe.lora.alpha:g}, dropout "
-            f"{recipe.lora.dropout:g}) on {', '.join(recipe.lora.target_modules)}, embeddings and "
-            f"norms trained; AdamW {tuple(recipe.optim.betas)}, lr {recipe.optim.lr:g}, "
-            f"{recipe.optim.warmup_steps} warm-up steps from {recipe.optim.warmup_start_factor:g} "
-            f"of lr, {recipe.train.max_steps} steps of {recipe.train.global_batch_size} x "
-            f"{recipe.seq_len} tokens; {run['parameters']['trainable']} trainable parameters"
-        ),
+        "recipe_summary": recipe_summary(recipe, run, recipe_path),
         "data": (
             f"{run['data'].get('documents')} Shakespeare texts, {run['data'].get('tokens')} tokens, packed into "
             f"{recipe.seq_len}-token sequences ({run['data'].get('epochs')} epochs over the run)"
@@ -499,6 +654,66 @@ def main(argv=None) -> int:
     write_report(REPO / args.docs_dir, result)
     print(markdown(result))
     print(f"wrote {REPO / args.docs_dir}/pi_reproduction.md, .png, .json, .csv")
+    return 0
+
+
+def run_mixed_window(recipe, recipe_path: str, work: Path, docs: Path, run_info: dict, resume: bool) -> int:
+    """Fine-tune with mixed windows and with plain LoRA (same model, same recipe otherwise), each in its folder
+    under `work` (resumed from its checkpoint with --resume, or read back if finished), and add the comparison to
+    DOCS/pi_reproduction.json and .md."""
+    import copy
+
+    import torch
+
+    from ctxext.train.loop import finetune, latest_checkpoint
+
+    runs, timing = {}, dict(run_info["timing"])
+    for name, mixed in (("mixed", True), ("plain", False)):
+        run_recipe = copy.deepcopy(recipe)
+        run_recipe.mixed_window.enabled = mixed
+        run_recipe.output_dir = str(work / ("mixed-window" if mixed else "plain-lora"))
+        resuming = resume and latest_checkpoint(Path(run_recipe.output_dir).resolve()) is not None
+        print(
+            f"{'3' if mixed else '4'}. {'mixed-window' if mixed else 'plain'} LoRA fine-tuning with "
+            f"{recipe.method.label} at {recipe.seq_len} for {recipe.train.max_steps} steps"
+            + (f" ({recipe.mixed_window.short_fraction:g} of the micro-batches short)" if mixed else "")
+            + (" (resumed)" if resuming else ""),
+            flush=True,
+        )
+        t0 = time.perf_counter()
+        setup, records = finetune(run_recipe, resume=resuming, progress=True)
+        timing[f"{name}_minutes"] = (time.perf_counter() - t0) / 60
+        runs[name] = (setup, records)
+    timing["total_minutes"] = (time.perf_counter() - run_info["started"]) / 60
+    timing["cpu_minutes"] = cpu_minutes()
+    setup, records = runs["mixed"]
+    run = json.loads((setup.output / "run.json").read_text())
+    section = {
+        "command": run_info["command"],
+        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": run_info["machine"],
+        "load_average": {"start": run_info["load_start"], "end": load_average()},
+        "timing": timing,
+        "torch_threads": torch.get_num_threads(),
+        "precision": run["precision"],
+        "label": recipe.method.label,
+        "original": setup.original_length,
+        "target": recipe.seq_len,
+        "short_fraction": recipe.mixed_window.short_fraction,
+        "short_length": setup.short_length,
+        "recipe_summary": recipe_summary(recipe, run, recipe_path),
+        "model_path": str(Path(setup.model_path).resolve()),
+        "base_at_original": [r for r in records if r["kind"] == "base_reference"][0]["perplexity"],
+        "plain": run_curves(*runs["plain"]),
+        "mixed": run_curves(*runs["mixed"]),
+    }
+    (work / "mixed_window_section.json").write_text(json.dumps(section, indent=2) + "\n")
+    saved = docs / "pi_reproduction.json"
+    result = json.loads(saved.read_text())
+    result["mixed_window"] = section
+    write_report(docs, result)
+    print("\n".join(mixed_window_markdown(result)))
+    print(f"wrote {docs}/pi_reproduction.md and .json (its mixed_window entry); {work}/mixed_window_section.json")
     return 0
 
 

@@ -20,6 +20,12 @@ Several GPUs (configs/accelerate/: ddp, fsdp, deepspeed-zero2), or 2 CPU process
   accelerate launch --config_file configs/accelerate/fsdp.yaml -m ctxext finetune --config RECIPE.yaml
   accelerate launch --config_file configs/accelerate/cpu-2proc.yaml -m ctxext finetune --config RECIPE.yaml
 The global batch stays train.global_batch_size: gradient accumulation = global / (micro x processes).
+
+Mixed-window fine-tuning (LongRoPE2, --mixed-window, recipe section mixed_window): a fraction of the
+micro-batches (--short-fraction, spread evenly by index) holds the same packed tokens cut into sequences of at
+most the original length L (--short-length, default L); those train with the model's original rotary, the
+others at seq_len with the patched rotary, to keep short-context quality. The model is meant to run the
+same way: the original rotary within L, the patched one past it (adapter/ctxext.yaml says how to load it so).
 """
 
 EPILOG = """\
@@ -29,6 +35,7 @@ examples:
   ctxext finetune --config configs/recipes/tiny-cpu.yaml output_dir=outputs/tiny --resume
   ctxext finetune --config configs/recipes/tiny-cpu.yaml output_dir=outputs/tiny --report-to tensorboard
   ctxext finetune --show-keys
+  ctxext finetune --config configs/recipes/tiny-cpu.yaml output_dir=outputs/tiny-mixed --mixed-window --short-fraction 0.5
 """
 
 
@@ -47,6 +54,25 @@ def add_arguments(parser) -> None:
     parser.add_argument("--show-keys", action="store_true", help="list every recipe key with its default, and exit")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument(
+        "--mixed-window",
+        action="store_true",
+        help="mixed-window fine-tuning (LongRoPE2): short micro-batches (sequences of at most the original length "
+        "L) train with the original rotary, long ones (seq_len) with the patched rotary, to keep short-context "
+        "quality; the same as mixed_window.enabled=true",
+    )
+    parser.add_argument(
+        "--short-fraction",
+        metavar="F",
+        help="with --mixed-window: the fraction of micro-batches that are short, in [0, 1] (default 0.5); "
+        "the same as mixed_window.short_fraction=F",
+    )
+    parser.add_argument(
+        "--short-length",
+        metavar="N",
+        help="with --mixed-window: tokens per short sequence, at most L (default L); "
+        "the same as mixed_window.short_length=N",
+    )
+    parser.add_argument(
         "--report-to",
         metavar="TRACKERS",
         default="none",
@@ -64,7 +90,7 @@ def run(args) -> int:
         return 0
     if args.config is None and not args.overrides:
         raise CtxextError("give a recipe with --config RECIPE.yaml (see configs/recipes/), or key=value settings")
-    recipe = load_recipe(args.config, parse_overrides(args.overrides))
+    recipe = load_recipe(args.config, {**parse_overrides(args.overrides), **mixed_window_overrides(args)})
     from ..train.loop import finetune
 
     setup, records = finetune(recipe, resume=args.resume, progress=not args.no_progress, report_to=args.report_to)
@@ -73,9 +99,26 @@ def run(args) -> int:
     return 0
 
 
+def mixed_window_overrides(args) -> dict:
+    """--mixed-window, --short-fraction and --short-length as recipe overrides (validated with the recipe)."""
+    from ..config import parse_value
+
+    overrides = {"mixed_window.enabled": True} if args.mixed_window else {}
+    if args.short_fraction is not None:
+        overrides["mixed_window.short_fraction"] = parse_value(args.short_fraction)
+    if args.short_length is not None:
+        overrides["mixed_window.short_length"] = parse_value(args.short_length)
+    return overrides
+
+
 def summary(setup, records: list[dict]) -> str:
     evals = [r for r in records if r.get("kind") == "eval"]
     lines = [f"fine-tuned {setup.recipe.model} with {setup.recipe.method.label} at {setup.recipe.seq_len} tokens"]
+    if setup.mixed_window:
+        lines[0] += (
+            f", mixed-window: {setup.recipe.mixed_window.short_fraction:g} of the micro-batches at "
+            f"{setup.short_length} tokens with the original rotary (scored so at lengths <= {setup.original_length})"
+        )
     base = [r for r in records if r.get("kind") == "base_reference"]
     if base:
         lines.append(f"  base model at {base[0]['length']}: perplexity {base[0]['perplexity']:.2f}")

@@ -8,6 +8,8 @@ length.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -26,7 +28,12 @@ class ScaledRotaryEmbedding(nn.Module):
 
     Dynamic methods recompute their frequencies from the current length l = max(position_ids) + 1,
     statelessly: the same positions always give the same (cos, sin).
+
+    Mixed window (LongRoPE2): while `original_within` is a length N > 0, a forward whose positions all lie below
+    N is answered by the model's own module, unscaled; see `original_rotary_within`.
     """
+
+    original_within: int = 0  # 0: every forward is scaled
 
     def __init__(
         self,
@@ -94,6 +101,8 @@ class ScaledRotaryEmbedding(nn.Module):
     def forward(
         self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.original_within and self.original is not None and int(position_ids.max()) < self.original_within:
+            return self.original(x, position_ids) if layer_type is None else self.original(x, position_ids, layer_type)
         key = layer_type if layer_type in self.scaled else None
         if key not in self.scaled:  # a layer type this patch leaves alone
             return self.original(x, position_ids, layer_type)
@@ -121,6 +130,26 @@ class ScaledRotaryEmbedding(nn.Module):
     def extra_repr(self) -> str:
         types = "" if list(self.scaled) == [None] else f", layer_types={list(self.scaled)}"
         return f"method={self.method.name}, params={self.params.to_dict()}, L={self.original_max_position_embeddings}{types}"
+
+
+@contextlib.contextmanager
+def original_rotary_within(model: nn.Module, length: int):
+    """Mixed window (LongRoPE2): inside the block, a forward of the patched `model` whose positions all lie below
+    `length` (normally the original length L) uses the model's original rotary module, bit for bit as if unpatched;
+    longer ones use the patched rotary. No-op on an unpatched model. The setting is on the module, so it holds for
+    every thread using the model while the block runs."""
+    from .families import rotary_host
+
+    rotary = rotary_host(model).rotary_emb
+    if not isinstance(rotary, ScaledRotaryEmbedding):
+        yield model
+        return
+    before = rotary.original_within
+    rotary.original_within = int(length)
+    try:
+        yield model
+    finally:
+        rotary.original_within = before
 
 
 def is_dynamic(model: nn.Module) -> bool:

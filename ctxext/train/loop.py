@@ -140,6 +140,11 @@ class Setup:
     original_length: int
     output: Path
     model_path: str
+    short_length: int | None = None  # mixed_window: tokens per short sequence (None: mixed-window is off)
+
+    @property
+    def mixed_window(self) -> bool:
+        return self.short_length is not None
 
 
 def supported_length(model) -> int | None:
@@ -165,6 +170,7 @@ def prepare(recipe: Recipe, resume: bool, progress: bool = True, report_to=None)
     runtime = make_runtime(recipe, output, trackers)
     set_seed(recipe.seed)  # the same LoRA init on every process and every run
     model_path, tokenizer, model, original_length = load_patched_model(recipe, runtime, progress)
+    short_length = mixed_window_length(recipe, model, original_length)
     model = with_lora(model, recipe)
     train_data, info = load_training_data(recipe, runtime, tokenizer, progress)
     documents, lengths, bos = load_eval_documents(recipe, tokenizer, original_length, info.get("names", []))
@@ -181,7 +187,18 @@ def prepare(recipe: Recipe, resume: bool, progress: bool = True, report_to=None)
         original_length=original_length,
         output=output,
         model_path=model_path,
+        short_length=short_length,
     )
+
+
+def mixed_window_length(recipe: Recipe, model, original_length: int) -> int | None:
+    """The short sequences' length under mixed_window (checked against the patched model), else None."""
+    from .mixed_window import check_switchable, short_length_for
+
+    if not recipe.mixed_window.enabled:
+        return None
+    check_switchable(model, recipe.method.label)
+    return short_length_for(recipe.mixed_window, original_length)
 
 
 def check_run_directory(recipe: Recipe, resume: bool) -> Path:
@@ -302,20 +319,23 @@ def plan_length(documents, length: int, stride: int, bos: int | None):
     return plan_lengths(documents, [length], stride, bos)[0]
 
 
-def evaluate(setup: Setup, model, lengths: list[int]) -> dict[int, float]:
+def evaluate(setup: Setup, model, lengths: list[int], switch: bool = True) -> dict[int, float]:
     """Perplexity at each length on the held-out documents (docs/METHODS.md protocol, via ctxext.eval).
 
     The windows are shared out over the processes and the sums gathered; under FSDP/DeepSpeed every process
-    scores every window, since each forward needs all of them.
+    scores every window, since each forward needs all of them. A mixed-window run scores windows of at most L
+    tokens with the original rotary, unless `switch` is False (then every window uses the patched rotary).
     """
     from ..eval.perplexity import evaluation_mode, perplexity, window_nll
+    from .mixed_window import rotary_switch
 
     runtime = setup.runtime
     accelerator = runtime.accelerator
     share = not runtime.sharded and accelerator.num_processes > 1
     rank, world = (accelerator.process_index, accelerator.num_processes) if share else (0, 1)
     results = {}
-    with accelerator.autocast(), evaluation_mode(model):
+    switched = rotary_switch(setup.mixed_window and switch, model, setup.original_length)
+    with accelerator.autocast(), evaluation_mode(model), switched:
         for plan in [
             plan_length(setup.eval_documents, n, setup.recipe.eval.stride, setup.bos_token_id) for n in lengths
         ]:
@@ -520,13 +540,27 @@ def save_step_plot(fig, ax, path: Path, ylabel: str, title: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ saving
 def method_record(setup: Setup) -> dict:
-    return {
+    record = {
         "source_model": setup.recipe.model,
         "model_path": setup.model_path,
         **setup.recipe.method.to_dict(),
         "original_max_position_embeddings": setup.original_length,
         "seq_len": setup.recipe.seq_len,
     }
+    if setup.mixed_window:
+        record["mixed_window"] = {
+            "short_fraction": setup.recipe.mixed_window.short_fraction,
+            "short_length": setup.short_length,
+            "inference": MIXED_WINDOW_INFERENCE.format(L=setup.original_length),
+        }
+    return record
+
+
+MIXED_WINDOW_INFERENCE = (
+    "trained with the original rotary up to {L} tokens and the patched one past it; to run it that way, patch, "
+    "load, then: from ctxext.patching.rotary import original_rotary_within; with original_rotary_within(model, {L}): "
+    "... (a forward whose positions all lie below {L} then uses the original rotary)"
+)
 
 
 def save_results(setup: Setup, model) -> None:
@@ -750,17 +784,30 @@ def evaluate_before_training(setup: Setup, model, log: MetricsLog) -> None:
 def log_evaluation(setup: Setup, model, log: MetricsLog, step: int, bar=None) -> dict:
     """Evaluate at every length, log the record, and show it under the progress bar (if given)."""
     started = time.perf_counter()
-    scores = evaluate(setup, setup.runtime.accelerator.unwrap_model(model), setup.eval_lengths)
-    record = {
-        "kind": "eval",
-        "step": step,
-        "perplexity": {str(k): v for k, v in scores.items()},
-        "seconds": round(time.perf_counter() - started, 2),
-    }
+    unwrapped = setup.runtime.accelerator.unwrap_model(model)
+    scores = evaluate(setup, unwrapped, setup.eval_lengths)
+    record = {"kind": "eval", "step": step, "perplexity": {str(k): v for k, v in scores.items()}}
+    if setup.mixed_window:
+        record.update(mixed_window_scores(setup, unwrapped))
+    record["seconds"] = round(time.perf_counter() - started, 2)
     log.write(record)
     if bar is not None and setup.runtime.is_main:
         bar.write(f"step {step}: perplexity " + ", ".join(f"{k}: {v:.2f}" for k, v in record["perplexity"].items()))
     return record
+
+
+def mixed_window_scores(setup: Setup, model) -> dict:
+    """For a mixed-window run: which rotary scored each length, and the windows of at most L scored with the
+    patched rotary too (what the model does when the switch is not used)."""
+    from .mixed_window import rotary_used
+
+    label, original = setup.recipe.method.label, setup.original_length
+    short = [n for n in setup.eval_lengths if n <= original]
+    patched = evaluate(setup, model, short, switch=False) if short else {}
+    return {
+        "rotary": {str(n): rotary_used(n, original, label) for n in setup.eval_lengths},
+        "perplexity_patched_rotary": {str(k): v for k, v in patched.items()},
+    }
 
 
 def progress_bar(setup: Setup, start_step: int, progress: bool):
@@ -788,13 +835,18 @@ def set_learning_rate(optimizer, recipe: Recipe, step: int) -> float:
 
 
 def train_step(setup: Setup, model, optimizer, step: int) -> float:
-    """One optimizer step over the global batch, in micro-steps; its loss, the mean of every process's mean."""
+    """One optimizer step over the global batch, in micro-steps; its loss, the mean of every process's mean.
+    Under mixed_window, a short micro-batch (at most L tokens a sequence) runs with the original rotary."""
+    from .mixed_window import rotary_switch
+
     recipe, runtime = setup.recipe, setup.runtime
     accelerator = runtime.accelerator
     step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    unwrapped = accelerator.unwrap_model(model)
     for micro in range(runtime.accumulation):
         inputs = micro_batch(setup, step, micro)
-        with accelerator.accumulate(model):
+        switched = rotary_switch(setup.mixed_window, unwrapped, setup.original_length)
+        with accelerator.accumulate(model), switched:
             loss = model(**inputs, use_cache=False).loss
             accelerator.backward(loss)
             if accelerator.sync_gradients and recipe.optim.max_grad_norm > 0:
@@ -807,7 +859,10 @@ def train_step(setup: Setup, model, optimizer, step: int) -> float:
 
 
 def micro_batch(setup: Setup, step: int, micro: int) -> dict[str, torch.Tensor]:
-    """The model inputs of this process in one micro-step: its share of the step's samples, by index."""
+    """The model inputs of this process in one micro-step: its share of the step's samples, by index (under
+    mixed_window, a short micro-batch has them cut into short sequences; ctxext.train.mixed_window)."""
+    from .mixed_window import cut_into_short_sequences, is_short_micro_batch, micro_batch_index
+
     recipe, accelerator = setup.recipe, setup.runtime.accelerator
     indices = sample_indices(
         step,
@@ -817,7 +872,12 @@ def micro_batch(setup: Setup, step: int, micro: int) -> dict[str, torch.Tensor]:
         recipe.train.micro_batch_size,
         recipe.train.global_batch_size,
     )
-    batch = setup.train_data.batch(indices).to(accelerator.device)
+    batch = setup.train_data.batch(indices)
+    if setup.mixed_window and is_short_micro_batch(
+        micro_batch_index(indices[0], recipe.train.micro_batch_size), recipe.mixed_window.short_fraction
+    ):
+        batch = cut_into_short_sequences(batch, setup.short_length)
+    batch = batch.to(accelerator.device)
     inputs = {"input_ids": batch, "labels": batch}
     if recipe.pose.enabled:
         inputs["position_ids"] = pose_positions(recipe, indices).to(accelerator.device)
@@ -867,7 +927,7 @@ def write_or_check_recipe(path: Path, recipe: Recipe, resume: bool) -> None:
 
     current = recipe.to_dict()
     if resume and path.is_file():
-        saved = yaml.safe_load(path.read_text())
+        saved = with_default_sections(yaml.safe_load(path.read_text()))
         a = {**saved, "train": {**saved["train"], "max_steps": None}}
         b = {**current, "train": {**current["train"], "max_steps": None}}
         if a != b:
@@ -880,6 +940,15 @@ def write_or_check_recipe(path: Path, recipe: Recipe, resume: bool) -> None:
             atomic_write_text(path, recipe.to_yaml())
         return
     atomic_write_text(path, recipe.to_yaml())
+
+
+def with_default_sections(saved: dict) -> dict:
+    """A recorded recipe with any section it predates (e.g. mixed_window) filled in with that section's defaults."""
+    import dataclasses
+
+    from .recipe import SECTIONS
+
+    return {**{name: dataclasses.asdict(cls()) for name, cls in SECTIONS.items()}, **saved}
 
 
 def write_run_record(setup: Setup, model, resume: bool, start_step: int) -> None:
@@ -898,6 +967,9 @@ def write_run_record(setup: Setup, model, resume: bool, start_step: int) -> None
         "original_length": setup.original_length,
         "seq_len": setup.recipe.seq_len,
         "train_sequence_length": setup.recipe.train_sequence_length,
+        "mixed_window": {"short_length": setup.short_length, "short_fraction": setup.recipe.mixed_window.short_fraction}
+        if setup.mixed_window
+        else None,
         "processes": runtime.accelerator.num_processes,
         "distributed_type": str(runtime.accelerator.distributed_type),
         "device": str(runtime.accelerator.device),

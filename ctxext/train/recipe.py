@@ -12,6 +12,7 @@ A recipe (see configs/recipes/*.yaml) has a few top-level keys and one mapping p
     data:  {dataset: monology/pile-uncopyrighted, ...}
     eval:  {dataset: pg19, every: 200, ...}
     pose:  {enabled: false, ...}
+    mixed_window: {enabled: false, ...}
 
 Every key has a default (the Position Interpolation recipe), so a recipe only states what differs.
 Overrides use dotted keys: `lora.r=16 train.max_steps=10 method.factor=8 seq_len=4096`.
@@ -126,6 +127,24 @@ class PoseSection:
     num_chunks: int = option(2, "chunks per window; each gets its own skip of positions")
 
 
+@dataclass
+class MixedWindowSection:
+    enabled: bool = option(
+        False,
+        "mixed-window fine-tuning (LongRoPE2): a fraction of the micro-batches is cut into short sequences (at most "
+        "the original length L) that train with the model's original rotary; the rest train at seq_len with the "
+        "patched rotary, to keep short-context quality",
+    )
+    short_fraction: float = option(
+        0.5, "the fraction of micro-batches that are short, in [0, 1], spread evenly over the run (by index)"
+    )
+    short_length: int | None = option(
+        None,
+        "tokens per short sequence (default: the original length L; at most L); a short micro-batch holds "
+        "the same tokens as a long one, cut into seq_len // short_length times as many sequences",
+    )
+
+
 SECTIONS = {
     "lora": LoraSection,
     "optim": OptimSection,
@@ -133,6 +152,7 @@ SECTIONS = {
     "data": DataSection,
     "eval": EvalSection,
     "pose": PoseSection,
+    "mixed_window": MixedWindowSection,
 }
 TOP_LEVEL_HELP = {
     "model": "the model to fine-tune: a local checkpoint, a hub id, or ctxext:tiny-shakespeare",
@@ -156,6 +176,7 @@ class Recipe:
     data: DataSection = field(default_factory=DataSection)
     eval: EvalSection = field(default_factory=EvalSection)
     pose: PoseSection = field(default_factory=PoseSection)
+    mixed_window: MixedWindowSection = field(default_factory=MixedWindowSection)
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -244,6 +265,7 @@ def validate(recipe: Recipe) -> Recipe:
     _validate_data(recipe.data)
     _validate_eval(recipe.eval)
     _validate_pose(recipe.pose, recipe.seq_len)
+    _validate_mixed_window(recipe)
     return recipe
 
 
@@ -316,6 +338,27 @@ def _validate_pose(pose: PoseSection, seq_len: int) -> None:
         raise CtxextError(f"pose.train_window ({pose.train_window}) must not exceed seq_len ({seq_len})")
     if pose.num_chunks > pose.train_window:
         raise CtxextError("pose.num_chunks must not exceed pose.train_window")
+
+
+def _validate_mixed_window(recipe: Recipe) -> None:
+    """The settings alone; that short_length is at most L is checked once the model is loaded (loop.py)."""
+    mixed = recipe.mixed_window
+    boolean("mixed_window.enabled", mixed.enabled)
+    number("mixed_window.short_fraction", mixed.short_fraction, minimum=0, maximum=1)
+    mixed.short_length = whole_number("mixed_window.short_length", mixed.short_length, allow_none=True)
+    if not mixed.enabled:
+        return
+    if recipe.method.method == "none":
+        raise CtxextError(
+            "mixed_window needs a scaling method: with method none the rotary is not patched, so there is nothing "
+            "to switch between; set method (e.g. {method: linear, factor: 4}) or mixed_window.enabled=false"
+        )
+    if recipe.pose.enabled:
+        raise CtxextError("mixed_window and pose cannot be combined; enable one of them")
+    if mixed.short_length is not None and mixed.short_length > recipe.seq_len:
+        raise CtxextError(
+            f"mixed_window.short_length ({mixed.short_length}) must not exceed seq_len ({recipe.seq_len})"
+        )
 
 
 def recipe_from_mapping(mapping: dict[str, Any], source: str | None = None) -> Recipe:
