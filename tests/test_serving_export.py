@@ -1,6 +1,7 @@
 """`ctxext export`: the engine table, its parity checks (which must be able to fail), and the copies it writes."""
 
 import json
+import math
 
 import pytest
 import yaml
@@ -28,18 +29,88 @@ def table(tmp_path, capsys, model, *flags):
     return code, rows, stdout, err
 
 
-def test_a_native_checkpoint_is_exact_everywhere_and_checked_in_plain_transformers(tmp_path, capsys):
+def test_a_native_checkpoint_is_exact_but_on_sglang_at_l_and_checked_in_plain_transformers(tmp_path, capsys):
+    """A per-pair method is written as longrope with equal factor sets: exact in transformers, vLLM and llama.cpp;
+    SGLang rotates position L as position 0 when nothing past L is in its batch (benchmarks/engine_parity.py)."""
     model = patched(tmp_path, "llama", "ntk_mixed", "ntk_mixed", factor=4.0)
     code, rows, _, err = table(tmp_path, capsys, model, "--check", "--tokens", 100)
     assert code == 0, err
     assert {e: r["level"] for e, r in rows.items()} == {
         "transformers": "exact",
         "vllm": "exact",
-        "sglang": "exact",
+        "sglang": "approximate",
         "llama.cpp": "exact",
     }
     assert "max |logit diff|" in rows["transformers"]["checked"] and "DISAGREES" not in rows["transformers"]["checked"]
     assert "rope_freqs" in rows["llama.cpp"]["how"]
+    assert "position L = 64" in rows["sglang"]["how"] and "--engine sglang -o OUT" in rows["sglang"]["how"]
+    assert "--max-model-len 256" in rows["vllm"]["how"]
+    for engine in ("vllm", "sglang"):  # where the engine is not installed, its own rotary code cannot run here
+        checked = rows[engine]["checked"]
+        assert checked.startswith("not run: ") or "own rotary code" in checked, checked
+
+
+@pytest.mark.parametrize(
+    "method,params",
+    [
+        ("ntk_by_parts", {"factor": 4.0}),
+        ("longrope", {"factor": 4.0, "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.2, 4.0]}),  # no attention factor
+    ],
+)
+def test_engine_sglang_moves_the_longrope_switch_past_the_served_length(tmp_path, capsys, method, params):
+    """With equal factor sets the switch only matters to SGLang, which rotates the position it switches at as position
+    0: the copy switches at 4L instead, with the attention factor written as transformers computes it from L, and
+    plain transformers' load of the copy still equals ctxext.patch (the --check)."""
+    if method == "longrope":
+        params = {**params, "long_factor": params["short_factor"]}
+    model = patched(tmp_path, "qwen2", method, method, **params)
+    out = tmp_path / "for-sglang"
+    code, rows, stdout, err = table(tmp_path, capsys, model, "--engine", "sglang", "-o", out, "--check", "--tokens", 80)
+    assert code == 0, err
+    rope = json.loads((out / "config.json").read_text())["rope_parameters"]
+    written = json.loads((model / "config.json").read_text())["rope_parameters"]
+    assert rope["original_max_position_embeddings"] == 256 and written["original_max_position_embeddings"] == 64
+    assert rope["short_factor"] == rope["long_factor"] == written["short_factor"]
+    assert rope["short_mscale"] == rope["long_mscale"] == rope["attention_factor"]
+    if method == "longrope":  # transformers' default from L: sqrt(1 + ln 4 / ln 64)
+        assert rope["attention_factor"] == pytest.approx((1 + math.log(4) / math.log(64)) ** 0.5)
+    assert rows["sglang"]["level"] == rows["vllm"]["level"] == "exact"
+    assert "DISAGREES" not in rows["transformers"]["checked"] and "max |logit diff|" in rows["transformers"]["checked"]
+    assert "switch moved from L = 64 to 256" in stdout
+
+
+def test_an_integer_linear_factor_is_refused_by_the_engines_until_exported(tmp_path, capsys):
+    """vLLM's and SGLang's linear rope take an integer factor for a list ('int' object is not iterable)."""
+    model = patched(tmp_path, "llama", "linear", "linear", factor=4.0)
+    config = json.loads((model / "config.json").read_text())
+    for spelling in ("rope_parameters", "rope_scaling"):
+        config[spelling]["factor"] = 4
+    (model / "config.json").write_text(json.dumps(config))
+    code, rows, _, err = table(tmp_path, capsys, model)
+    assert code == 0, err
+    assert rows["vllm"]["level"] == rows["sglang"]["level"] == "no" and "integer 4" in rows["vllm"]["how"]
+    out = tmp_path / "for-vllm"
+    code, rows, _, err = table(tmp_path, capsys, model, "--engine", "vllm", "-o", out)
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["rope_parameters"]["factor"] == 4.0
+    assert rows["vllm"]["level"] == "exact"
+
+
+def test_dynamic_ntk_prints_how_to_serve_it_past_l(tmp_path, capsys):
+    """config.json keeps max_position_embeddings = L (transformers' 'dynamic' scales from it): vLLM's cos/sin cache
+    ends there and SGLang's context too, so the table prints the overrides; vLLM reads max_trained_positions."""
+    model = patched(tmp_path, "llama", "dynamic", "dynamic_ntk", factor=4.0)
+    code, rows, _, err = table(tmp_path, capsys, model)
+    assert code == 0, err
+    assert """--max-model-len 256 --hf-overrides '{"max_position_embeddings": 256}'""" in rows["vllm"]["how"]
+    assert "--context-length 256" in rows["sglang"]["how"]
+    assert "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1" in rows["sglang"]["how"]
+    config = json.loads((model / "config.json").read_text())
+    del config["rope_parameters"]["max_trained_positions"]  # as ctxext wrote it before
+    (model / "config.json").write_text(json.dumps(config))
+    code, rows, _, err = table(tmp_path, capsys, model)
+    assert rows["vllm"]["level"] == "no" and "max_trained_positions" in rows["vllm"]["how"]
+    assert rows["sglang"]["level"] == "approximate"
 
 
 def test_the_parity_check_fails_when_the_written_config_is_wrong(tmp_path, capsys):
@@ -78,7 +149,19 @@ def test_the_parity_check_fails_when_the_written_config_is_wrong(tmp_path, capsy
             "ntk_by_parts",
             {"factor": 4.0},
             "qwen3",
-            {"transformers": "exact", "vllm": "exact", "sglang": "exact", "llama.cpp": "no"},
+            {"transformers": "exact", "vllm": "exact", "sglang": "approximate", "llama.cpp": "no"},
+        ),
+        (
+            "longrope",
+            {"factor": 4.0},  # short 1, long 4: each engine switches differently from transformers
+            "llama",
+            {"transformers": "exact", "vllm": "approximate", "sglang": "approximate", "llama.cpp": "no"},
+        ),
+        (
+            "yarn",
+            {"factor": 4.0},
+            "qwen2",
+            {"transformers": "exact", "vllm": "exact", "sglang": "exact", "llama.cpp": "exact"},
         ),
         ("self_extend", {}, "llama", {"transformers": "no", "vllm": "no", "sglang": "no", "llama.cpp": "approximate"}),
         ("dual_chunk", {}, "qwen2", {"transformers": "no", "vllm": "no", "sglang": "approximate", "llama.cpp": "no"}),

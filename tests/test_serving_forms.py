@@ -199,3 +199,14 @@ def test_keys_for_vllm_and_sglang_carry_the_attention_factor():
     yarn = rope_form(spec, spec.make_params(factor=4.0, attention_factor=1.3), 64, 1e4, 64).rope_parameters
     assert yarn["attn_factor"] * (0.1 * math.log(4.0) + 1) == pytest.approx(1.3, rel=1e-12)
     assert "attn_factor" not in rope_form(spec, spec.make_params(factor=4.0), 64, 1e4, 64).rope_parameters
+
+
+def test_dynamic_ntk_carries_the_length_vllm_scales_its_base_from():
+    """vLLM's dynamic NTK scales by max_position_embeddings / max_trained_positions (default: no scaling at all), so
+    max_trained_positions = L is written; max_position_embeddings stays L for transformers, and `ctxext export`
+    prints the override that takes vLLM past it (tests/test_serving_export.py)."""
+    spec = get_method("dynamic_ntk")
+    rope = rope_form(spec, spec.make_params(factor=4.0), 64, 1e4, 64).rope_parameters
+    assert rope["rope_type"] == "dynamic" and rope["max_trained_positions"] == 64
+    assert type(rope["max_trained_positions"]) is int
+    assert with_both_spellings({}, rope)["rope_scaling"]["max_trained_positions"] == 64

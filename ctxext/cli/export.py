@@ -11,9 +11,10 @@ DESCRIPTION = (
     "(the engine computes what ctxext computes), approximate (what differs is said), or no (and what to do instead). "
     "--check also runs the parity checks this machine can run: plain transformers in a subprocess that never imports "
     "ctxext, and llama.cpp where llama-cpp-python is installed (in a child process: a crash of llama.cpp is a line in "
-    "the table and exit status 1). The vLLM and SGLang rows are read from their "
-    "source code, not run. --engine E -o OUT writes a copy of the checkpoint whose config E reads (for dual_chunk "
-    "on a Qwen2-family model, --engine sglang writes SGLang's dual_chunk_attention_config)."
+    "the table and exit status 1), and vLLM's and SGLang's own rotary code where they are installed (in child "
+    "processes; benchmarks/engine_parity.py runs it from their wheels). --engine E -o OUT writes a copy of the "
+    "checkpoint whose config E reads (for dual_chunk on a Qwen2-family model, --engine sglang writes SGLang's "
+    "dual_chunk_attention_config)."
 )
 FORMATTER_CLASS = HelpFormatter  # wraps prose, keeps the examples one a line
 EPILOG = (
@@ -84,12 +85,15 @@ def run(args) -> int:
 def _run_checks(model, rows, n_tokens) -> bool:
     """Run what can run here; fill each row's `checked`. True when a check disagreed."""
     from ..serving.llamacpp import INSTALL_HINT, JudgeCrashed, llama_cpp_available
-    from ..serving.parity import llama_cpp_parity, transformers_parity
+    from ..serving.parity import engine_rope_parity, llama_cpp_parity, transformers_parity
 
     failed = False
     for row in rows:
         if row.engine in ("vllm", "sglang"):
-            row.checked = f"not run: {row.engine} needs a GPU build this machine does not have"
+            agrees, row.checked = engine_rope_parity(model, row)
+            if agrees is not None:
+                row.checked += "" if agrees else "  DISAGREES"
+                failed |= not agrees
             continue
         if row.level != "exact" or model.record is None:
             row.checked = "nothing to check" if row.level == "no" else "not checked (no exact form)"

@@ -3,7 +3,13 @@
 Each row is exact (the engine computes what ctxext computes), approximate (it runs, and `how` says what differs),
 or no (with what to do instead). What each engine reads was taken from its source: transformers 5.24, vLLM 0.33
 (and 0.11-0.25), SGLang 0.5.23, llama.cpp as vendored by llama-cpp-python 0.3.36 (docs/METHODS.md, "Serving").
-Only transformers and llama.cpp can be run here; the vLLM and SGLang rows are read from their code, not run.
+The vLLM and SGLang rows for rope types were run: benchmarks/engine_parity.py runs their own rotary code (vLLM
+0.33.0 and SGLang 0.5.23 from their wheels; `get_rope` built from the config.json `ctxext patch` wrote, as their
+model code builds it, started as `serving` says) against plain transformers' load of the same checkpoint, for every
+static frequency method at its defaults and other parameters, integer and float factors, longrope with short !=
+long factors, and dynamic NTK, on LLaMA and Qwen2; it fails when a row here says exact and the run does not (the
+table: docs/guides/serving.md). `ctxext export --check` runs the same comparison where vLLM or SGLang is installed.
+Not run: their attention-level rows (dual chunk attention is CUDA only) and the 'proportional' rows.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from pathlib import Path
 
 from ..errors import CtxextError
 from ..methods import get_method
+from ..patching.families import own_partial_rotary_factor
 
 ENGINES = ("transformers", "vllm", "sglang", "llama.cpp")
 SERVED_BY_CTXEXT = "serve it with ctxext itself: ctxext.patch(model, ...) then model.generate"
@@ -27,6 +34,23 @@ class Support:
     level: str  # exact | approximate | no
     how: str
     checked: str = "not run here"
+
+
+@dataclass(frozen=True)
+class Serving:
+    """How `ctxext export` says to start vLLM or SGLang on a checkpoint: the longest sequence it serves (L x factor)
+    and what makes the engine's rotary code reach it."""
+
+    engine: str
+    length: int
+    hf_overrides: dict = field(default_factory=dict)  # vLLM's --hf-overrides
+    env: dict = field(default_factory=dict)  # environment variables SGLang needs
+
+    def flags(self) -> str:
+        if self.engine == "vllm":
+            overrides = f" --hf-overrides '{json.dumps(self.hf_overrides)}'" if self.hf_overrides else ""
+            return f"--max-model-len {self.length}{overrides}"
+        return f"--context-length {self.length}"
 
 
 @dataclass
@@ -57,7 +81,7 @@ class ServedModel:
         """Rotated channels per head, from config.json (a checkpoint's)."""
         config = self.config
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        return int(head_dim * (self.rope_parameters.get("partial_rotary_factor") or 1.0))
+        return int(head_dim * (own_partial_rotary_factor(self.rope_parameters) or 1.0))
 
     @property
     def logn(self) -> bool:
@@ -89,8 +113,28 @@ def read_served_model(path) -> ServedModel:
     )
 
 
+def served_length(model: ServedModel) -> int:
+    """L x factor from ctxext.yaml (the length the method was chosen for), else config.json's
+    max_position_embeddings."""
+    if model.record and model.record.get("factor"):
+        return int(round(model.record["original_max_position_embeddings"] * float(model.record["factor"])))
+    return int(model.config.get("max_position_embeddings") or 0)
+
+
+def serving(model: ServedModel, engine: str) -> Serving:
+    """The context vLLM or SGLang is started with, and the overrides it needs where config.json's
+    max_position_embeddings stops short of it (dynamic NTK keeps L there, which transformers' 'dynamic' scales from):
+    vLLM's cos/sin cache ends at max_position_embeddings, and SGLang refuses a longer --context-length."""
+    length = served_length(model)
+    short = int(model.config.get("max_position_embeddings") or length) < length
+    if engine == "vllm":
+        return Serving(engine, length, {"max_position_embeddings": length} if short else {})
+    return Serving(engine, length, env={"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"} if short else {})
+
+
 def engine_table(model: ServedModel) -> list[Support]:
-    return [_transformers(model), _vllm_or_sglang(model, "vllm"), _vllm_or_sglang(model, "sglang"), _llama_cpp(model)]
+    rows = [_transformers(model), _vllm_or_sglang(model, "vllm"), _vllm_or_sglang(model, "sglang"), _llama_cpp(model)]
+    return [_zeroed_frequencies_row(model, row.engine) or row for row in rows]
 
 
 def _attention_method(model: ServedModel) -> str | None:
@@ -164,30 +208,96 @@ def _vllm_or_sglang(model: ServedModel, engine: str) -> Support:
             f"'{rope_type}' is not a type {engine} knows (it refuses to load); rewrite it "
             f"with `ctxext export MODEL --engine {engine} -o OUT` if the method has a native form",
         )
-    if rope_type == "dynamic":
+    rewrite = f"rewrite with `ctxext export MODEL --engine {engine} -o OUT`"
+    if rope_type == "linear" and isinstance(rope.get("factor"), int):
         return Support(
             engine,
-            "approximate",
-            "its dynamic NTK computes the base once, for the longest length "
-            "(max_position_embeddings x factor), not from each sequence's length as transformers does",
+            "no",
+            f"its linear rope takes a float factor (anything else for a list): the integer {rope['factor']} fails "
+            f"to load ('int' object is not iterable); {rewrite} (written as a float)",
         )
+    if rope_type == "dynamic":
+        return _dynamic_ntk(model, engine)
     if rope_type == "longrope" and "attention_factor" in rope and "short_mscale" not in rope:
         return Support(
             engine,
             "approximate",
-            "it ignores attention_factor and computes its own cos/sin scale; "
-            "rewrite with `ctxext export MODEL --engine ... -o OUT` (adds short_mscale/long_mscale)",
+            f"it ignores attention_factor and computes its own cos/sin scale; {rewrite} (adds short_mscale/long_mscale)",
         )
+    if rope_type == "longrope":
+        row = _longrope_switch(model, engine)
+        if row is not None:
+            return row
     if rope_type == "yarn" and rope.get("attention_factor") is not None and "attn_factor" not in rope:
         return Support(
             engine,
             "approximate" if engine == "sglang" else "exact",
             "SGLang and vLLM before 0.33 ignore yarn's attention_factor (attn_factor is what they read)",
         )
-    note = (
-        "; pass --max-model-len (it defaults to L for longrope)" if engine == "vllm" and rope_type == "longrope" else ""
+    return Support(
+        engine,
+        "exact",
+        f"reads rope type '{rope_type}' with the keys written; serve with {serving(model, engine).flags()}",
     )
-    return Support(engine, "exact", f"reads rope type '{rope_type}' with the keys written{note}; not run here")
+
+
+def _dynamic_ntk(model: ServedModel, engine: str) -> Support:
+    """vLLM and SGLang compute dynamic NTK's base once, for the longest length; vLLM needs the flags that take it past
+    L and the key that scales it (benchmarks/engine_parity.py: both fail or serve plain RoPE without them)."""
+    serve = serving(model, engine)
+    s = float(model.rope_parameters.get("factor", 1.0))
+    if engine == "vllm" and "max_trained_positions" not in model.rope_parameters:
+        return Support(
+            engine,
+            "no",
+            "its dynamic NTK scales the base by max_position_embeddings / max_trained_positions, which this "
+            "config.json lacks (it would serve plain RoPE); rewrite with `ctxext export MODEL --engine vllm -o OUT`",
+        )
+    if engine == "vllm":
+        start = f"`{serve.flags()}` (else its cos/sin cache ends at max_position_embeddings: IndexError past it)"
+    elif serve.env:
+        env = " ".join(f"{name}={value}" for name, value in serve.env.items())
+        start = f"`{serve.flags()}` and `{env}` (else it refuses a context past max_position_embeddings)"
+    else:
+        start = f"`{serve.flags()}`"
+    return Support(
+        engine,
+        "approximate",
+        f"its dynamic NTK fixes the base at every length to transformers' for {serve.length} tokens "
+        f"(b x ({s:g}^2 - {s:g} + 1)^(d/(d-2))), where transformers' grows with each sequence past L: every shorter "
+        f"sequence differs (measured |dq| up to 8 on unit q, at positions below {serve.length}); serve with {start}",
+    )
+
+
+def _longrope_switch(model: ServedModel, engine: str) -> Support | None:
+    """The row for a longrope whose short/long switch the engine makes differently from transformers (which picks
+    the set per sequence: short up to L tokens, long past), or None where it cannot matter (measured by
+    benchmarks/engine_parity.py: vLLM 0.33, SGLang 0.5.23)."""
+    rope = model.rope_parameters
+    L = int(rope["original_max_position_embeddings"])
+    length = serving(model, engine).length
+    if rope.get("short_factor") != rope.get("long_factor"):
+        if engine == "vllm":
+            how = (
+                f"it picks one factor set per server, by --max-model-len: above L = {L} (as at {length}) the long "
+                f"set at every position, where transformers uses the short set for sequences up to L tokens"
+            )
+        else:
+            how = (
+                f"it picks the long set for a whole batch once any position in it passes L = {L} (a short request "
+                f"beside a long one gets the long set), and rotates the token at position L as position 0 when no "
+                f"position past L is in its batch"
+            )
+        return Support(engine, "approximate", f"{how}; the sets' difference, |dq| up to 9 on unit q, is the error")
+    if engine == "sglang" and length > L:
+        return Support(
+            engine,
+            "approximate",
+            f"exact except at position L = {L}, which it rotates as position 0 when no position past L is in its "
+            f"batch (its index runs from its short cos/sin cache into the long one): |dq| up to 2|q| there; "
+            f"`ctxext export MODEL --engine sglang -o OUT` writes a copy it serves exactly",
+        )
+    return None
 
 
 def _llama_cpp(model: ServedModel) -> Support:
@@ -231,6 +341,57 @@ def _llama_cpp(model: ServedModel) -> Support:
     )
 
 
+# ------------------------------------------------------------- methods that zero frequencies (p-RoPE, CoPE)
+ZEROING_METHODS = ("proportional", "cope")
+PROPORTIONAL_READERS = "vLLM and SGLang read 'proportional' with their Gemma 4 rotary"
+
+
+def _zeroed_frequencies_row(model: ServedModel, engine: str) -> Support | None:
+    """The row for `proportional` or `cope` where it differs from the generic one (None: keep that).
+
+    transformers 5.24 computes 'proportional' itself. vLLM (rotary_embedding/gemma4_rope.py) and SGLang
+    (rotary_embedding factory) keep int(p * head_dim) // 2 pairs with exponents over head_dim and zero the rest,
+    as transformers does, but take no `factor`: exact at factor 1 only (read from their source, not run here). A
+    zero frequency is an infinite per-pair divisor (rope_freqs), which llama.cpp is not known to run. `cope` has
+    no rope type of its own: config.json holds it as 'longrope' with infinite factors for the zeroed pairs, which
+    Python's json reads but strict JSON parsers refuse; the generic longrope rows apply.
+    """
+    if model.kind != "checkpoint" or model.method not in ZEROING_METHODS:
+        return None
+    if engine == "llama.cpp":
+        return Support(
+            "llama.cpp",
+            "no",
+            f"'{model.method}' sets some pairs' frequency to 0 (an infinite rope_freqs factor), which llama.cpp is "
+            f"not known to run; {SERVED_BY_CTXEXT}",
+        )
+    if model.rope_parameters.get("rope_type") != "proportional":
+        return None
+    if engine == "transformers":
+        return Support("transformers", "exact", "reads rope type 'proportional' (rope_parameters; transformers 5.24)")
+    factor = float(model.rope_parameters.get("factor", 1.0))
+    if factor == 1.0:
+        return Support(engine, "exact", f"{PROPORTIONAL_READERS}: the same kept and zeroed pairs; not run here")
+    return Support(
+        engine,
+        "no",
+        f"{PROPORTIONAL_READERS}, which takes no factor: it would serve p-RoPE with frequencies not divided by "
+        f"{factor:g}; serve it with transformers or ctxext",
+    )
+
+
+def _proportional_as_written(model: ServedModel, engine: str) -> tuple[dict, dict, str] | None:
+    """For a checkpoint written as transformers' 'proportional': its rope parameters as they are (every engine that
+    reads the type reads them so), or a one-line CtxextError where `engine` would not compute them; None otherwise."""
+    rope = model.rope_parameters
+    if model.method != "proportional" or rope.get("rope_type") != "proportional":
+        return None
+    row = _zeroed_frequencies_row(model, engine)
+    if row is not None and row.level == "no":
+        raise CtxextError(f"{engine} cannot serve proportional exactly: {row.how}")
+    return dict(rope), {}, "transformers' own 'proportional' type, as written"
+
+
 # ------------------------------------------------------------------------------------------- writing
 def export_checkpoint(model: ServedModel, engine: str, output, overwrite: bool = False) -> str:
     """Write a copy of the checkpoint whose config.json `engine` reads exactly (or, for SGLang's Dual Chunk
@@ -255,6 +416,26 @@ def export_checkpoint(model: ServedModel, engine: str, output, overwrite: bool =
             with open(staging / "ctxext.yaml", "a") as f:
                 f.write(f"exported_for: {engine}\n")
     return how
+
+
+def _longrope_switch_past(form, spec, params, model: ServedModel, L: int, base: float) -> tuple[dict, dict, str]:
+    """A longrope with equal factor sets, its switch (original_max_position_embeddings) moved from L to the served
+    length: SGLang rotates the position it switches at as position 0, and with equal sets nothing else depends on it.
+    The attention factor is written (and SGLang's short/long_mscale), as transformers computes it from L, so that
+    transformers' load is the same."""
+    from ..methods import compute_inv_freq
+
+    length = served_length(model)
+    attention = form.rope_parameters.get("attention_factor")
+    if attention is None:
+        _, attention = compute_inv_freq(spec, params, model.rotary_dim, base, L)
+    scale = {"attention_factor": float(attention), "short_mscale": float(attention), "long_mscale": float(attention)}
+    rope = {**form.rope_parameters, **scale, "original_max_position_embeddings": length}
+    return rope, {}, f"{form.how}, its switch moved from L = {L} to {length}, past every position SGLang serves"
+
+
+def _equal_factor_sets(rope: dict) -> bool:
+    return rope.get("rope_type") == "longrope" and rope.get("short_factor") == rope.get("long_factor")
 
 
 def check_exportable(model: ServedModel, engine: str) -> None:
@@ -284,6 +465,9 @@ def engine_rope(model: ServedModel, engine: str) -> tuple[dict, dict, str]:
     from .forms import rope_form
 
     spec, params = model.method_and_params()
+    as_written = _proportional_as_written(model, engine)
+    if as_written is not None:
+        return as_written
     L = int(model.record["original_max_position_embeddings"])
     base = float(model.record["rope_parameters"]["rope_theta"])
     if spec.name == "dual_chunk" and engine == "sglang" and model.family == "qwen2":
@@ -302,8 +486,10 @@ def engine_rope(model: ServedModel, engine: str) -> tuple[dict, dict, str]:
             "SGLang's dual_chunk_attention_config (approximate: SGLang also scales keys by 0.1 ln(len/L) + 1)",
         )
     form = rope_form(
-        spec, params, model.rotary_dim, base, L, model.rope_parameters.get("partial_rotary_factor"), "native"
+        spec, params, model.rotary_dim, base, L, own_partial_rotary_factor(model.rope_parameters), "native"
     )
+    if engine == "sglang" and _equal_factor_sets(form.rope_parameters):
+        return _longrope_switch_past(form, spec, params, model, L, base)
     if not form.native:
         hint = {
             "dual_chunk": "--engine sglang on a Qwen2-family model",

@@ -6,7 +6,10 @@ Most static frequency methods still have an exact native form:
 - a base change (`ntk`, `theta`) is rope type `default` with the new `rope_theta`;
 - any other static per-pair rule (`ntk_fixed`, `ntk_mixed`, `ntk_by_parts`, yarn's 'ratio' ramp, searched or
   not) is `longrope` with short_factor = long_factor = theta_i / theta'_i per pair and an explicit attention
-  factor: with equal factors, longrope's switch between its short and long sets cannot matter.
+  factor: with equal factors, longrope's switch between its short and long sets cannot matter to transformers
+  or vLLM. SGLang rotates the token at position L as position 0 when no position past L is in its batch (its
+  index runs from the short cos/sin cache into the long one); `ctxext export --engine sglang` moves L in the
+  written longrope past the served length, where the switch never happens (ctxext.serving.engines).
 
 Dynamic methods other than dynamic NTK, and the attention-level methods, have no exact native form; they keep
 ctxext's own types. config.json then carries both spellings: `rope_parameters` (transformers 5) and
@@ -104,12 +107,17 @@ def rope_form(
 
 
 def _for_engines(rope_parameters: dict) -> dict:
-    """Add the keys vLLM and SGLang read where they do not read transformers' `attention_factor`.
+    """Add the keys vLLM and SGLang read where they do not read transformers' own.
 
     - longrope: both take the cos/sin scale from `short_mscale`/`long_mscale` and otherwise compute
       sqrt(1 + ln(max_position_embeddings/L)/ln L) themselves (vLLM 0.33, SGLang 0.5.23).
     - yarn with an explicit attention factor a: SGLang and vLLM before 0.33 ignore it and multiply their own
       0.1 ln s + 1 by `attn_factor`, so attn_factor = a / (0.1 ln s + 1).
+    - dynamic: vLLM 0.33 scales the base from `max_trained_positions` (default: max_position_embeddings, which
+      leaves the base unscaled), as b * (s * max_position_embeddings / max_trained_positions - (s - 1))^(d/(d-2));
+      with L there and max_position_embeddings overridden to L x s at serving time (`ctxext export` prints the
+      flags), that is transformers' base for a sequence of L x s tokens. config.json keeps
+      max_position_embeddings = L: transformers' 'dynamic' scales from it.
     transformers computes from its own keys and only warns that it does not know these.
     """
     out = dict(rope_parameters)
@@ -117,6 +125,8 @@ def _for_engines(rope_parameters: dict) -> dict:
         out["short_mscale"] = out["long_mscale"] = out["attention_factor"]
     if out["rope_type"] == "yarn" and out.get("attention_factor") is not None:
         out["attn_factor"] = out["attention_factor"] / yarn_mscale(out["factor"])
+    if out["rope_type"] == "dynamic" and "original_max_position_embeddings" in out:
+        out["max_trained_positions"] = out["original_max_position_embeddings"]
     return out
 
 
@@ -149,7 +159,7 @@ def with_both_spellings(config: dict, rope_parameters: dict) -> dict:
 def model_rope_form(model, format: str = "native") -> RopeForm:
     """The rope form of whatever `ctxext.patch` applied to `model` (its config's own parameters if unpatched)."""
     from ..patching import ScaledRotaryEmbedding, rotary_host
-    from ..patching.families import is_nested
+    from ..patching.families import is_nested, own_partial_rotary_factor
 
     host = rotary_host(model)
     scaled = host.rotary_emb
@@ -166,7 +176,7 @@ def model_rope_form(model, format: str = "native") -> RopeForm:
         scaled.rotary_dim,
         scaled.base,
         scaled.original_max_position_embeddings,
-        host.config.rope_parameters.get("partial_rotary_factor"),
+        own_partial_rotary_factor(host.config.rope_parameters),
         format,
     )
 

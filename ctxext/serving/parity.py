@@ -6,10 +6,13 @@
   load of the same file with the recorded method applied by `ctxext.patch`.
 Both run on seeded random token ids: every position past the first rotates by every pair's frequency, so a wrong
 frequency shows at any length (a dynamic method's growth past L is not exercised at lengths below L).
+- vLLM, SGLang (when installed): their own rotary code on the checkpoint's config.json against plain transformers',
+  q and k rotated below L, at L and L+1, at 3L and in mixed batches (ctxext.serving.engine_rope, child processes).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import subprocess
 import sys
@@ -138,3 +141,35 @@ def _quantised(path) -> bool:
 
     floats = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
     return any(t.tensor_type not in floats for t in gguf.GGUFReader(path).tensors)
+
+
+def engine_rope_parity(model: ServedModel, row) -> tuple[bool | None, str]:
+    """(agrees with the table's row, what was measured) for vLLM's or SGLang's own rotary code where that engine is
+    installed here: ctxext.serving.engine_rope, in child processes, against plain transformers' load. (None, why)
+    where nothing runs."""
+    from .engine_rope import engine_importable
+
+    if row.level == "no" or model.kind != "checkpoint":
+        return None, "nothing to check"
+    if model.record is None:
+        return None, "not run: no ctxext.yaml, so L (where the methods differ) is unknown"
+    if not engine_importable(row.engine):
+        return None, (
+            f"not run: {row.engine} is not installed here (benchmarks/engine_parity.py runs its rotary code from its "
+            f"wheel on any machine)"
+        )
+    finding = _installed_engines_findings(str(model.path), (model.path / "config.json").read_text())[row.engine]
+    if finding.level == "not run":
+        return None, f"not run: {finding.error}"
+    agrees = finding.level == "exact" if row.level == "exact" else finding.level != "fails"
+    return agrees, f"{row.engine}'s own rotary code vs plain transformers (rotated q, k): {finding.describe()}"
+
+
+@functools.lru_cache(maxsize=2)
+def _installed_engines_findings(path: str, config_text: str) -> dict:
+    """Every installed engine's finding on the checkpoint at `path`, in one run (config_text keys the cache)."""
+    from .engine_rope import ENGINES, engine_importable, run_parity, target_for
+
+    engines = tuple(engine for engine in ENGINES if engine_importable(engine))
+    with tempfile.TemporaryDirectory() as scratch:
+        return run_parity([target_for(path, "model")], engines, scratch)["model"]
