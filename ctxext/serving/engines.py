@@ -87,6 +87,21 @@ class ServedModel:
     def logn(self) -> bool:
         return bool((self.attention or {}).get("logn") or (self.record or {}).get("logn"))
 
+    @property
+    def query_scaling(self) -> str | None:
+        """What ctxext's attention does to queries here that no engine option runs, or None."""
+        if self.logn:
+            return "log-n scaling"
+        recorded = (self.attention or {}).get("query_temperature")
+        return None if recorded is None else "the query temperature (ctxext_attention.query_temperature)"
+
+    @property
+    def nested(self) -> bool:
+        """rope_parameters nested by layer type (Gemma 3)."""
+        from ..patching.families import is_nested
+
+        return is_nested(self.rope_parameters)
+
 
 def read_served_model(path) -> ServedModel:
     """Describe a checkpoint directory or a GGUF file, or a one-line CtxextError."""
@@ -157,9 +172,14 @@ def _transformers(model: ServedModel) -> Support:
             "its GGUF loader reads only rope.freq_base, not the scaling keys or "
             "rope_freqs; load the patched checkpoint directory instead",
         )
+    if model.nested and not (_attention_method(model) or model.query_scaling):
+        types = {name: values.get("rope_type", "default") for name, values in model.rope_parameters.items()}
+        if not any(t.startswith("ctxext_") for t in types.values()):
+            listed = ", ".join(f"{name}: {t}" for name, t in types.items())
+            return Support("transformers", "exact", f"reads rope_parameters nested by layer type ({listed})")
     rope_type = model.rope_parameters.get("rope_type", "default")
-    if rope_type.startswith("ctxext_") or _attention_method(model) or model.logn:
-        what = "log-n scaling" if model.logn and not _attention_method(model) else f"'{model.method}'"
+    if model.nested or rope_type.startswith("ctxext_") or _attention_method(model) or model.query_scaling:
+        what = model.query_scaling if model.query_scaling and not _attention_method(model) else f"'{model.method}'"
         return Support(
             "transformers",
             "no",
@@ -197,8 +217,10 @@ def _vllm_or_sglang(model: ServedModel, engine: str) -> Support:
             else f"SGLang's Dual Chunk Attention is for the Qwen2 family, not {model.family}"
         )
         return Support(engine, "no", f"{where}; {SERVED_BY_CTXEXT}")
-    if attention or model.logn:
-        return Support(engine, "no", f"no {engine} option runs {attention or 'log-n scaling'}; {SERVED_BY_CTXEXT}")
+    if attention or model.query_scaling:
+        return Support(engine, "no", f"no {engine} option runs {attention or model.query_scaling}; {SERVED_BY_CTXEXT}")
+    if model.nested:
+        return _nested_by_layer_type(model, engine)
     rope = model.rope_parameters
     rope_type = rope.get("rope_type", "default")
     if rope_type not in VLLM_SGLANG_TYPES:
@@ -238,6 +260,43 @@ def _vllm_or_sglang(model: ServedModel, engine: str) -> Support:
         engine,
         "exact",
         f"reads rope type '{rope_type}' with the keys written; serve with {serving(model, engine).flags()}",
+    )
+
+
+# Read from the engines' model code (vLLM 0.33.0 vllm/model_executor/models/gemma3.py: get_rope per layer from
+# rope_parameters[layer_type]; SGLang 0.5.23 sglang/srt/models/gemma3_causal.py: rope_type "default" on every
+# layer, only each type's rope_theta read). Other families with nested rope parameters were not read.
+NESTED_READERS = {("vllm", "gemma3_text"), ("vllm", "gemma3")}
+NESTED_IGNORED = {("sglang", "gemma3_text"), ("sglang", "gemma3")}
+
+
+def _nested_by_layer_type(model: ServedModel, engine: str) -> Support:
+    """rope_parameters nested by layer type: what each engine's model code for this family does with them."""
+    types = {name: values.get("rope_type", "default") for name, values in model.rope_parameters.items()}
+    scaled = {name: t for name, t in types.items() if t != "default"}
+    if (engine, model.family) in NESTED_IGNORED and scaled:
+        return Support(
+            engine,
+            "no",
+            f"its {model.family} code builds plain RoPE on every layer from each type's rope_theta alone, so the "
+            f"scaling of {', '.join(scaled)} is silently dropped (read from its source); {SERVED_BY_CTXEXT}",
+        )
+    if (engine, model.family) not in NESTED_READERS | NESTED_IGNORED:
+        return Support(
+            engine,
+            "no",
+            f"rope_parameters nested by layer type: how {engine}'s {model.family} code reads them was not checked; "
+            f"{SERVED_BY_CTXEXT}",
+        )
+    unknown = sorted(t for t in types.values() if t not in VLLM_SGLANG_TYPES)
+    if unknown:
+        return Support(engine, "no", f"'{unknown[0]}' is not a type {engine} knows (it refuses to load)")
+    listed = ", ".join(f"{name}: {t}" for name, t in types.items())
+    return Support(
+        engine,
+        "exact",
+        f"its {model.family} code builds each layer's rope from its type's entry ({listed}; read from its source, "
+        f"per-type rotary math as run for flat configs); serve with {serving(model, engine).flags()}",
     )
 
 
@@ -456,8 +515,8 @@ def check_exportable(model: ServedModel, engine: str) -> None:
             f"'{model.path}' has no ctxext.yaml, so ctxext does not know what was applied; patch the "
             f"original model with `ctxext patch`"
         )
-    if model.logn:
-        raise CtxextError(f"no serving engine runs log-n scaling; {SERVED_BY_CTXEXT}, or patch without --logn")
+    if model.query_scaling:
+        raise CtxextError(f"no serving engine runs {model.query_scaling}; {SERVED_BY_CTXEXT}, or patch without it")
 
 
 def engine_rope(model: ServedModel, engine: str) -> tuple[dict, dict, str]:

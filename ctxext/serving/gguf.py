@@ -240,6 +240,11 @@ def patch_gguf(source, method_config, output, overwrite: bool = False, outtype: 
             f"'{source}' is already scaled ({_scaling_summary(model)}); ctxext patches unscaled GGUF "
             f"files (start from the original model's GGUF)"
         )
+    if method_config.query_temperature is not None:
+        raise CtxextError(
+            "llama.cpp has no query temperature (--query-temperature); write the method without it, or serve "
+            "with ctxext (ctxext.patch + model.generate)"
+        )
     spec = get_method(method_config.method)
     L = int(method_config.original_max_position_embeddings or model.context_length)
     params = spec.make_params(factor=method_config.factor, **method_config.params)
