@@ -440,7 +440,7 @@ RELOAD = textwrap.dedent("""
         out["plain_load"] = type(error).__name__
     import ctxext
     from ctxext.patching.attention import installed_settings
-    tokens = torch.load(sys.argv[1])
+    tokens = torch.load(sys.argv[1], weights_only=True)
     for path in sys.argv[2:]:
         model = AutoModelForCausalLM.from_pretrained(path).eval()
         with torch.no_grad():
@@ -494,7 +494,11 @@ def test_cli_patched_checkpoints_reload_after_import_ctxext(checkpoint, tmp_path
     for name in runs:
         # Float32 rounding only: across processes a matmul's last bits can follow memory alignment.
         torch.testing.assert_close(
-            torch.load(tmp_path / name / "reloaded.pt"), expected[name], rtol=1e-5, atol=1e-6, msg=name
+            torch.load(tmp_path / name / "reloaded.pt", weights_only=True),
+            expected[name],
+            rtol=1e-5,
+            atol=1e-6,
+            msg=name,
         )
 
 

@@ -40,7 +40,7 @@ RELOAD = textwrap.dedent("""
     if sys.argv[1] == "with-ctxext":
         import ctxext
     from transformers import AutoModelForCausalLM
-    tokens = torch.load(sys.argv[2])
+    tokens = torch.load(sys.argv[2], weights_only=True)
     out = {"ctxext_imported": "ctxext" in sys.modules}
     for name, path in json.loads(sys.argv[3]).items():
         model = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -88,7 +88,7 @@ def test_saved_checkpoint_reloads_with_identical_logits(tmp_path, mode, cases):
         logits, cos, sin, rope_type = expected[case]
         assert reloaded[case] == rope_type
         assert rope_type.startswith("ctxext_") == (mode == "with-ctxext"), case
-        got = torch.load(tmp_path / case / "reloaded.pt")
+        got = torch.load(tmp_path / case / "reloaded.pt", weights_only=True)
         assert torch.equal(got["cos"], cos) and torch.equal(got["sin"], sin), case
         torch.testing.assert_close(got["logits"], logits, **LOGIT_TOLERANCE, msg=case)
 

@@ -39,7 +39,7 @@ CASES = {
 LOAD_PLAIN = textwrap.dedent("""
     import json, sys, torch
     from transformers import AutoModelForCausalLM
-    tokens = torch.load(sys.argv[1])
+    tokens = torch.load(sys.argv[1], weights_only=True)
     for path in json.loads(sys.argv[2]):
         model = AutoModelForCausalLM.from_pretrained(path).eval()
         with torch.no_grad():  # short (inside L) and long; longrope switches its factor set past L
@@ -73,7 +73,7 @@ def assert_both_spellings(config: dict, rope_type: str):
 
 
 def assert_same_logits(path, model, tokens, case):
-    plain = torch.load(path / "plain.pt")
+    plain = torch.load(path / "plain.pt", weights_only=True)
     with torch.no_grad():
         for n, logits in plain.items():
             torch.testing.assert_close(
