@@ -113,14 +113,14 @@ def test_the_checkpoint_loads_in_plain_transformers_with_the_patched_models_logi
         import sys, torch
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained({str(out / "checkpoint")!r}).eval()
-        tokens = torch.load({str(tmp_path / "tokens.pt")!r})
+        tokens = torch.load({str(tmp_path / "tokens.pt")!r}, weights_only=True)
         with torch.no_grad():
             torch.save({{"long": model(tokens).logits, "short": model(tokens[:, :50]).logits}},
                        {str(tmp_path / "logits.pt")!r})
         assert not any(name == "ctxext" or name.startswith("ctxext.") for name in sys.modules)
     """)
     subprocess.run([sys.executable, "-c", script], check=True, env={"HF_HUB_OFFLINE": "1", "PATH": ""}, cwd=tmp_path)
-    plain = torch.load(tmp_path / "logits.pt")
+    plain = torch.load(tmp_path / "logits.pt", weights_only=True)
     reference = ctxext.patch(tiny_model("llama"), "longrope", factor=4.0, long_factor=best["params"]["long_factor"])
     with torch.no_grad():
         torch.testing.assert_close(plain["long"], reference(tokens).logits, rtol=0, atol=1e-5)

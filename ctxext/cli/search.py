@@ -16,8 +16,11 @@ HELP = "search a method's parameters (LongRoPE's per-pair factors too) on your m
 DESCRIPTION = (
     "Search the parameters of --method for MODEL at --length tokens: TPE (Optuna, seeded) over each parameter's "
     "declared range (or --params / a --space YAML), or, for --method longrope, CMA-ES over the per-pair long_factor "
-    "kept non-decreasing, starting from YaRN's factors. The objective is ctxext's perplexity on the first "
-    "--calibration-docs documents (one window each by default), optionally with passkey accuracy. Trial 0 is the "
+    "kept non-decreasing, starting from YaRN's factors (--space cma, the default) or LongRoPE2's critical-dimension "
+    "space (--space critical: the critical dimension and the factors above it, at least s and non-decreasing, NTK "
+    "below it, starting from the theoretical critical dimension). The objective is ctxext's perplexity on the first "
+    "--calibration-docs documents (one window each by default), optionally with passkey accuracy, or the needle "
+    "perplexity (the default of --space critical). Trial 0 is the "
     "method's defaults (with any parameter you give as a flag), so the result is never worse than the defaults on "
     "the calibration data. Every trial is an Optuna trial in a study (--storage, default OUT/study.journal; "
     "OUT/trials.jsonl is written from it); --resume continues a search, and processes started on one --storage "
@@ -33,6 +36,7 @@ EPILOG = (
     "examples:\n"
     "  ctxext search ./model --method yarn --factor 4 --length 16k --dataset pg19 --max-docs 4 -o yarn-search\n"
     "  ctxext search ./model --method longrope --factor 4 --length 16k --text-file books/ --trials 40 -o lr\n"
+    "  ctxext search ./model --method longrope --space critical --length 32k --text-file books/ --trials 40 -o lr2\n"
     "  ctxext search ./model --method rerope --length 32k --params window --trials 12 --dataset ... -o rr\n"
     "  ctxext search ./model --method yarn --factor 4 --length 16k --dataset ... -o yarn-search --resume "
     "--trials 60\n"
@@ -95,8 +99,12 @@ def _add_search_arguments(parser) -> None:
     )
     group.add_argument(
         "--space",
-        metavar="YAML",
-        help="ranges to search instead of the declared ones, e.g. 'beta_fast: {low: 8, high: 64, log: true}'",
+        metavar="YAML|cma|critical",
+        help="ranges to search instead of the declared ones, e.g. 'beta_fast: {low: 8, high: 64, log: true}'; "
+        "--method longrope: cma (default: CMA-ES over a monotone knot curve from --longrope-start) or critical "
+        "(LongRoPE2: the critical dimension d from the theoretical one, ceil((D/2) log_b(L/2pi)), down to the pair "
+        "with 10 periods in L; the factors from d on at least s and non-decreasing; NTK below d with the base "
+        "b f_d^(D/2d); objective needle-ppl unless --objective is given)",
     )
     group.add_argument(
         "--trials",
@@ -108,9 +116,10 @@ def _add_search_arguments(parser) -> None:
     )
     group.add_argument(
         "--objective",
-        default="ppl",
+        default=None,
         choices=("ppl", "passkey", "ppl+passkey", "needle-ppl", "ppl+needle-ppl"),
-        help="ppl: calibration perplexity (default); passkey: 1 - passkey accuracy at --length; "
+        help="ppl: calibration perplexity (default; needle-ppl with --space critical); passkey: 1 - passkey "
+        "accuracy at --length; "
         "ppl+passkey: perplexity x 2^(1 - accuracy); needle-ppl: mean NLL of the passkey "
         "answers' tokens at --length (one forward each, no generation; keeps retrieval); "
         "ppl+needle-ppl: ln(perplexity) + that NLL (the two per-token NLLs weighted equally)",
@@ -171,16 +180,17 @@ def _add_longrope_arguments(parser) -> None:
     lr = parser.add_argument_group("longrope (--method longrope)")
     lr.add_argument(
         "--longrope-start",
-        default="yarn",
+        default=None,
         metavar="METHOD",
-        help="the frequency method whose per-pair factors the search starts from (default yarn)",
+        help="the frequency method whose per-pair factors the search starts from (default yarn; --space cma only)",
     )
     lr.add_argument(
         "--longrope-knots",
         type=int,
         default=8,
         metavar="K",
-        help="knots of the monotone factor curve, CMA-ES's dimensions (default 8)",
+        help="knots of the monotone factor curve, CMA-ES's dimensions (default 8; --space critical: knots over "
+        "the pairs from the critical dimension on, plus one dimension for it)",
     )
     lr.add_argument(
         "--longrope-sigma",
@@ -211,7 +221,7 @@ def request_from_args(args):
     from ..errors import CtxextError
     from ..eval.options import parse_depths, parse_lengths, parse_stride
     from ..eval.setup import DataOptions, RuntimeOptions
-    from ..search.plan import LongropeOptions, SearchRequest
+    from ..search.plan import LongropeOptions, SearchRequest, default_objective, split_space_argument
     from ..search.space import parse_param_names
     from .common import method_config_from_args
 
@@ -221,15 +231,25 @@ def request_from_args(args):
     method = method_config_from_args(args).to_dict()
     if not hasattr(args, "factor") and not (args.config and "factor" in read_yaml_mapping(args.config)):
         method.pop("factor")  # s = N / L
+    space_name, space_yaml = split_space_argument(args.space, method["method"])
+    longrope = LongropeOptions(
+        args.longrope_start,
+        args.longrope_knots,
+        args.longrope_sigma,
+        args.longrope_upper,
+        args.longrope_popsize,
+        space=space_name or "cma",
+    )
+    objective = default_objective(args.objective, longrope.space)
     return SearchRequest(
         model=args.model,
         method=method,
         length=lengths[0],
         output=args.output,
         trials=args.trials,
-        objective=args.objective,
+        objective=objective,
         params=parse_param_names(args.params) if args.params is not None else None,
-        space=read_yaml_mapping(args.space) if args.space is not None else None,
+        space=read_yaml_mapping(space_yaml) if space_yaml is not None else None,
         space_source=f"--space '{args.space}'",
         seed=args.seed,
         startup_trials=args.startup_trials,
@@ -239,10 +259,8 @@ def request_from_args(args):
         checkpoint=not args.no_checkpoint,
         baseline=not args.no_baseline,
         passkey_trials=args.passkey_trials,
-        passkey_depths=parse_depths(args.passkey_depths) if args.objective != "ppl" else [0.0, 0.5, 1.0],
-        longrope=LongropeOptions(
-            args.longrope_start, args.longrope_knots, args.longrope_sigma, args.longrope_upper, args.longrope_popsize
-        ),
+        passkey_depths=parse_depths(args.passkey_depths) if objective != "ppl" else [0.0, 0.5, 1.0],
+        longrope=longrope,
         select_pairs=args.select_pairs,
         top_pairs=args.top_pairs,
         data=DataOptions(
@@ -273,6 +291,7 @@ def run(args) -> int:
 
 def _print_summary(results: dict, out) -> None:
     from ..eval.report import format_perplexity
+    from ..search.longrope import recorded_critical_dim
 
     settings, best = results["settings"], results["best"]
     calibration, held = results["calibration"], results["held_out"]
@@ -306,6 +325,9 @@ def _print_summary(results: dict, out) -> None:
     shown = {k: v for k, v in best["params"].items() if k != "long_factor"}
     if "long_factor" in best["params"]:
         shown["long_factor"] = "[" + ", ".join(f"{f:.3g}" for f in best["params"]["long_factor"]) + "]"
+    critical = recorded_critical_dim(settings.get("longrope"), best)
+    if critical is not None:
+        shown["critical_dim"] = f"{critical} (theoretical {settings['longrope']['theoretical_critical_dim']})"
     print("best parameters: " + (", ".join(f"{k}={v}" for k, v in shown.items()) or "the defaults"))
     written = results["checkpoint"]
     print(

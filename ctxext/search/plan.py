@@ -20,13 +20,15 @@ from .store import DEFAULT_STUDY
 
 @dataclass
 class LongropeOptions:
-    """--method longrope: the starting curve's method, CMA-ES's knots, initial step, factor cap and population."""
+    """--method longrope: the starting curve's method, CMA-ES's knots, initial step, factor cap, population, and
+    the space searched (`ctxext.search.longrope.LONGROPE_SPACES`)."""
 
-    start_method: str = "yarn"
+    start_method: str | None = None  # None: yarn (--space cma); --space critical starts from its own curve
     knots: int = DEFAULT_KNOTS
     sigma: float = DEFAULT_SIGMA
     upper: float | None = None  # None: 2 x factor
     popsize: int | None = None  # None: pycma's 4 + 3 ln K
+    space: str = "cma"  # "cma": the knot curve from --longrope-start; "critical": LongRoPE2's critical dimension
 
 
 @dataclass
@@ -39,7 +41,7 @@ class SearchRequest:
     length: int
     output: str | Path
     trials: int = 30  # trial 0 (the defaults) included
-    objective: str = "ppl"
+    objective: str | None = None  # None: ppl, or needle-ppl for longrope's --space critical (`default_objective`)
     params: list[str] | None = None  # search these declared ranges (None: every declared one)
     space: dict | None = None  # or these ranges (a --space YAML's mapping)
     space_source: str = "--space"
@@ -87,11 +89,44 @@ def check_packages() -> None:
         ) from None
 
 
+def default_objective(objective: str | None, longrope_space: str = "cma") -> str:
+    """The objective asked for, else the space's default: needle-ppl for LongRoPE2's space (the paper's
+    needle-driven perplexity), ppl otherwise."""
+    if objective is not None:
+        return objective
+    return "needle-ppl" if longrope_space == "critical" else "ppl"
+
+
+def split_space_argument(value: str | None, method: str) -> tuple[str | None, str | None]:
+    """`--space`'s value as (a named LongRoPE space, a YAML path): --method longrope takes a name
+    (`LONGROPE_SPACES`), every other method a YAML of ranges. A one-line CtxextError for a name with the wrong
+    method or an unknown name with longrope."""
+    from .longrope import LONGROPE_SPACES
+
+    if value is None:
+        return None, None
+    names = " or ".join(LONGROPE_SPACES)
+    if method == "longrope":
+        if value not in LONGROPE_SPACES:
+            raise CtxextError(
+                f"--space '{value}': --method longrope searches the space {names} (default cma), not a YAML of ranges"
+            )
+        return value, None
+    if value in LONGROPE_SPACES:
+        raise CtxextError(f"--space {value} is a LongRoPE search space: it needs --method longrope (got '{method}')")
+    return None, value
+
+
 def check_request(request: SearchRequest) -> None:
     """The checks on the request's own values."""
+    from .longrope import LONGROPE_SPACES
     from .objective import check_objective
 
-    check_objective(request.objective)
+    check_objective(default_objective(request.objective, request.longrope.space))
+    if request.longrope.space not in LONGROPE_SPACES:
+        raise CtxextError(
+            f"unknown LongRoPE search space '{request.longrope.space}'; choose {' or '.join(LONGROPE_SPACES)}"
+        )
     if request.stride is not None and request.stride > request.length:
         raise CtxextError(f"--stride {request.stride} is larger than --length {request.length}")
     for name in ("trials", "calibration_docs", "passkey_trials", "startup_trials", "workers"):
@@ -127,25 +162,52 @@ def resolve_method(request: SearchRequest, model_config):
 
 
 def longrope_space(request: SearchRequest, config, dim: int, base: float, L: int):
-    """(the longrope settings, no ranges, no start, the fixed parameters) of a LongRoPE search."""
+    """(the longrope settings, no ranges, no start, the fixed parameters) of a LongRoPE search. The settings of
+    --space cma are those of the searches before the spaces (no "space" key: a stored study resumes as it was);
+    --space critical records "space": "critical" and its critical-dimension range."""
     from .longrope import knot_positions, start_factors
 
     lr = request.longrope
     if request.params is not None or request.space is not None:
-        raise CtxextError("--method longrope searches the per-pair long_factor; --params/--space do not apply")
+        raise CtxextError("--method longrope searches the per-pair long_factor; --params/--space YAML do not apply")
     if "long_factor" in config.params:
         raise CtxextError(
             "--method longrope searches long_factor; do not give it (--longrope-start picks the starting curve)"
         )
     knot_positions(dim // 2, lr.knots)
-    start_factors(lr.start_method, config.factor, dim, base, L)  # an unknown or dynamic method fails here
     if lr.sigma <= 0:
         raise CtxextError(f"--longrope-sigma must be > 0, got {lr.sigma}")
     if lr.upper is not None and lr.upper < config.factor:
         raise CtxextError(f"--longrope-upper must be at least the factor ({config.factor:g})")
     if lr.popsize is not None and lr.popsize < 2:
         raise CtxextError(f"--longrope-popsize must be at least 2, got {lr.popsize}")
-    return dataclasses.asdict(lr), [], {}, dict(config.params)
+    if lr.space == "critical":
+        return critical_settings(lr, config, dim, base, L), [], {}, dict(config.params)
+    start_method = lr.start_method or "yarn"
+    start_factors(start_method, config.factor, dim, base, L)  # an unknown or dynamic method fails here
+    cma = {k: v for k, v in dataclasses.asdict(lr).items() if k != "space"}
+    return {**cma, "start_method": start_method}, [], {}, dict(config.params)
+
+
+def critical_settings(lr: LongropeOptions, config, dim: int, base: float, L: int) -> dict:
+    """search.json's longrope record of LongRoPE2's space: the options and the critical dimensions tried."""
+    from .longrope import critical_space
+
+    if lr.start_method is not None:
+        raise CtxextError(
+            "--longrope-start does not apply to --space critical: it starts from the theoretical critical dimension"
+        )
+    space = critical_space(dim, base, config.factor, L, lr.knots, lr.upper)  # no room for a critical dimension
+    return {
+        "space": "critical",
+        "start_method": "critical",  # the start: d_tcd, every factor above it s, NTK below
+        "knots": lr.knots,
+        "sigma": lr.sigma,
+        "upper": lr.upper,
+        "popsize": lr.popsize,
+        "theoretical_critical_dim": space.start,
+        "critical_dims": [space.low, space.high],
+    }
 
 
 def scalar_space(request: SearchRequest, spec, config, base: float, L: int):
@@ -205,6 +267,7 @@ def plan_search(request: SearchRequest) -> SearchPlan:
 
     check_packages()
     check_request(request)
+    request = dataclasses.replace(request, objective=default_objective(request.objective, request.longrope.space))
     model_config = load_config(request.model)
     config, L = resolve_method(request, model_config)
     spec = get_method(config.method)
@@ -213,6 +276,11 @@ def plan_search(request: SearchRequest) -> SearchPlan:
     base = float(rope.get("rope_theta", getattr(model_config, "rope_theta", 10000.0)))
     if spec.name == "longrope":
         longrope, space, start, fixed = longrope_space(request, config, dim, base, L)
+    elif request.longrope.space != "cma":
+        raise CtxextError(
+            f"--space {request.longrope.space} is a LongRoPE search space: it needs --method longrope "
+            f"(got '{spec.name}')"
+        )
     else:
         longrope, space, start, fixed = scalar_space(request, spec, config, base, L)
     selection = pair_selection(request, config, dim, L)

@@ -62,7 +62,7 @@ class SearchSettings:
     stride: int | None = None  # None: one window per document
     seed: int = 0
     startup_trials: int = 5  # TPE's random trials before it models the objective
-    longrope: dict | None = None  # start_method, knots, sigma, upper, popsize
+    longrope: dict | None = None  # start_method, knots, sigma, upper, popsize (+ space and its range: critical)
     passkey: dict | None = None  # trials, depths (keys seeded by `seed`)
     data: dict = field(default_factory=dict)  # calibration / held-out document names and token fingerprints
     dtype: str = ""
@@ -157,6 +157,12 @@ def run_trials(settings: SearchSettings, objective, store, trials: int, rotary_d
     """Run (or join, or continue) the search in `store` until `trials` trials are finished; every finished trial."""
     from .loop import longrope_search, scalar_search
 
+    if settings.method == "longrope" and settings.longrope.get("space") == "critical":
+        from .longrope import critical_search
+
+        lr = settings.longrope
+        space = critical_space_of(settings, rotary_dim, base)
+        return critical_search(space, objective, store, trials, settings.seed, lr["sigma"], lr.get("popsize"), progress)
     if settings.method == "longrope":
         start, defaults, upper = longrope_curves(settings, rotary_dim, base)
         lr = settings.longrope
@@ -185,9 +191,21 @@ def longrope_curves(settings: SearchSettings, rotary_dim: int, base: float):
 
     lr = settings.longrope
     L, s = settings.original_max_position_embeddings, settings.factor
+    if lr.get("space") == "critical":
+        space = critical_space_of(settings, rotary_dim, base)
+        return space.factors_of(np.zeros(space.dimension))[1], [float(s)] * (rotary_dim // 2), space.upper
     start = np.maximum.accumulate(start_factors(lr["start_method"], s, rotary_dim, base, L))
     upper = float(lr.get("upper") or max(2.0 * s, float(start.max())))
     return start, [float(s)] * (rotary_dim // 2), upper
+
+
+def critical_space_of(settings: SearchSettings, rotary_dim: int, base: float):
+    """LongRoPE2's space (`ctxext.search.longrope.CriticalSpace`) of a `--space critical` search."""
+    from .longrope import critical_space
+
+    lr = settings.longrope
+    L = settings.original_max_position_embeddings
+    return critical_space(rotary_dim, base, settings.factor, L, lr["knots"], lr.get("upper"))
 
 
 # ------------------------------------------------------------------------------------------ the results
