@@ -13,7 +13,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from .report import describe_params, effective_lengths, overall
+from .report import describe_params, effective_lengths, table_numbers
 
 NATIVE = "native"
 BASELINE = "none"
@@ -25,23 +25,6 @@ def page_rows(rows: list, methods: list[str]) -> list:
     """The rows in the page's order: method by method (as compared), each at its defaults, then its searched rows."""
     order = {m: i for i, m in enumerate(methods)}
     return sorted(rows, key=lambda r: order.get(r.method, len(order)))  # stable: defaults, then searched kinds
-
-
-def page_table(rows: list, measured, docs: list[str], lengths: list[int]) -> dict:
-    """length -> {native, perplexity {label: value}, rank {label: 1..}} (rows without a configuration left out)."""
-    table = {}
-    for length in lengths:
-        native = overall([measured.native.get((doc, length)) for doc in docs])
-        scored = {}
-        for row in rows:
-            if row.configs.get(length) is None:
-                continue
-            value = overall([measured.perplexity.get((row.label, doc, length)) for doc in docs])
-            if value is not None:
-                scored[row.label] = value
-        ranked = sorted(scored, key=scored.get)
-        table[length] = {"native": native, "perplexity": scored, "rank": {k: i + 1 for i, k in enumerate(ranked)}}
-    return table
 
 
 def page_missing(rows: list, measured, docs: list[str], lengths: list[int], passkey_lengths: list[int], L: int):
@@ -120,7 +103,7 @@ def page_state(session, rows: list, path: Path) -> dict:
         "docs": docs,
         "lengths": plan.lengths,
         "passkey_lengths": passkey_lengths,
-        "table": page_table(ordered, measured, docs, plan.lengths),
+        "table": table_numbers(ordered, measured, docs, plan.lengths),
         "effective": effective_lengths(measured, [r.label for r in ordered], passkey_lengths),
         "missing": page_missing(ordered, measured, docs, plan.lengths, passkey_lengths, plan.L),
         "machine": session.machine,
