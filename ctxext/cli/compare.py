@@ -135,7 +135,8 @@ def request_from_args(args):
     """The CompareRequest the flags ask for (parsed here; checked by the library)."""
     from ..compare.request import CompareRequest, parse_budget, parse_full_search, parse_methods
     from ..eval.options import parse_depths, parse_lengths
-    from ..eval.setup import DataOptions, RuntimeOptions
+    from ..eval.setup import RuntimeOptions
+    from .evaluation import data_options
 
     def names(text):
         return None if text is None else [n.strip() for n in text.split(",") if n.strip()]
@@ -144,15 +145,7 @@ def request_from_args(args):
         model=args.model,
         lengths=parse_lengths(args.lengths),
         output=args.output,
-        data=DataOptions(
-            args.text_file,
-            args.dataset,
-            args.split,
-            args.dataset_config,
-            args.text_field,
-            args.max_docs,
-            args.min_doc_tokens,
-        ),  # fmt: skip
+        data=data_options(args),
         methods=parse_methods(args.methods),
         calibration=names(args.calibration),
         held_out=names(args.held_out),

@@ -220,10 +220,11 @@ def request_from_args(args):
     from ..config import read_yaml_mapping
     from ..errors import CtxextError
     from ..eval.options import parse_depths, parse_lengths, parse_stride
-    from ..eval.setup import DataOptions, RuntimeOptions
+    from ..eval.setup import RuntimeOptions
     from ..search.plan import LongropeOptions, SearchRequest, default_objective, split_space_argument
     from ..search.space import parse_param_names
     from .common import method_config_from_args
+    from .evaluation import data_options
 
     lengths = parse_lengths(args.length)
     if len(lengths) != 1:
@@ -263,15 +264,7 @@ def request_from_args(args):
         longrope=longrope,
         select_pairs=args.select_pairs,
         top_pairs=args.top_pairs,
-        data=DataOptions(
-            args.text_file,
-            args.dataset,
-            args.split,
-            args.dataset_config,
-            args.text_field,
-            args.max_docs,
-            args.min_doc_tokens,
-        ),  # fmt: skip
+        data=data_options(args),
         runtime=RuntimeOptions(args.device, args.dtype, args.attn_implementation, args.bos, not args.no_progress),
         resume=args.resume,
         overwrite=args.overwrite,
