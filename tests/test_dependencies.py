@@ -26,6 +26,9 @@ OPTIONAL_IMPORTS = {
 }
 # Optional modules the test extra does not install (llama-cpp-python compiles llama.cpp): module -> distribution.
 NOT_INSTALLED_BY_TESTS = {"llama_cpp": "llama-cpp-python"}
+# Serving engines whose own rotary code `ctxext export --check` runs where the user has them installed: what is
+# judged, never a dependency (GPU builds of several GB; benchmarks/engine_parity.py fetches their wheels).
+JUDGED_ENGINES = {"vllm", "sglang"}
 # Needed with no import statement in ctxext: distribution -> why.
 NEEDED_WITHOUT_IMPORT = {"gguf": "ctxext.assets converts SmolLM2's GGUF file with transformers, which needs gguf"}
 # (distribution, what ctxext uses, the first version that has it)
@@ -65,6 +68,8 @@ def imported_distributions(paths) -> dict[str, set[str]]:
                     continue
                 for top in {name.split(".")[0] for name in names}:
                     if top in sys.stdlib_module_names or top in ("ctxext", "tests", "__future__"):
+                        continue
+                    if top in JUDGED_ENGINES:
                         continue
                     if top not in owners and top in NOT_INSTALLED_BY_TESTS:
                         found.setdefault(normalize(NOT_INSTALLED_BY_TESTS[top]), set()).add(top)

@@ -28,13 +28,11 @@ FAMILIES = rope_families()
 # Defects found by this matrix and not fixed yet: each test below is expected to fail on them (strict, so a fix
 # shows up as an unexpected pass), and docs/guides/families.md lists them.
 KNOWN_DEFECTS = {
-    ("static", "lfm3"): "per-type frequencies differ from transformers' own for linear",
     ("static", "mimo_v2_flash"): "per-type frequencies differ from transformers' own for linear (partial rotary)",
     ("static", "phi3"): "its rotary class reads longrope's mscale keys whatever the type",
     ("static", "phimoe"): "its config accepts only longrope",
     ("reload", "phi3"): "the yarn config ctxext writes does not load in the family (longrope keys expected)",
     ("reload", "phimoe"): "its config accepts only longrope: the yarn checkpoint does not load",
-    ("reload", "lfm3"): "per-type frequencies differ from transformers' own",
     ("reload", "mimo_v2_flash"): "per-type frequencies differ from transformers' own",
     ("reload", "granite_swa"): "yarn x4 leaves the logits unchanged past L on the tiny model: not understood yet",
     ("reload", "granitemoe_swa"): "yarn x4 leaves the logits unchanged past L on the tiny model: not understood yet",

@@ -16,11 +16,16 @@ from pathlib import Path
 import yaml
 
 
+def is_needle_row(row: dict) -> bool:
+    """A row searched with the objective needle-ppl (the page's `objective`; pages before it said `kind: needle`)."""
+    return row.get("objective") == "needle-ppl" or row.get("kind") == "needle"
+
+
 def needle_configs(page: dict, length: int, methods: list[str]) -> list[dict]:
     """The method configs of the needle-ppl rows of `methods` at `length`, in the page's row order."""
     configs = []
     for row in page["rows"]:
-        if row["kind"] != "needle" or row["method"] not in methods:
+        if not is_needle_row(row) or row["method"] not in methods:
             continue
         config = row["configs"].get(str(length))
         if config is None:
