@@ -919,17 +919,17 @@ def _rotated_per_pair(
     forward), then each channel takes its pair's (channels c and c + d/2 are pair c, as in rotate_half)."""
     distinct = sorted(set(scales.tolist()))
     tables = [_rotary_entry(plan, host, x, (*name, G), lambda G=G: positions_at(G), layer_type) for G in distinct]
-    rotary = tables[0][0].shape[-1]
-    pick = torch.tensor([distinct.index(G) for G in scales.tolist()], dtype=torch.int64).repeat(2)
-    pick, channels = pick.to(x.device), torch.arange(rotary, device=x.device)
 
-    def assembled(which: int) -> torch.Tensor:
-        return torch.stack([table[which] for table in tables], dim=-1)[..., channels, pick]
+    def assembled() -> tuple[torch.Tensor, torch.Tensor]:
+        # Made once per forward, not per layer: on a GPU the index is a host-to-device copy, which waits for
+        # the device to finish what was queued (two waits in every layer of every decode step, otherwise).
+        rotary = tables[0][0].shape[-1]
+        pick = torch.tensor([distinct.index(G) for G in scales.tolist()], dtype=torch.int64).repeat(2)
+        pick, channels = pick.to(x.device), torch.arange(rotary, device=x.device)
+        cos, sin = (torch.stack([table[which] for table in tables], dim=-1)[..., channels, pick] for which in (0, 1))
+        return cos, sin
 
-    cos, sin = plan.remember(
-        ("per-pair", name, layer_type, tuple(scales.tolist()), x.dtype, x.device),
-        lambda: (assembled(0), assembled(1)),
-    )
+    cos, sin = plan.remember(("per-pair", name, layer_type, tuple(scales.tolist()), x.dtype, x.device), assembled)
     return apply_rotation(x, cos, sin)
 
 

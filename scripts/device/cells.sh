@@ -1,28 +1,55 @@
 #!/bin/bash
-# Runs the moonshot's 64k needle cells (`ctxext tasks`, fp32, CUDA) on the lent GPU machine, from what
-# scripts/device/pack.sh packed and its first two calls left in /tmp/parts. The first call on a machine
-# installs the wheels, rebuilds SmolLM2 from its GGUF (about 40 s) and checks every tensor against this
-# checkpoint's digests; later calls on the same warm machine skip that. Cells resume from the committed cache
-# (benchmarks/moonshot_cells/tasks): a CUDA cell's key differs from a CPU one's only in "device".
-# CELLS picks them (default "native dpe g12"), DTYPE their dtype (default fp32, the CPU cells' dtype on an
-# AVX2-only machine); DEADLINE (s) bounds the whole run. CELLS=cost runs no cell: it times one 64k prefill of
-# dpe against native attention on SmolLM2's shape (`ctxext check`, 30 layers, fp32 and bf16) into
-# $OUT/cost_*.json, which tells the prefill apart from decoding and per-process work in a cell's time. What
-# the cells wrote comes back as $OUT/cells.tar: copy new *.json and requests/*.db into
-# benchmarks/moonshot_cells/tasks.
-# CELLS=search32 finishes issue 24's comparison rows: scripts/compare_methods.py on CUDA in bf16 (the page's
-# dtype) runs the needle-ppl searches at 32k of SEARCH_METHODS (default leaky_rerope,dual_chunk,rerope) and their
-# rows' cells; what it computed comes back as $OUT/comparison_cells.tar (extract it over docs/comparison_cells,
-# then run compare_methods.py --report-only here). CELLS=needle32 then asks RULER's niah_single_1 at 32k, 10
-# samples, of every needle row that has parameters at 32k (scripts/device/needle_sweep.py), in bf16: its cells
-# come back in cells.tar (they belong in benchmarks/needle_cells/tasks).
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 CTXEXT_CACHE_DIR=/tmp/c TOKENIZERS_PARALLELISM=false
-export PYTHONPATH=/tmp/site:$PWD
-DEADLINE=${DEADLINE:-560}
-CELLS_DIR=/tmp/cells CMP_DIR=/tmp/comparison_cells
+# The moonshot's GPU queue: one command on the lent GPU machine runs, in priority order and within DEADLINE
+# seconds (default 560: a call may run 600), what only a GPU finishes, and writes each finished cell, and each
+# answered needle sample, into copies of the committed caches that come back in $OUT/cells.tar; unpacked over
+# benchmarks/, the next lent GPU resumes where this one stopped.
+#
+# THE COMMAND. After `bash scripts/device/pack.sh` here, three device calls one right after another (the first
+# two carry the GGUF's two parts, see pack.sh), the third being the queue:
+#   run(carry=[".gpu/a"], command="mkdir -p /tmp/parts && cp .gpu/a/* /tmp/parts/")
+#   run(carry=[".gpu/b"], command="cp .gpu/b/* /tmp/parts/")
+#   run(carry=[".gpu/c"], timeout_s=600, command="bash scripts/device/cells.sh")
+# A later call on the same warm machine carries nothing: run(timeout_s=600, command="bash scripts/device/cells.sh").
+# Then here: tar -xf FILES_AT/cells.tar -C benchmarks (FILES_AT: where the call's files came back), and, if
+# rows32 ran its searches, tar -xf FILES_AT/comparison_cells.tar -C docs/comparison_cells; commit what is new.
+# $OUT also gets each step's results_*/ (table.txt, results.json), decode64.json, sample64.json and profiles/.
+#
+# The default queue (CELLS="needle128 ppl128 rows32 decode64"), each step bounded by what is left of DEADLINE
+# (and by its own *_CAP, if set lower); a step is skipped with under 30 s left:
+#   needle128  RULER niah_single_1 at N16 = 131072 tokens, LIMIT = 10 samples, of scripts/device/moonshot128.yaml
+#              (SelfExtend G 22 w 2048, Dual Chunk, dpe; the file gives the rule of each), cache
+#              moonshot_cells/tasks (where the 4k baseline on CUDA, 20/20 in fp32, already is).
+#   ppl128     held-out perplexity at N16 of the same settings and the unpatched model's native reference over the
+#              same tokens (Othello + Lear + Coriolanus; scripts/device/ppl_cells.py), cache moonshot_cells/quality_16x.
+#   rows32     issue 24's 32k needle rows: search32 where the page has no 32k parameters for a needle-ppl row of
+#              SEARCH_METHODS yet, then needle32.
+#   decode64   one decode step of every remapping method against the unpatched model at N8 = 65536 (random cache,
+#              benchmarks/remap_decode.py, with a profile and the host-device synchronisations of one step per
+#              variant in $OUT/profiles), then a 64k needle-like sample (prefill + 128 tokens) of the moonshot's
+#              dpe against the unpatched model, two rounds (the first includes flex_attention's compilation);
+#              cache moonshot_cells/decode.
+# Other steps, by name in CELLS: native (4k, 20 samples), dpe and g12 (the 64k cells), cost (`ctxext check`: a
+# 64k dpe prefill against native attention, fp32 and bf16, into $OUT/cost_*.json), search32 (the needle-ppl
+# searches at 32k of SEARCH_METHODS, default leaky_rerope,dual_chunk,rerope: scripts/compare_methods.py in bf16,
+# resumable in comparison_cells.tar), needle32 (RULER's needle at 32k, 10 samples, of every needle-ppl row with 32k
+# parameters: scripts/device/needle_sweep.py, bf16, cache needle_cells/tasks).
+# DTYPE: the cells' dtype (default fp32, the dtype of the committed CPU and CUDA cells). The first call on a
+# machine installs the wheels, rebuilds SmolLM2 from its GGUF (about 40 s), checks every tensor against this
+# checkpoint's digests and copies the committed caches to ROOT; later calls skip that (SETUP=0 skips it always).
+# The CPU half (tests/test_device_scripts.py) runs this same queue with DEVICE=cpu, SETUP=0, a tiny model as
+# MODEL and short lengths (N16, N8, N32).
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+SETUP=${SETUP:-1} DEVICE=${DEVICE:-cuda} DTYPE=${DTYPE:-fp32} PY=${PY:-python3} DEADLINE=${DEADLINE:-560}
+[ "$SETUP" = 1 ] && export CTXEXT_CACHE_DIR=/tmp/c PYTHONPATH=/tmp/site:$PWD  # else ctxext's own cache dir
+MODEL=${MODEL:-/tmp/c/smollm2-135m-instruct}
+ROOT=${ROOT:-/tmp/cells} CMP_DIR=${CMP_DIR:-/tmp/comparison_cells} WORK=${WORK:-/tmp/work}
+N16=${N16:-131072} N8=${N8:-65536} N32=${N32:-32768} LIMIT=${LIMIT:-10} SAMPLE_TOKENS=${SAMPLE_TOKENS:-128}
 SEARCH_METHODS=${SEARCH_METHODS:-leaky_rerope,dual_chunk,rerope}
-trap 'tar -cf $OUT/cells.tar -C $CELLS_DIR .; tar -cf $OUT/comparison_cells.tar -C $CMP_DIR .' EXIT
-if [ ! -f /tmp/setup.done ]; then
+SWEEP128=scripts/device/moonshot128.yaml
+: "${OUT:?OUT must name the folder whose files come back}"
+mkdir -p "$WORK" "$CMP_DIR"
+trap 'tar -cf "$OUT/cells.tar" -C "$ROOT" moonshot_cells needle_cells; tar -cf "$OUT/comparison_cells.tar" -C "$CMP_DIR" .' EXIT
+if [ "$SETUP" = 1 ] && [ ! -f /tmp/setup.done ]; then
   nvidia-smi -L
   cp .gpu/c/*.whl /tmp/parts/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/parts/*.whl || exit 3
@@ -32,50 +59,96 @@ if [ ! -f /tmp/setup.done ]; then
   python3 -c "from ctxext.assets import smollm2_checkpoint; smollm2_checkpoint()" || exit 5
   python3 scripts/device/weights_digest.py check /tmp/c/smollm2-135m-instruct/model.safetensors .gpu/c/weights.json || exit 6
   cp .gpu/c/tok/* /tmp/c/smollm2-135m-instruct/  # the tokenizer's bytes are part of every cell's key
-  mkdir -p $CELLS_DIR && cp -r benchmarks/moonshot_cells/tasks/. benchmarks/needle_cells/tasks/. $CELLS_DIR/
-  mkdir -p /tmp/c/shakespeare $CMP_DIR && cp .gpu/c/shakespeare/* /tmp/c/shakespeare/
-  cp -r docs/comparison_cells/. $CMP_DIR/
+  mkdir -p /tmp/c/shakespeare && cp .gpu/c/shakespeare/* /tmp/c/shakespeare/
+  cp -r docs/comparison_cells/. "$CMP_DIR"/
   touch /tmp/setup.done
+fi
+if [ ! -f "$ROOT/.seeded" ]; then  # the committed caches, which the steps extend
+  mkdir -p "$ROOT" && cp -r benchmarks/moonshot_cells benchmarks/needle_cells "$ROOT"/ && touch "$ROOT/.seeded"
 fi
 # step NAME CAP: sets $limit to CAP or what is left of DEADLINE, whichever is less; fails under 30 s.
 step() {
-  local left=$((DEADLINE - SECONDS)); limit=$((left < $2 ? left : $2))
-  [ $limit -lt 30 ] && { echo "skipped $1: ${limit} s left"; return 1; }
+  local left=$((DEADLINE - SECONDS))
+  limit=$((left < $2 ? left : $2))
+  [ "$limit" -lt 30 ] && { echo "skipped $1: ${limit} s left"; return 1; }
   echo "=== $1 (at most $limit s, from $SECONDS s)"
 }
+# bounded CMD...: CMD under $limit; SIGINT first (a `ctxext tasks` run keeps every answered sample), then KILL.
+bounded() {
+  timeout -s INT -k 20 "$limit" "$@"
+}
+# cell NAME CAP CACHE ARGS...: RULER's niah_single_1 by `ctxext tasks` into the cache CACHE.
 cell() {
-  local name=$1 cap=$2; shift 2
-  step $name $cap || return
-  timeout $limit python3 -m ctxext tasks /tmp/c/smollm2-135m-instruct --tasks niah_single_1 --device cuda \
-    --dtype ${DTYPE:-fp32} --cache-dir $CELLS_DIR -o /tmp/results_$name --overwrite --no-progress "$@" 2>&1 | tail -20
+  local name=$1 cap=$2 cache=$3
+  shift 3
+  step "$name" "$cap" || return
+  bounded $PY -m ctxext tasks "$MODEL" --tasks niah_single_1 --device "$DEVICE" --dtype "${CELL_DTYPE:-$DTYPE}" \
+    --cache-dir "$cache" -o "$OUT/results_$name" --overwrite --no-progress "$@" 2>&1 | tail -20
+}
+ppl128() {
+  step ppl128 "${PPL_CAP:-$DEADLINE}" || return
+  bounded $PY scripts/device/ppl_cells.py "$MODEL" --config $SWEEP128 --length "$N16" --device "$DEVICE" \
+    --dtype "$DTYPE" --cells "$ROOT/moonshot_cells/quality_16x" 2>&1 | grep -v Warning | tail -12
+}
+decode64() {
+  local decode=(benchmarks/remap_decode.py --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --length "$N8"
+    --cells "$ROOT/moonshot_cells/decode")
+  step decode64 "${DECODE_CAP:-$DEADLINE}" || return
+  bounded $PY "${decode[@]}" --random-cache --steps 8 --rounds 1 --profile "$OUT/profiles" --json "$OUT/decode64.json" \
+    --variants sdpa,rerope,leaky_rerope,self_extend,dual_chunk,string,dpe,dpe_searched 2>&1 | grep -v Warning | tail -16
+  step sample64 "${SAMPLE_CAP:-$DEADLINE}" || return
+  bounded $PY "${decode[@]}" --sample "$SAMPLE_TOKENS" --rounds 2 --variants sdpa,dpe_searched \
+    --json "$OUT/sample64.json" 2>&1 | grep -v Warning | tail -6
 }
 cost() {
   for dtype in fp32 bf16; do
     step "cost $dtype" 200 || return
-    timeout $limit python3 -m ctxext check --device cuda --model /tmp/c/smollm2-135m-instruct --methods dpe \
-      --implementations sdpa --lengths 65536 --layers 30 --dtype $dtype --repeats 2 --json $OUT/cost_$dtype.json \
-      2>&1 | grep -v "ctxext check:" | tail -12
+    bounded $PY -m ctxext check --device "$DEVICE" --model "$MODEL" --methods dpe --implementations sdpa \
+      --lengths "$N8" --layers 30 --dtype $dtype --repeats 2 --json "$OUT/cost_$dtype.json" 2>&1 |
+      grep -v "ctxext check:" | tail -12
   done
 }
 search32() {
-  step search32 ${SEARCH_CAP:-540} || return
-  timeout $limit python3 scripts/compare_methods.py --methods $SEARCH_METHODS --lengths 32768 --device cuda \
-    --dtype bf16 --cells $CMP_DIR --output /tmp/comparison --max-minutes $(((limit - 60) / 60)) 2>&1 | tail -40
-  cp /tmp/comparison/comparison.json $OUT/ 2>/dev/null
+  step search32 "${SEARCH_CAP:-540}" || return
+  [ "$limit" -lt 120 ] && { echo "skipped search32: ${limit} s left"; return 1; }
+  bounded $PY scripts/compare_methods.py --methods "$SEARCH_METHODS" --lengths 32768 --device "$DEVICE" \
+    --dtype bf16 --cells "$CMP_DIR" --output "$WORK/comparison" --max-minutes $(((limit - 60) / 60)) 2>&1 | tail -40
+  cp "$WORK/comparison/comparison.json" "$OUT"/ 2>/dev/null
 }
-needle32() {  # the page search32 wrote on this machine, else the committed one
-  local page=/tmp/comparison/comparison.json
-  [ -f $page ] || page=docs/comparison.json
-  python3 scripts/device/needle_sweep.py $page 32768 $SEARCH_METHODS /tmp/needle32.yaml || return
-  DTYPE=bf16 cell needle32 ${NEEDLE_CAP:-540} --lengths 32k --limit 10 --no-baseline --config /tmp/needle32.yaml
+page() {  # the page search32 wrote on this machine, else the committed one
+  if [ -f "$WORK/comparison/comparison.json" ]; then echo "$WORK/comparison/comparison.json"; else echo docs/comparison.json; fi
 }
-for name in ${CELLS:-native dpe g12}; do case $name in
+needle32() {
+  $PY scripts/device/needle_sweep.py "$(page)" 32768 "$SEARCH_METHODS" "$WORK/needle32.yaml" || return
+  CELL_DTYPE=bf16 cell needle32 "${NEEDLE_CAP:-540}" "$ROOT/needle_cells/tasks" --lengths "$N32" --limit "$LIMIT" \
+    --no-baseline --config "$WORK/needle32.yaml"
+}
+rows32() {  # search first where a needle-ppl row of SEARCH_METHODS has no 32k parameters on the page yet
+  if ! $PY scripts/device/needle_sweep.py "$(page)" 32768 "$SEARCH_METHODS" "$WORK/needle32.yaml" 2>"$WORK/sweep.err" ||
+    [ -s "$WORK/sweep.err" ]; then
+    cat "$WORK/sweep.err"
+    search32
+  fi
+  needle32
+}
+STEPS="needle128 ppl128 rows32 decode64 native dpe g12 cost search32 needle32"
+CELLS=${CELLS:-needle128 ppl128 rows32 decode64}
+for name in $CELLS; do  # every name checked before anything runs
+  [[ " $STEPS " == *" $name "* ]] || { echo "unknown step '$name' (${STEPS// /, })"; exit 2; }
+done
+for name in $CELLS; do case $name in
+  needle128) cell needle128 "${NEEDLE128_CAP:-$DEADLINE}" "$ROOT/moonshot_cells/tasks" --lengths "$N16" \
+               --limit "$LIMIT" --no-baseline --config $SWEEP128 ;;
+  ppl128) ppl128 ;;
+  rows32) rows32 ;;
+  decode64) decode64 ;;
+  native) cell native 150 "$ROOT/moonshot_cells/tasks" --lengths 4k --limit 20 ;;
+  dpe) cell dpe 330 "$ROOT/moonshot_cells/tasks" --lengths "$N8" --limit "$LIMIT" --no-baseline --method dpe \
+         --window 3028 --group-scales "[8, 4, 8, 16, 1, 32, 16, 16]" ;;
+  g12) cell g12 400 "$ROOT/moonshot_cells/tasks" --lengths "$N8" --limit "$LIMIT" --no-baseline \
+         --method self_extend --group-size 12 --window 2048 ;;
   cost) cost ;;
-  native) cell native 150 --lengths 4k --limit 20 ;;
-  dpe) cell dpe 330 --lengths 64k --limit 10 --no-baseline --method dpe --window 3028 \
-         --group-scales "[8, 4, 8, 16, 1, 32, 16, 16]" ;;
-  g12) cell g12 400 --lengths 64k --limit 10 --no-baseline --method self_extend --group-size 12 --window 2048 ;;
   search32) search32 ;;
   needle32) needle32 ;;
-  *) echo "unknown cell '$name' (native, dpe, g12, cost, search32, needle32)"; exit 2 ;;
 esac; done
+echo "=== done at $SECONDS s"

@@ -5,11 +5,12 @@
 # transformers). Then, one call right after another (the machine is given back after 30 s idle):
 #   run(carry=[".gpu/a"], command="mkdir -p /tmp/parts && cp .gpu/a/* /tmp/parts/")
 #   run(carry=[".gpu/b"], command="cp .gpu/b/* /tmp/parts/")
-#   run(carry=[".gpu/c"], command="CELLS='cost dpe' bash scripts/device/cells.sh")   # see cells.sh
+#   run(carry=[".gpu/c"], timeout_s=600, command="bash scripts/device/cells.sh")   # the queue: see cells.sh
 # A later call on the same warm machine carries nothing (/tmp survives; a path carried before and not named
-# again is removed there): run(command="CELLS='dpe' bash scripts/device/cells.sh").
+# again is removed there): run(timeout_s=600, command="bash scripts/device/cells.sh"), or CELLS='...' before it.
 # It also packs what scripts/compare_methods.py needs there (CELLS=search32, see cells.sh): optuna and its needs,
-# and the Shakespeare texts the comparison page scores and searches on.
+# and the Shakespeare texts the comparison page scores and searches on (the held-out three are also the text of
+# the 128k perplexity cells, ppl128; the calibration two the prompt of the 64k decode sample, sample64).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
