@@ -146,6 +146,7 @@ def test_the_help_names_the_methods_that_are_checked_by_default():
     assert CheckOptions().methods == list(AGREEMENT_CASES)
 
 
+@pytest.mark.slow  # `make test-slow`: CI's second step
 @pytest.mark.parametrize("family", ["gemma3_text", "phi"])
 def test_a_sliding_window_and_a_partial_rotary_family_agree(family, tmp_path, capsys):
     """Gemma 3 (one set of frequencies per layer type, sliding layers) and Phi (partial rotary): the check's

@@ -127,6 +127,7 @@ def expected_recommendation(results: dict, target: str) -> str | None:
     return min(candidates)[3] if candidates else None
 
 
+@pytest.mark.slow  # `make test-slow`: CI's second step
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_end_to_end_the_recommendation_follows_the_numbers(tiny, family, tmp_path, one_torch_thread):
     from ctxext.eval.perplexity import sliding_window_nll
@@ -195,6 +196,7 @@ def table(out: Path) -> dict:
     return {**rows, "native": results["native"], "searches": results["searches"]}
 
 
+@pytest.mark.slow  # `make test-slow`: CI's second step
 def test_a_killed_compare_resumes_to_the_table_of_an_uninterrupted_run(tiny, tmp_path, one_torch_thread):
     args = [str(tiny["models"]["qwen3"]), "--lengths", "128", "--text-file", str(tiny["docs"]), "--methods",
             "yarn,rerope", "--held-out-docs", "2", "--trials", "2", "--device", "cpu", "--dtype", "fp32",
@@ -244,6 +246,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny, tmp_path, capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one.txt"]  # no output directory was created
 
 
+@pytest.mark.slow  # `make test-slow`: CI's second step
 def test_full_searches_write_the_page_layout_and_a_report_only_run_rebuilds_it(tiny, tmp_path, one_torch_thread):
     """--full-search kinds (the protocol of docs/comparison.md) give one row per method and kind, each search an
     ordinary study run to its trials; --page writes the page; report-only rebuilds it from the cells alone."""

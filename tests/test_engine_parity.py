@@ -132,6 +132,7 @@ FAKE_VLLM = {
 }
 
 
+@pytest.mark.slow  # `make test-slow`: CI's second step
 def test_an_engine_that_crashes_or_raises_is_a_one_line_finding(tmp_path):
     """A stand-in vLLM package that dies with SIGSEGV on the first checkpoint, raises on the second and rotates
     nothing on the third: each is one finding, and the run goes on past the crash."""

@@ -59,6 +59,7 @@ def test_a_crashing_judge_is_a_one_line_finding(stand_in_llama_cpp, tmp_path, mo
     assert "llama.cpp crashed (signal 11, SIGSEGV) on this machine while scoring model.gguf" in str(crash.value)
 
 
+@pytest.mark.slow  # `make test-slow`: CI's second step
 def test_export_check_reports_the_crash_and_exits_1(stand_in_llama_cpp, tmp_path, monkeypatch):
     """The real command on SmolLM2's GGUF patched by ctxext: transformers' load of the file is the reference, the
     crashing stand-in is llama.cpp. The table is printed, the llama.cpp row says what happened, exit status 1."""

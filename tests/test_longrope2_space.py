@@ -250,6 +250,7 @@ def test_a_cma_search_records_the_settings_of_before_the_spaces(tiny_source, tmp
     assert settings["longrope"] == {"start_method": "yarn", "knots": 8, "sigma": 0.5, "upper": None, "popsize": None}
 
 
+@pytest.mark.slow  # `make test-slow`: CI's second step
 def test_the_critical_search_finds_a_planted_vector_and_resumes_exactly(tmp_path):
     from ctxext.search.longrope import critical_search
     from ctxext.search.store import TrialStore

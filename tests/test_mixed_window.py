@@ -183,6 +183,7 @@ class Stop(Exception):
     pass
 
 
+@pytest.mark.slow  # `make test-slow`: CI's second step
 def test_a_resumed_mixed_run_gives_the_uninterrupted_metrics(mixed_run, tiny_checkpoint, texts):  # noqa: F811
     from ctxext.train.loop import finetune
     from ctxext.train.recipe import load_recipe
