@@ -116,28 +116,9 @@ def test_the_queue_skips_what_its_deadline_leaves_no_time_for_and_still_sends_th
 def tiny_ruler_model(tmp_path_factory, smollm2_path):
     """A random 2-layer LLaMA with SmolLM2's tokenizer (RULER sizes its prompts with it), L = 512 (STRING's defaults need L > 388): at the
     queue's 1024 tokens the remapping methods run past their first region."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from tests.test_tasks import save_ruler_llama
 
-    path = tmp_path_factory.mktemp("queue-tiny")
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_ruler_llama(tmp_path_factory.mktemp("queue-tiny"), smollm2_path, 512)
 
 
 def cache_files(root: Path) -> dict:

@@ -6,15 +6,11 @@ pair d's factor (b'/b)^(2d/D) is the factor searched there."""
 
 import json
 import math
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
 import torch
 
-import ctxext
 from ctxext.errors import CtxextError
 from ctxext.search.longrope import (
     CriticalSpace,
@@ -28,6 +24,7 @@ from ctxext.search.longrope import (
 from ctxext.search.loop import best_trial
 from tests.conftest import save_tiny_checkpoint, tiny_model
 from tests.test_search import run_cli
+from tests.test_search_longrope import assert_reloads_in_plain_transformers_as_patched
 
 pytest.importorskip("optuna")
 pytest.importorskip("cma")
@@ -173,24 +170,7 @@ def test_the_checkpoint_loads_in_plain_transformers_with_the_patched_models_logi
     rope = json.loads((out / "checkpoint" / "config.json").read_text())["rope_parameters"]
     assert rope["rope_type"] == "longrope" and rope["long_factor"] == best["params"]["long_factor"]
     assert rope["short_factor"] == [1.0] * 8 and rope["original_max_position_embeddings"] == 64
-    tokens = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(1))
-    torch.save(tokens, tmp_path / "tokens.pt")
-    script = textwrap.dedent(f"""
-        import sys, torch
-        from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained({str(out / "checkpoint")!r}).eval()
-        tokens = torch.load({str(tmp_path / "tokens.pt")!r}, weights_only=True)
-        with torch.no_grad():
-            torch.save({{"long": model(tokens).logits, "short": model(tokens[:, :50]).logits}},
-                       {str(tmp_path / "logits.pt")!r})
-        assert not any(name == "ctxext" or name.startswith("ctxext.") for name in sys.modules)
-    """)
-    subprocess.run([sys.executable, "-c", script], check=True, env={"HF_HUB_OFFLINE": "1", "PATH": ""}, cwd=tmp_path)
-    plain = torch.load(tmp_path / "logits.pt", weights_only=True)
-    reference = ctxext.patch(tiny_model("llama"), "longrope", factor=4.0, long_factor=best["params"]["long_factor"])
-    with torch.no_grad():
-        torch.testing.assert_close(plain["long"], reference(tokens).logits, rtol=0, atol=1e-5)
-        torch.testing.assert_close(plain["short"], reference(tokens[:, :50]).logits, rtol=0, atol=1e-5)
+    assert_reloads_in_plain_transformers_as_patched(out / "checkpoint", best["params"]["long_factor"], tmp_path)
 
 
 # ------------------------------------------------------------------------------------------- bad input

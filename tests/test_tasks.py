@@ -26,9 +26,14 @@ def ruler_checkpoint(tmp_path_factory, smollm2_path):
     (with the usual small init every method gives the same text). Its scores are 0, so the samples'
     answers carry the test.
     """
+    return save_ruler_llama(tmp_path_factory.mktemp("ruler-tiny"), smollm2_path, 2048, attention_std=0.3)
+
+
+def save_ruler_llama(path, smollm2_path, original_length: int, attention_std: float | None = None):
+    """A random 2-layer LLaMA (L = `original_length`) with SmolLM2's tokenizer, saved to `path`; its attention
+    projections drawn with `attention_std` where given."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    path = tmp_path_factory.mktemp("ruler-tiny")
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -38,7 +43,7 @@ def ruler_checkpoint(tmp_path_factory, smollm2_path):
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
-        max_position_embeddings=2048,
+        max_position_embeddings=original_length,
         rope_theta=10000.0,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
@@ -46,11 +51,12 @@ def ruler_checkpoint(tmp_path_factory, smollm2_path):
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            attention = layer.self_attn
-            for projection in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj):
-                projection.weight.normal_(0, 0.3)
+    if attention_std is not None:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                attention = layer.self_attn
+                for projection in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj):
+                    projection.weight.normal_(0, attention_std)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
