@@ -50,6 +50,21 @@ def rope_parameters_of(config, layer_type: str | None = None) -> dict:
     return rope_parameters[layer_type] or {}
 
 
+def ntk_alpha(rope_parameters: dict) -> float | None:
+    """HunYuan's NTK alpha: its checkpoints ship type 'dynamic' with an `alpha`, which transformers' HunYuan rotary
+    reads as a fixed base rope_theta * alpha^(d / (d - 2)) (its 'ntk_alpha', static); None for any other form."""
+    if rope_parameters.get("rope_type", rope_parameters.get("type")) != "dynamic":
+        return None
+    return float(rope_parameters["alpha"]) if rope_parameters.get("alpha") else None
+
+
+def shipped_base(rope_parameters: dict, dim: int) -> float:
+    """The base a layer type's frequencies use as shipped: rope_theta, stretched by HunYuan's NTK alpha."""
+    base = float(rope_parameters["rope_theta"])
+    alpha = ntk_alpha(rope_parameters)
+    return base if alpha is None else base * alpha ** (dim / (dim - 2))
+
+
 def check_supported(config, what: str | None = None) -> None:
     """What a config alone says ctxext cannot patch, as a one-line CtxextError (weights are never loaded)."""
     model_type = getattr(config, "model_type", None)
@@ -309,7 +324,7 @@ def rope_layout(model: nn.Module) -> RopeLayout:
         laid_out, dim = _probe_rotary(rotary, key)
         layouts.add(laid_out)
         dims[key] = dim
-        bases[key] = float(rope_parameters_of(config, key)["rope_theta"])
+        bases[key] = shipped_base(rope_parameters_of(config, key), dim)
     return RopeLayout(
         model_type=getattr(config, "model_type", None),
         layer_types=layer_types,

@@ -17,7 +17,7 @@ from ..errors import CtxextError
 from ..methods import METHODS, Method, MethodParams, compute_inv_freq
 from ..methods.frequency import proportional_fraction
 from ..methods.registry import method_for_rope_type
-from .families import rope_parameters_of, rotary_dim
+from .families import ntk_alpha, rope_parameters_of, rotary_dim
 
 # Keys transformers accepts for its own types, beyond rope_type/rope_theta/partial_rotary_factor.
 _TRANSFORMERS_KEYS = {
@@ -152,7 +152,7 @@ def stateless_method_for(rope_parameters: dict) -> tuple[str, dict] | None:
     from each forward's own length. transformers' `dynamic` is ctxext's `dynamic_ntk`.
     """
     rope_type = rope_parameters.get("rope_type", "default")
-    if "dynamic" not in rope_type:
+    if "dynamic" not in rope_type or ntk_alpha(rope_parameters) is not None:  # HunYuan's alpha is static
         return None
     if rope_type == "dynamic":
         return "dynamic_ntk", {"factor": rope_parameters["factor"]}

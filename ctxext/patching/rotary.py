@@ -155,9 +155,10 @@ def original_rotary_within(model: nn.Module, length: int):
 def is_dynamic(model: nn.Module) -> bool:
     """Whether the model's rotary embedding follows the current length, so that no longest length applies: a
     dynamic (or length-dependent) ctxext method, or a rope type transformers rescales with the length."""
-    from .families import rope_parameters_of, rotary_host
+    from .families import ntk_alpha, rope_parameters_of, rotary_host
 
     host = rotary_host(model)
     if isinstance(host.rotary_emb, ScaledRotaryEmbedding):
         return host.rotary_emb.dynamic
-    return "dynamic" in rope_parameters_of(host.config).get("rope_type", "default")
+    rope_parameters = rope_parameters_of(host.config)
+    return "dynamic" in rope_parameters.get("rope_type", "default") and ntk_alpha(rope_parameters) is None
