@@ -195,7 +195,7 @@ def write_gguf(path, arch):
     [
         ("dynamic", "no dynamic scaling; the nearest it can express is static 'ntk'"),
         ("rerope", "cannot run rerope .*nearest it can express is static 'yarn'"),
-        ("gemma", "is a 'gemma' model; ctxext supports the GGUF architectures llama, qwen2, qwen3"),
+        ("gptneox", "is a 'gptneox' model; ctxext supports the GGUF architectures llama, qwen2, qwen3, "),
         ("truncated", "not a readable GGUF file"),
         ("not_gguf", "is not a GGUF file"),
         ("over_input", "is the input file"),
@@ -208,9 +208,9 @@ def test_bad_gguf_input_is_one_line_exit_2_and_writes_nothing(smollm2_gguf_cut, 
         flags = ["--method", "dynamic_ntk", "--factor", "2"]
     elif case == "rerope":
         flags = ["--method", "rerope"]
-    elif case == "gemma":
-        source = tmp_path / "gemma.gguf"
-        write_gguf(source, "gemma")
+    elif case == "gptneox":
+        source = tmp_path / "gptneox.gguf"
+        write_gguf(source, "gptneox")
     elif case == "truncated":
         source = tmp_path / "truncated.gguf"
         source.write_bytes(smollm2_gguf_cut.read_bytes()[:4096])

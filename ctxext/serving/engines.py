@@ -25,7 +25,25 @@ from ..patching.families import own_partial_rotary_factor
 ENGINES = ("transformers", "vllm", "sglang", "llama.cpp")
 SERVED_BY_CTXEXT = "serve it with ctxext itself: ctxext.patch(model, ...) then model.generate"
 VLLM_SGLANG_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# transformers model_type -> the GGUF architecture llama.cpp's converter writes for it (ctxext.serving.gguf)
+GGUF_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "mixtral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
+    "olmo2": "olmo2",
+    "granite": "granite",
+    "starcoder2": "starcoder2",
+    "stablelm": "stablelm",
+    "smollm3": "smollm3",
+}
 
 
 @dataclass
@@ -368,7 +386,15 @@ def _llama_cpp(model: ServedModel) -> Support:
     arch = GGUF_ARCH.get(model.family)
     if arch is None:
         return Support(
-            "llama.cpp", "no", f"ctxext writes GGUF rope keys for llama, mistral, qwen2, qwen3, not {model.family}"
+            "llama.cpp", "no", f"ctxext writes GGUF rope keys for {', '.join(GGUF_ARCH)}, not {model.family}"
+        )
+    if model.nested:
+        return Support(
+            "llama.cpp",
+            "no",
+            f"rope parameters nested by layer type are not claimed for llama.cpp here; patch the unpatched "
+            f"model's GGUF with `ctxext patch MODEL.gguf` (llama.cpp's {arch} scales what docs/guides/serving.md "
+            f"says)",
         )
     if model.record is None:
         return Support(

@@ -7,8 +7,16 @@ What llama.cpp does with them (its source, vendored in llama-cpp-python 0.3.36; 
   divides every frequency by s; yarn is transformers' yarn at beta_fast 32, beta_slow 1 with floor/ceil ends
   (llama, qwen2 and qwen3 read no beta keys), cos/sin scaled by (0.1 ln s + 1) * `.attn_factor`.
 - `rope_freqs.weight`, F32, one value per pair: pair i's frequency is divided by it (how Llama 3.1's factors are
-  stored). Only the llama architecture (LLaMA, Mistral) loads it; qwen2 and qwen3 ignore it.
+  stored). Only the llama architecture (LLaMA, Mistral, Mixtral) loads it; the others pass no factors to their
+  rope (or, phi3, only its own rope_factors_long/short pair).
 - `{arch}.rope.scaling.attn_factor` multiplies cos and sin for every architecture and scaling type.
+
+Those keys are read for every architecture (llama_model::load_hparams, before its per-architecture part), and the
+graphs of the architectures in ARCHITECTURES pass them unchanged to ggml_rope_ext on every layer, except the
+sliding-window layers of two (SLIDING_LAYERS_UNSCALED): gemma3 rotates them at base 10000, unscaled, whatever the
+file says (Gemma 3's own layout); olmo2 files with a sliding window (OLMo 3) rotate them at the file's freq_base,
+unscaled, with attn_factor 1. gemma2's sliding layers read the same keys as its full ones. Source:
+ggml-org/llama.cpp, src/llama-model.cpp and src/models/<arch>.cpp (read 2025-2026; docs/guides/serving.md).
 
 Every tensor and key not named above is copied byte for byte (`--outtype same`), or dequantised to f16/f32.
 """
@@ -26,8 +34,28 @@ from ..methods.frequency import yarn_mscale
 from ..outputs import atomic_file
 from .forms import no_native_form, per_pair_factors
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF names: LLaMA and Mistral files say "llama"
+# GGUF names (gguf.MODEL_ARCH_NAMES): LLaMA, Mistral and Mixtral files say "llama"
+ARCHITECTURES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen2moe",
+    "qwen3moe",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "olmo2",
+    "granite",
+    "starcoder2",
+    "stablelm",
+    "smollm3",
+)
 PER_PAIR_ARCHITECTURES = ("llama",)  # the ones whose llama.cpp graph reads rope_freqs
+# architecture -> how llama.cpp rotates its sliding-window layers, which it never scales
+SLIDING_LAYERS_UNSCALED = {"gemma3": "at base 10000", "olmo2": "at the file's freq_base"}
+# per-pair factor tensors: a file that has one is already scaled (phi3's longrope keeps two)
+FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 OUTTYPES = ("same", "f16", "f32")
 ROPE_FREQS = "rope_freqs.weight"
 RECORD_KEY = "ctxext.patch"  # JSON: what ctxext applied (method, parameters, L), for `ctxext export --check`
@@ -72,6 +100,8 @@ def refuse_what_llama_cpp_cannot_run(method: Method, params: MethodParams, logn:
             "leaky_rerope": "yarn",
             "dual_chunk": "yarn",
             "string": "yarn",
+            "dpe": "yarn",
+            "gali": "yarn",
         }.get(name, name.removeprefix("dynamic_"))
         raise CtxextError(
             f"llama.cpp cannot run {name} ({reason}); the nearest it can express is static "
@@ -92,9 +122,34 @@ def gguf_rope(
     base: float,
     original_length: int,
     logn: bool = False,
+    sliding: bool = False,
 ) -> GgufRope:
     """The GGUF keys and tensor that make llama.cpp compute `method` exactly, or a one-line CtxextError naming
-    the nearest thing llama.cpp can express."""
+    the nearest thing llama.cpp can express. `sliding`: the file has sliding-window layers."""
+    rope = _gguf_rope(method, params, arch, rotary_dim, base, original_length, logn)
+    if not (sliding and arch in SLIDING_LAYERS_UNSCALED) or not (rope.keys or rope.rope_freqs):
+        return rope
+    return _on_full_attention_layers_only(rope, arch)
+
+
+def _on_full_attention_layers_only(rope: GgufRope, arch: str) -> GgufRope:
+    """`rope` for an architecture whose sliding layers llama.cpp rotates unscaled: what reaches them too is
+    refused (it would change layers that a full-attention-only patch leaves alone)."""
+    kept = SLIDING_LAYERS_UNSCALED[arch]
+    if arch == "gemma3" and "rope.scaling.attn_factor" in rope.keys:
+        raise CtxextError(
+            f"llama.cpp's gemma3 multiplies its sliding layers' cos/sin by rope.scaling.attn_factor too, which "
+            f"rotate {kept}, unscaled; write the method at its default attention factor"
+        )
+    if arch == "olmo2" and "rope.freq_base" in rope.keys:
+        raise CtxextError(
+            "llama.cpp's olmo2 rotates its sliding layers at the file's freq_base too, so a base change would "
+            "reach them; the nearest it can express on the full-attention layers only is 'yarn' or 'linear'"
+        )
+    return GgufRope(rope.keys, rope.rope_freqs, f"{rope.how}, on the full-attention layers (sliding: {kept})")
+
+
+def _gguf_rope(method, params, arch, rotary_dim, base, original_length, logn) -> GgufRope:
     refuse_what_llama_cpp_cannot_run(method, params, logn)
     name = method.name
     L = int(original_length)
@@ -131,8 +186,9 @@ def gguf_rope(
     if arch not in PER_PAIR_ARCHITECTURES:
         near = "'yarn' at beta_fast 32, beta_slow 1" if name in ("yarn", "ntk_by_parts") else "'yarn' or 'ntk'"
         raise CtxextError(
-            f"llama.cpp reads per-pair frequency factors (rope_freqs) only for the llama architecture, "
-            f"not {arch}, so {name} cannot be written exactly; the nearest it can express is {near}"
+            f"llama.cpp reads per-pair frequency factors (rope_freqs) only for the llama architecture "
+            f"(LLaMA, Mistral, Mixtral), not {arch}, so {name} cannot be written exactly; the nearest it can "
+            f"express is {near}"
         )
     keys = dict(scaled)
     if not math.isclose(attention_factor, 1.0, rel_tol=1e-12):
@@ -183,6 +239,7 @@ class GgufModel:
     scaling_type: str | None
     has_rope_freqs: bool
     record: dict | None
+    sliding_window: int | None = None
 
     @property
     def native_length(self) -> int:
@@ -195,7 +252,7 @@ def describe(reader, path) -> GgufModel:
     if arch not in ARCHITECTURES:
         raise CtxextError(
             f"GGUF '{path}' is a '{arch}' model; ctxext supports the GGUF architectures "
-            f"{', '.join(ARCHITECTURES)} (LLaMA and Mistral files are 'llama')"
+            f"{', '.join(ARCHITECTURES)} (LLaMA, Mistral and Mixtral files are 'llama')"
         )
     heads = field_value(reader, f"{arch}.attention.head_count")
     head_dim = (
@@ -208,9 +265,30 @@ def describe(reader, path) -> GgufModel:
         base=float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
         context_length=int(field_value(reader, f"{arch}.context_length")),
         scaling_type=field_value(reader, f"{arch}.rope.scaling.type"),
-        has_rope_freqs=any(t.name == ROPE_FREQS for t in reader.tensors),
+        has_rope_freqs=any(t.name in FACTOR_TENSORS for t in reader.tensors),
         record=json.loads(record) if record else None,
+        sliding_window=field_value(reader, f"{arch}.attention.sliding_window") or None,
     )
+
+
+def scaled_layers(arch: str, sliding: bool) -> str:
+    """Which layers llama.cpp scales from a file's rope keys: 'full' (its sliding layers stay unscaled) or 'all'."""
+    return "full" if sliding and arch in SLIDING_LAYERS_UNSCALED else "all"
+
+
+def check_layer_types(arch: str, sliding: bool, layer_types: str | None) -> None:
+    """A one-line CtxextError where --layer-types asks for other layers than llama.cpp scales in this file."""
+    if layer_types is None:
+        return
+    scaled = scaled_layers(arch, sliding)
+    asked = layer_types.strip()
+    accepted = {"full": {"full", "full_attention"}, "all": {"all"} | (set() if sliding else {"full"})}[scaled]
+    if asked not in accepted:
+        what = "its full-attention layers only" if scaled == "full" else "every layer"
+        raise CtxextError(
+            f"llama.cpp scales {what} of this {arch} file from its rope keys, so --layer-types {asked} cannot "
+            f"be written; use --layer-types {scaled}"
+        )
 
 
 # ------------------------------------------------------------------------------------------- writing
@@ -248,7 +326,9 @@ def patch_gguf(source, method_config, output, overwrite: bool = False, outtype: 
     spec = get_method(method_config.method)
     L = int(method_config.original_max_position_embeddings or model.context_length)
     params = spec.make_params(factor=method_config.factor, **method_config.params)
-    rope = gguf_rope(spec, params, model.arch, model.rotary_dim, model.base, L, logn=method_config.logn)
+    sliding = model.sliding_window is not None
+    check_layer_types(model.arch, sliding, method_config.layer_types)
+    rope = gguf_rope(spec, params, model.arch, model.rotary_dim, model.base, L, method_config.logn, sliding)
     new_length = int(round(L * float(params.factor)))
 
     arch = model.arch
@@ -261,6 +341,7 @@ def patch_gguf(source, method_config, output, overwrite: bool = False, outtype: 
         "rope_theta": model.base,
         "logn": bool(method_config.logn),
         "written_as": rope.how,
+        "layers": scaled_layers(arch, sliding),
     }
     changed[RECORD_KEY] = json.dumps(record, sort_keys=True)
     if outtype != "same":
@@ -359,7 +440,7 @@ def _scaling_summary(model: GgufModel) -> str:
         return f"ctxext patched it with {model.record['method']}"
     if model.scaling_type not in (None, "none"):
         return f"rope.scaling.type {model.scaling_type}"
-    return "it carries rope_freqs"
+    return "it carries per-pair rope factors"
 
 
 def _check_gguf_output(source: Path, output: Path, overwrite: bool) -> None:
