@@ -43,6 +43,7 @@ AGREEMENT_CASES: dict[str, tuple[str, dict]] = {
     "dual_chunk": ("dual_chunk", {"chunk_size": 48, "local_window": 8}),
     "string": ("string", {"shifted_offset": 40, "local_value": 8}),
     "dpe": ("dpe", {"window": 16, "group_scales": [2, 4, 8, 16]}),
+    "gali": ("gali", {"local_window": 8}),  # 160 tokens over 64 positions: far keys 1/2 and 1/3 apart
     "logn": ("none", {"logn": True}),
 }
 # At the cost lengths: each method's defaults for L = length / 4, log-n with the two that use it.
@@ -53,6 +54,7 @@ COST_CASES: dict[str, tuple[str, dict]] = {
     "dual_chunk": ("dual_chunk", {}),
     "string": ("string", {}),
     "dpe": ("dpe", {}),
+    "gali": ("gali", {}),
     "logn": ("none", {"logn": True}),
 }
 MIN_MEMORY_MB = 16  # below this native peak, memory ratios are not reported
@@ -219,14 +221,19 @@ def per_cell_attention(module, query, key, value, attention_mask, **kwargs):
 
     i, j = positions[-q_len:], positions
     groups = q.shape[1] // k.shape[1]
-    regions = settings.remap.regions() if settings.remap is not None else []
+    regions = settings.remap.regions_for(i) if settings.remap is not None else []
     scores = turn(q, i) @ turn(k, j).repeat_interleave(groups, 1).transpose(-1, -2)  # plain RoPE: r' = i - j
     for region in regions:
         lo, hi = region.key_range(i)
         inside = ((j[None] >= lo[:, None]) & (j[None] < hi[:, None])).to(q.device)
         q_at = _positions(region, region.query_position, i, module.layer_idx, len(inv_freq))
         k_at = _positions(region, region.key_position, j, module.layer_idx, len(inv_freq))
-        region_scores = turn(q, q_at) @ turn(k, k_at).repeat_interleave(groups, 1).transpose(-1, -2)
+        if region.interpolated_keys:  # GALI: the logit interpolated between the key's integer neighbours
+            low = k_at.floor()
+            k_turned = torch.lerp(turn(k, low), turn(k, low + 1), (k_at - low).to(k.device)[:, None])
+        else:
+            k_turned = turn(k, k_at)
+        region_scores = turn(q, q_at) @ k_turned.repeat_interleave(groups, 1).transpose(-1, -2)
         scores = torch.where(inside, region_scores, scores)
     causal = (j[None] <= i[:, None]).to(q.device)
     probs = torch.softmax((scores * module.scaling).masked_fill(~causal, float("-inf")), dim=-1)

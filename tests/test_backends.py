@@ -36,6 +36,7 @@ METHODS = {
     "self_extend": {"group_size": 4, "window": 8},
     "dual_chunk": {"chunk_size": 12, "local_window": 2},
     "string": {"shifted_offset": 12, "local_value": 4, "attention_factor": 1.2},
+    "gali": {"local_window": 3},  # far keys 1/2 apart from 33 tokens on (L = 32)
 }
 
 
@@ -151,6 +152,9 @@ DECODE = {
     "self_extend": ({"group_size": 3, "window": 6}, True),
     "dual_chunk": ({"chunk_size": 16, "local_window": 3}, False),
     "string": ({"shifted_offset": 14, "local_value": 3, "attention_factor": 1.1}, True),
+    # R = 14 < L: decoding leaves plain RoPE early (transformers' own flex_attention decodes wrongly from 24 tokens
+    # on this CPU, patched or not; ctxext's kernels take over past R)
+    "gali": ({"local_window": 2, "position_range": 14}, False),
 }
 DECODE_RUNS = [
     (FAMILY_NAMES[n % 4], method, implementation)

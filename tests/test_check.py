@@ -34,7 +34,7 @@ def test_every_method_agrees_under_every_cpu_implementation(tiny_shape, tmp_path
     assert cases == {
         (i, m)
         for i in ("eager", "sdpa", "flex_attention")
-        for m in ("rerope", "leaky_rerope", "self_extend", "dual_chunk", "string", "dpe", "logn")
+        for m in ("rerope", "leaky_rerope", "self_extend", "dual_chunk", "string", "dpe", "gali", "logn")
     }
     for row in result["agreement"]:
         assert row["ok"] and row["forward_error"] < 1e-4

@@ -90,7 +90,7 @@ def test_patched_logits_equal_transformers_native(family, method, params, rope_p
 
 # The position-remapping methods act whatever the factor (it only records a length); they are bit-identical
 # while the sequence stays in their first region: tests/test_remapping.py.
-REMAPPING = {"rerope", "leaky_rerope", "self_extend", "dpe", "dual_chunk", "string"}
+REMAPPING = {"rerope", "leaky_rerope", "self_extend", "dpe", "dual_chunk", "string", "gali"}
 
 
 # theta, proportional and cope change frequencies whatever the factor (a new base, zeroed or clipped pairs).

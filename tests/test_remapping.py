@@ -54,7 +54,33 @@ def rerope_relative(i, j, window, k=None):
     return torch.where(r < window, r, window + (r - window) / k if k else torch.full_like(r, window))
 
 
+def gali_positions(T: int, R: int, w: int) -> list[float]:
+    """The positions GALI gives T tokens over the range 0..R-1 (local window w), by its greedy rule as a loop:
+    the first integer positions take g tokens each, 1/g apart, until the range holds all T tokens; the last
+    tokens keep the remaining integer positions."""
+    if T <= R:
+        return [float(t) for t in range(T)]
+    g = math.ceil((T - w) / (R - w))
+    shared = 0  # integer positions that hold g tokens each
+    while R - shared + g * shared < T:
+        shared += 1
+    squeezed = T - (R - shared)  # tokens at positions m / g
+    return [m / g for m in range(squeezed)] + [float(p) for p in range(shared, R)]
+
+
+def gali_relative(i, j, local_window, position_range=L):
+    """r'(i, j): query i reads the position list of its own length i + 1 (0 above the diagonal). Fractional
+    values are scored by interpolation (reference_model passes interpolate=True)."""
+    n = int(max(i.max(), j.max())) + 1
+    relative = torch.zeros(n, n, dtype=torch.float64)
+    for q in range(n):
+        at = gali_positions(q + 1, position_range, local_window)
+        relative[q, : q + 1] = at[q] - torch.tensor(at, dtype=torch.float64)
+    return relative[i.expand(-1, j.shape[-1]), j.expand(i.shape[0], -1)]
+
+
 RELATIVE = {
+    "gali": gali_relative,
     "self_extend": self_extend_relative,
     "dual_chunk": dual_chunk_relative,
     "string": string_relative,
@@ -63,11 +89,12 @@ RELATIVE = {
 }
 
 
-def naive_forward(relative_fn, inv_freq, attention_factor, logn_length, positions=None):
+def naive_forward(relative_fn, inv_freq, attention_factor, logn_length, positions=None, interpolate=False):
     """An attention forward built from r'(i, j): rotate each query by r' per cell, dot with the raw key.
 
     `positions`: the tokens' real positions (gapped ones, as PoSE gives); default 0..n-1. Causality is by
-    token order either way."""
+    token order either way. `interpolate` (GALI): a fractional r' scores the linear interpolation of the
+    scores at floor(r') and floor(r') + 1."""
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kw):
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
@@ -89,12 +116,21 @@ def naive_forward(relative_fn, inv_freq, attention_factor, logn_length, position
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         i, j = torch.arange(n)[:, None], torch.arange(n)[None]
         relative = relative_fn(at[:, None], at[None]).double()  # (n, n), or (n, n, d/2): one r' per pair (DPE)
-        angles = (relative if relative.dim() == 3 else relative[..., None]) * inv_freq.double()  # (n, n, d/2)
-        cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
         half = q.shape[-1] // 2
         q_half = torch.cat((-q[..., half:], q[..., :half]), -1)
-        q_turned = q[:, :, :, None] * cos + q_half[:, :, :, None] * sin  # (b, h, n, n, d)
-        scores = (q_turned * k[:, :, None]).sum(-1) * self.scaling * attention_factor**2
+
+        def raw_scores(rel):
+            angles = (rel if rel.dim() == 3 else rel[..., None]) * inv_freq.double()  # (n, n, d/2)
+            cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
+            q_turned = q[:, :, :, None] * cos + q_half[:, :, :, None] * sin  # (b, h, n, n, d)
+            return (q_turned * k[:, :, None]).sum(-1)
+
+        if interpolate:
+            low = relative.floor()
+            raw = torch.lerp(raw_scores(low), raw_scores(low + 1), relative - low)
+        else:
+            raw = raw_scores(relative)
+        scores = raw * self.scaling * attention_factor**2
         probs = torch.softmax(scores.masked_fill(j > i, float("-inf")), dim=-1)
         out = (probs @ v).to(hidden_states.dtype).transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)
         return self.o_proj(out), None
@@ -111,6 +147,7 @@ def reference_model(family, method, params, logn):
         model.model.rotary_emb.inv_freq,
         factor,
         L if logn else None,
+        interpolate=method == "gali",
     )
     for layer in model.model.layers:
         layer.self_attn.forward = types.MethodType(forward, layer.self_attn)

@@ -11,7 +11,7 @@ DESCRIPTION = """\
 Run on a new machine before trusting ctxext's attention-level methods there. On a random model of your
 architecture (--model: a config directory, config.json or hub id; only the config is read), for each
 attention implementation available on the device (eager, sdpa, flex_attention, FlashAttention where
-installed) and each method (rerope, leaky_rerope, self_extend, dual_chunk, string, dpe, logn):
+installed) and each method (rerope, leaky_rerope, self_extend, dual_chunk, string, dpe, gali, logn):
 
   1. agreement: the logits and weight gradients against a per-cell reference (every score from its
      remapped relative position, float64) on 160 tokens that cross every region boundary, and the logits
@@ -55,7 +55,7 @@ def add_arguments(parser) -> None:
         type=_names,
         default=None,
         metavar="A,B",
-        help="methods to check (default: rerope,leaky_rerope,self_extend,dual_chunk,string,dpe,logn)",
+        help="methods to check (default: rerope,leaky_rerope,self_extend,dual_chunk,string,dpe,gali,logn)",
     )
     parser.add_argument(
         "--implementations",

@@ -16,6 +16,9 @@ T x T matrix. With r = i - j >= 0 and L the original length (docs/METHODS.md has
 - `string` (S, W): r' = r for r < S, else r - S + W.                far region: q = i - S + W, k = j
 - `dpe` (w, G_g per group of rotary pairs): self_extend's rule with G = G_g in pair p of group g; pairs not
   selected keep r' = r (G = 1).                                    far region: q and k per pair, as self_extend
+- `gali` (w, R): per query, T = i + 1 tokens are spread over positions 0..R-1: the n(T) nearest keys keep
+  integer steps (r' = r), the others sit 1/g(T) apart, and a fractional key position's logit is interpolated
+  between its two integer neighbours.                            far region per g: q = R - 1, k = j/g (blended)
 
 Positions are absolute token positions (0-based). A rule of None means "the token's own position", which
 lets the kernel use the model's own rotation untouched.
@@ -53,6 +56,10 @@ class Region:
     query_position: PositionRule | None = None  # None: the query's own position
     key_position: PositionRule | None = None  # None: the key's own position
     pair_scales: Callable[[int, int], torch.Tensor] | None = None
+    # GALI: a fractional key position p is not rotated at p; the key's logit is interpolated between floor(p) and
+    # floor(p) + 1, i.e. the key is rotated by (1 - f) R(floor p) + f R(floor p + 1), f = p - floor p. The query
+    # position must then be an integer, so that the blend is exactly the interpolated logit.
+    interpolated_keys: bool = False
 
 
 def _floor_div(x: torch.Tensor, d: int) -> torch.Tensor:
@@ -89,6 +96,10 @@ class RemapParams(MethodParams):
 
     def regions(self) -> list[Region]:
         raise NotImplementedError
+
+    def regions_for(self, query_positions: torch.Tensor) -> list[Region]:
+        """The regions queries at these positions use (the same for every length, except for GALI's)."""
+        return self.regions()
 
     def plain_up_to(self) -> int:
         """Sequences of at most this many tokens (from position 0) lie in region 0 only: plain RoPE."""
@@ -429,6 +440,117 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 16)
 
 
+# -------------------------------------------------------------------------------------------------- GALI
+@dataclass
+class GaliParams(RemapParams):
+    """GALI: for each query, the keys are spread greedily over the relative positions 0..R-1. The nearest keep
+    integer steps; the others share the rest of the range, 1/g apart, and a fractional position's attention
+    logit is interpolated between its two integer neighbours."""
+
+    shift_invariant: ClassVar[bool] = False
+
+    local_window: int = param(
+        1,
+        "w >= 1: at least the w nearest keys keep r' = r (GALI's setting: 1; the greedy rule keeps more "
+        "whenever the range allows)",
+        search=(1 / 4096, 1 / 8, "log", "int", "*L"),
+    )
+    position_range: int | None = param(
+        None,
+        "R <= L: the relative positions used are 0..R-1 (default L; GALI finds that a range below the "
+        "training length can do better)",
+        search=(1 / 4, 1.0, "int", "*L"),
+    )
+
+    def validate(self):
+        super().validate()
+        self.local_window = whole_number("local_window", self.local_window, 1)
+        if self.position_range is not None:
+            self.position_range = whole_number("position_range", self.position_range, 2)
+            if self.position_range <= self.local_window:
+                raise CtxextError(
+                    f"gali: 'local_window' ({self.local_window}) must be below 'position_range' "
+                    f"({self.position_range}): the window is part of the range"
+                )
+
+    def resolved(self, original_max_position_embeddings: int) -> GaliParams:
+        L = original_max_position_embeddings
+        if self.position_range is not None and self.position_range > L:
+            raise CtxextError(
+                f"gali: 'position_range' {self.position_range} reaches past the model's original length L = {L}; "
+                f"use at most {L} (GALI maps every relative position into the trained range)"
+            )
+        if self.position_range is not None:
+            return self
+        params = GaliParams(**{**self.to_dict(), "position_range": L})
+        params.validate()
+        return params
+
+    @property
+    def range(self) -> int:
+        if self.position_range is None:
+            raise CtxextError("gali's 'position_range' is not resolved yet (it defaults to the original length L)")
+        return self.position_range
+
+    def regions(self) -> list[Region]:
+        raise CtxextError("gali's regions follow the number of tokens; ask regions_for(query positions)")
+
+    def regions_for(self, query_positions: torch.Tensor) -> list[Region]:
+        R, w = self.range, self.local_window
+        groups = sorted(set(gali_group(query_positions.flatten() + 1, R, w).tolist()) - {1})
+        near = Region("near", lambda i: (i + 1 - gali_exact_keys(i + 1, R, w), i + 1))
+        return [near, *(gali_far_region(g, R, w) for g in groups)]
+
+    def plain_up_to(self) -> int:
+        return self.range
+
+    def largest_relative_position(self, length: int) -> float | None:
+        return float(min(length, self.range) - 1)
+
+    def describe(self) -> str:
+        return f"w{self.local_window}" + ("" if self.position_range is None else f" R{self.position_range}")
+
+
+def _ceil_div(x: torch.Tensor, d) -> torch.Tensor:
+    return -torch.div(-x, d, rounding_mode="floor")
+
+
+def gali_group(lengths: torch.Tensor, position_range: int, window: int) -> torch.Tensor:
+    """g(T) = ceil((T - w) / (R - w)) for T > R tokens: the far keys of the query that makes T tokens sit 1/g
+    apart. 1 for T <= R (nothing is moved)."""
+    g = _ceil_div(lengths - window, position_range - window)
+    return torch.where(lengths > position_range, g, torch.ones_like(g))
+
+
+def gali_exact_keys(lengths: torch.Tensor, position_range: int, window: int) -> torch.Tensor:
+    """n(T): how many of the T tokens keep integer steps (the nearest ones, the query included).
+
+    GALI gives the first k integer positions g tokens each until the range holds T tokens: R + (g - 1) k >= T,
+    so k = ceil((T - R) / (g - 1)), and the last R - k tokens keep the positions k..R-1. n(T) >= w follows
+    from g >= (T - w) / (R - w). All T tokens for T <= R."""
+    g = gali_group(lengths, position_range, window)
+    compressed = _ceil_div(lengths - position_range, (g - 1).clamp(min=1))
+    return torch.where(lengths > position_range, position_range - compressed, lengths)
+
+
+def gali_far_region(g: int, position_range: int, window: int) -> Region:
+    """The keys past n(T) of the queries whose g(T) is g: the query at R - 1, key j at j/g, logits interpolated."""
+
+    def key_range(i):
+        T = i + 1
+        mine = gali_group(T, position_range, window) == g
+        edge = T - gali_exact_keys(T, position_range, window)
+        return torch.where(mine, torch.full_like(i, FIRST_KEY), T), torch.where(mine, edge, T)
+
+    return Region(
+        f"far g{g}",
+        key_range,
+        lambda i: torch.full(i.shape, float(position_range - 1), dtype=torch.float64),
+        lambda j: j.to(torch.float64) / g,
+        interpolated_keys=True,
+    )
+
+
 # ---------------------------------------------------------------------------- Dual Chunk Attention
 @dataclass
 class DualChunkParams(RemapParams):
@@ -605,6 +727,17 @@ register(
         source="Lu et al. 2025, 'Effective Length Extrapolation via Dimension-Wise Positional Embeddings Manipulation' "
         "(arXiv 2504.18857)",
         params_cls=DpeParams,
+        inv_freq_fn=none_inv_freq,
+    )
+)
+register(
+    Method(
+        name="gali",
+        summary="GALI: keys spread greedily over the trained positions, fractional ones by logit interpolation "
+        "(attention-level)",
+        source="Li et al. 2025, 'A Training-Free Length Extrapolation Approach for LLMs: Greedy Attention Logit "
+        "Interpolation' (arXiv 2502.02659, EMNLP 2025)",
+        params_cls=GaliParams,
         inv_freq_fn=none_inv_freq,
     )
 )

@@ -533,17 +533,39 @@ def _rotary_identity(rotary: nn.Module) -> tuple:
     return id(rotary), frequencies.data_ptr() if isinstance(frequencies, torch.Tensor) else None
 
 
+def _interpolated_rotary_at(
+    host: nn.Module, like: torch.Tensor, positions: torch.Tensor, layer_type: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) that rotate a key at a fractional position p as GALI reads it: the blend (1 - f) R(floor p) +
+    f R(floor p + 1), f = p - floor p. Dotted with a query rotated at an integer position, this is the logit
+    interpolated linearly between the key's two integer neighbours (the dot product is linear in the key)."""
+    low = positions.floor()
+    weight = (positions - low).to(device=like.device, dtype=torch.float32)[..., None]
+    cos_low, sin_low = _rotary_at(host, like, low, layer_type)
+    cos_high, sin_high = _rotary_at(host, like, low + 1, layer_type)
+    cos = torch.lerp(cos_low.float(), cos_high.float(), weight).to(cos_low.dtype)
+    sin = torch.lerp(sin_low.float(), sin_high.float(), weight).to(sin_low.dtype)
+    return cos, sin
+
+
 def _rotary_entry(
-    plan: ForwardPlan, host: nn.Module, like: torch.Tensor, name, positions: Callable, layer_type: str | None = None
+    plan: ForwardPlan,
+    host: nn.Module,
+    like: torch.Tensor,
+    name,
+    positions: Callable,
+    layer_type: str | None = None,
+    interpolated: bool = False,
 ):
     """(cos, sin) at `positions()`, once per forward; dynamic rotary types, whose frequencies follow each call's
-    positions, are asked every time."""
+    positions, are asked every time. `interpolated`: GALI's blend at fractional positions."""
     rotary = host.rotary_emb
+    rotary_at = _interpolated_rotary_at if interpolated else _rotary_at
     if _is_dynamic_rotary(rotary):
-        return _rotary_at(host, like, positions(), layer_type)
+        return rotary_at(host, like, positions(), layer_type)
     return plan.remember(
-        ("rotary", name, layer_type, *_rotary_identity(rotary), like.dtype, like.device),
-        lambda: _rotary_at(host, like, positions(), layer_type),
+        ("rotary", name, layer_type, *_rotary_identity(rotary), like.dtype, like.device, interpolated),
+        lambda: rotary_at(host, like, positions(), layer_type),
     )
 
 
@@ -580,10 +602,9 @@ def key_positions(position_ids, total: int, q_len: int, key_allowed: torch.Tenso
     return ids
 
 
-def _region_plans(remap, positions: torch.Tensor, q_len: int, key_allowed, query_block: int):
+def _region_plans(regions, positions: torch.Tensor, q_len: int, key_allowed, query_block: int):
     """[(rows, RegionPlan)]: one plan for the whole batch when every row's bounds agree, else one per row."""
     total = positions.shape[1]
-    regions = remap.regions()
     bounds = []
     for row in positions:
         query_positions = row[total - q_len :]
@@ -739,10 +760,11 @@ def _remapped_forward(module, state: AttentionState, plan: ForwardPlan, query, k
         )
 
     positions = plan.values["positions"]
+    regions = plan.remember("region list", lambda: remap.regions_for(positions[:, positions.shape[1] - q_len :]))
     region_plans = plan.remember(
-        ("regions", state.query_block), lambda: _region_plans(remap, positions, q_len, key_allowed, state.query_block)
+        ("regions", state.query_block), lambda: _region_plans(regions, positions, q_len, key_allowed, state.query_block)
     )
-    queries, keys = _region_queries_and_keys(module, state, plan, query, key, positions)
+    queries, keys = _region_queries_and_keys(module, state, plan, query, key, positions, regions)
     outputs = [
         attend_regions(
             queries if rows is None else [q[rows] for q in queries],
@@ -758,10 +780,12 @@ def _remapped_forward(module, state: AttentionState, plan: ForwardPlan, query, k
     return attn.transpose(1, 2), None
 
 
-def _region_queries_and_keys(module, state: AttentionState, plan: ForwardPlan, query, key, positions: torch.Tensor):
-    """([queries], [keys]), one of each per region of the method: rotated by the region's rules (the model's own
-    rotation where a region keeps it), from the rotated query and keys and the model's (cos, sin). Keys that a
-    cache layer kept from the previous forward (`KeptKeys`) are not rotated again: only the new ones are."""
+def _region_queries_and_keys(
+    module, state: AttentionState, plan: ForwardPlan, query, key, positions: torch.Tensor, regions: list
+):
+    """([queries], [keys]), one of each per region: rotated by the region's rules (the model's own rotation where
+    a region keeps it), from the rotated query and keys and the model's (cos, sin). Keys that a cache layer kept
+    from the previous forward (`KeptKeys`) are not rotated again: only the new ones are."""
     host = state.host
     q_len, total = query.shape[2], key.shape[2]
     query_positions = positions[:, total - q_len :]
@@ -769,7 +793,8 @@ def _region_queries_and_keys(module, state: AttentionState, plan: ForwardPlan, q
     if layer is not None and not (state.keep_keys and _may_keep_keys(host, query, key)):
         layer.__dict__.pop(KeptKeys.ATTRIBUTE, None)
         layer = None
-    kept = KeptKeys.reusable(layer, state, key, positions, q_len)
+    region_names = tuple(region.name for region in regions)
+    kept = KeptKeys.reusable(layer, state, key, positions, q_len, region_names)
     start = 0 if kept is None else kept.length  # keys [start, total) are rotated by this forward
     new_positions = positions[:, start:]
     layer_type = state.layer_type
@@ -777,7 +802,7 @@ def _region_queries_and_keys(module, state: AttentionState, plan: ForwardPlan, q
     plain_query = undo_rotation(query, cos_k[:, -q_len:], sin_k[:, -q_len:])
     plain_key = None  # the new keys unrotated, made once a region rotates keys by a rule of its own (not STRING)
     queries, key_slots, rotated = [], [], {}  # rotated: key rule -> (slot, the new keys rotated by it)
-    for index, region in enumerate(state.settings.remap.regions()):
+    for index, region in enumerate(regions):
         query_rule, key_rule = region.query_position, region.key_position
         scales = None if region.pair_scales is None else region.pair_scales(cos_k.shape[-1] // 2, module.layer_idx)
         if scales is not None:  # DPE: every rotary pair at its own scale
@@ -810,7 +835,15 @@ def _region_queries_and_keys(module, state: AttentionState, plan: ForwardPlan, q
                     plan, host, plain_key, name, scales, lambda G, r=key_rule: r(new_positions, G), layer_type
                 )
             else:
-                cos, sin = _rotary_entry(plan, host, plain_key, name, lambda r=key_rule: r(new_positions), layer_type)
+                cos, sin = _rotary_entry(
+                    plan,
+                    host,
+                    plain_key,
+                    name,
+                    lambda r=key_rule: r(new_positions),
+                    layer_type,
+                    region.interpolated_keys,
+                )
                 new = apply_rotation(plain_key, cos, sin)
             rotated[key_rule] = (index, new.to(key.dtype))
         key_slots.append(rotated[key_rule][0])
@@ -820,7 +853,7 @@ def _region_queries_and_keys(module, state: AttentionState, plan: ForwardPlan, q
     else:
         rotated_keys = new_keys
         if layer is not None and new_keys:
-            KeptKeys.keep(layer, state, new_keys, positions, key)
+            KeptKeys.keep(layer, state, new_keys, positions, key, region_names)
     keys = [key if slot is None else rotated_keys[slot] for slot in key_slots]
     return queries, keys
 
@@ -844,7 +877,8 @@ class KeptKeys:
       model's pre-forward hook; DynamicCache replaces that tensor on every update, crop, reorder and batch
       change, so keys changed in place behind the cache's back are not noticed);
     - this forward adds its q_len keys right after the kept ones, which sit at the same positions as before;
-    - the same method settings, rotary frequencies, dtype, device and shape.
+    - the same method settings, rotary frequencies, dtype, device and shape, and the same regions (GALI adds a
+      region each time the length passes a group boundary; its keys are then all rotated afresh once).
     They go with the cache. Memory: one more copy of the layer's keys per key rule, plus an eighth to grow into.
     """
 
@@ -864,13 +898,13 @@ class KeptKeys:
         return *_rotary_identity(host.rotary_emb), key.dtype, key.device, key.shape[0], key.shape[1], key.shape[3]
 
     @classmethod
-    def keep(cls, layer, state: AttentionState, rotated: dict, positions: torch.Tensor, key: torch.Tensor):
-        kept = cls(state.settings, cls._signature(state.host, key), rotated)
+    def keep(cls, layer, state: AttentionState, rotated: dict, positions: torch.Tensor, key: torch.Tensor, regions):
+        kept = cls(state.settings, (*cls._signature(state.host, key), regions), rotated)
         kept._made_with(positions, key)
         layer.__dict__[cls.ATTRIBUTE] = kept
 
     @classmethod
-    def reusable(cls, layer, state: AttentionState, key: torch.Tensor, positions: torch.Tensor, q_len: int):
+    def reusable(cls, layer, state: AttentionState, key: torch.Tensor, positions: torch.Tensor, q_len: int, regions):
         """The layer's kept keys if this forward may extend them, else None."""
         kept = None if layer is None else layer.__dict__.get(cls.ATTRIBUTE)
         if kept is None:
@@ -879,7 +913,7 @@ class KeptKeys:
         done = key.shape[2] - q_len
         if not usable or kept.length != done or done == 0 or kept.settings is not state.settings:
             return None
-        if kept.signature != cls._signature(state.host, key):
+        if kept.signature != (*cls._signature(state.host, key), regions):  # GALI's regions follow the length
             return None
         if kept.positions.shape[0] != positions.shape[0] or not torch.equal(kept.positions, positions[:, :done]):
             return None

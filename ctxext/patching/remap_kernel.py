@@ -110,11 +110,13 @@ class RegionPlan:
 
 
 def bound_jumps(key_lo: torch.Tensor, key_hi: torch.Tensor) -> list[int]:
-    """Rows where some region's bounds jump (move back, or on by more than one key), e.g. a chunk boundary."""
+    """Rows where some region's bounds jump (move back, or on by more than two keys), e.g. a chunk boundary.
+
+    Bounds that advance steadily do not jump: one key per row (a band), or up to two (GALI's far edge)."""
     if key_lo.shape[1] < 2:
         return []
     steps = torch.cat((key_lo.diff(dim=1), key_hi.diff(dim=1)))
-    jumps = ((steps < 0) | (steps > 1)).any(0)
+    jumps = ((steps < 0) | (steps > 2)).any(0)
     return (jumps.nonzero().flatten() + 1).tolist()
 
 
