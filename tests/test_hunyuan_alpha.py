@@ -63,3 +63,14 @@ def test_linear_scales_the_shipped_frequencies(model):
     finally:
         ctxext.unpatch(model)
     torch.testing.assert_close(model.model.rotary_emb.inv_freq, own, rtol=0, atol=0)
+
+
+def test_the_wavelengths_reported_are_the_shipped_frequencies(model):
+    """What eval's notes and the dpe pair report call each pair's wavelength: 2 pi / transformers' own inv_freq."""
+    import math
+
+    from ctxext.patching.families import rotary_wavelengths
+
+    own = model.model.rotary_emb.inv_freq.double()
+    reported = torch.tensor(rotary_wavelengths(model), dtype=torch.float64)
+    torch.testing.assert_close(reported, 2 * math.pi / own, rtol=1e-5, atol=0)

@@ -356,10 +356,11 @@ def rotary_wavelengths(model: nn.Module) -> list[float] | None:
     from ..methods.frequency import rope_inv_freq
 
     config = _unwrap(model).config
-    base = rope_parameters_of(config).get("rope_theta")
-    if base is None:
+    rope_parameters = rope_parameters_of(config)
+    if rope_parameters.get("rope_theta") is None:
         return None
-    return (2 * math.pi / rope_inv_freq(rotary_dim(config), float(base)).double()).tolist()
+    dim = rotary_dim(config)
+    return (2 * math.pi / rope_inv_freq(dim, shipped_base(rope_parameters, dim)).double()).tolist()
 
 
 # ------------------------------------------------------------------------- multi-head latent attention
