@@ -278,3 +278,278 @@ def test_full_searches_write_the_page_layout_and_a_report_only_run_rebuilds_it(t
     run_compare(replace(asked, report_only=True, page=tmp_path / "again.md"))
     assert page_numbers((tmp_path / "again.md").read_text()) == first
     assert sorted(p.name for p in (cache / "cells").iterdir()) == cells  # nothing computed again
+
+
+# --------------------------------------------------------------------------------- killed mid-search
+HOLD_AT = 14  # the searches' 14th forward: the screen takes 3 trials of 3 forwards, so this one is inside rung 1
+
+
+def trials_by_study(cache: Path) -> dict[str, list[dict]]:
+    from ctxext.compare.searches import read_history
+
+    return {f.name: read_history(f) for f in sorted((cache / "searches").iterdir()) if f.is_dir()}
+
+
+def without_seconds(studies: dict) -> dict:
+    return {name: [{k: v for k, v in t.items() if k != "seconds"} for t in h] for name, h in studies.items()}
+
+
+@pytest.mark.slow  # `make test-slow`: CI's second step
+def test_a_compare_killed_inside_a_search_trial_resumes_to_the_table_of_an_uninterrupted_run(
+    tiny, tmp_path, one_torch_thread
+):
+    """SIGKILL while a successive-halving rung's trial runs (the process holds inside a forward pass of the search,
+    $CTXEXT_COMPARE_HOLD_IN_SEARCH, and is killed there); the same command then finishes with the uninterrupted
+    run's table and the same trials, keeping the ones finished before the kill as they were."""
+    import signal
+    import time
+
+    from ctxext.compare.searches import HOLD_ENV
+
+    methods = "yarn,rerope,self_extend"
+    whole = tmp_path / "whole"
+    run_compare(request(tiny, "llama", whole, methods=methods.split(","), trials=4))
+    expected = trials_by_study(whole)
+    total, screened = sum(map(len, expected.values())), len(expected)  # the screen: trial 0 of each study
+
+    out, marker = tmp_path / "resumed", tmp_path / "held"
+    args = [str(tiny["models"]["llama"]), "--lengths", "128", "--text-file", str(tiny["docs"]), "--methods", methods,
+            "--held-out-docs", "2", "--trials", "4", "--device", "cpu", "--dtype", "fp32", "--no-progress",
+            "-o", str(out)]  # fmt: skip
+    log = (tmp_path / "held.log").open("w")
+    held = subprocess.Popen(
+        [sys.executable, "-m", "ctxext", "compare", *args],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", HOLD_ENV: f"{HOLD_AT}:{marker}"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 300
+    while not marker.exists():  # written by the held process, which then waits inside the forward
+        assert held.poll() is None, (tmp_path / "held.log").read_text()[-2000:]
+        assert time.monotonic() < deadline, "the compare never reached the search's forward pass"
+        time.sleep(0.05)
+    os.kill(held.pid, signal.SIGKILL)
+    assert held.wait(timeout=60) == -signal.SIGKILL
+    log.close()
+    kept = trials_by_study(out)
+    finished = sum(map(len, kept.values()))
+    assert screened < finished < total, (finished, total)  # killed inside the rungs, with trials left to run
+
+    resumed = cli(*args)
+    _, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-2000:]
+    assert table(out) == table(whole)
+    final = trials_by_study(out)
+    assert without_seconds(final) == without_seconds(expected)  # the same trials, the interrupted one run again
+    for name, before in kept.items():
+        assert final[name][: len(before)] == before  # the finished ones kept, not recomputed (their seconds too)
+
+
+# ------------------------------------------------------------------------------- the effective length
+def table_columns(report: str) -> dict[str, dict[str, str]]:
+    """report.md's main table: row label -> column name -> cell text."""
+    lines = report.split("## Table", 1)[1].strip().splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = dict(zip(header, cells))
+    return rows
+
+
+def plant_passkey(cells: Path, accuracy: dict) -> None:
+    """Set the passkey cells of (method, length) to `accuracy` correct answers: what a model that finds the key
+    would have given (a random tiny model never does)."""
+    for path in cells.glob("*.json"):
+        record = json.loads(path.read_text())
+        key = record["key"]
+        wanted = accuracy.get((key["config"]["method"], key["length"])) if key["kind"] == "passkey" else None
+        if wanted is not None:
+            for i, trial in enumerate(record["records"]):
+                trial["correct"] = i < wanted
+            path.write_text(json.dumps({**record, "correct": wanted}))
+
+
+def test_the_effective_length_is_a_column_of_the_table_and_the_csv_under_its_rule(tmp_path, one_torch_thread):
+    """With passkey cells of a model that finds the key, the report's effective-length column (and the CSV's) is
+    the longest passkey length whose accuracy is at least 85% of the unpatched model's at L, recomputed here from
+    the planted accuracies; the rule is stated once under the table; a missing passkey cell makes it pending."""
+    import csv
+    from dataclasses import replace
+
+    model = save_tiny_checkpoint(tmp_path / "m", tiny_model("llama", seed=1, max_position_embeddings=128))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name in "abc":
+        (docs / f"{name}.txt").write_text(" ".join(f"w{(i * 7 + ord(name)) % 256}" for i in range(400)))
+    asked = CompareRequest(
+        model=str(model),
+        lengths=[256],
+        output=tmp_path / "out",
+        data=DataOptions(text_files=[str(docs)]),
+        methods=["yarn", "rerope"],
+        held_out_docs=2,
+        search=False,
+        runtime=RuntimeOptions(device="cpu", dtype="fp32", progress=False),
+    )
+    run_compare(asked)
+    accuracy = {("none", 128): 3, ("none", 256): 1, ("yarn", 256): 3, ("rerope", 256): 2}  # of 3 keys each
+    plant_passkey(tmp_path / "out" / "cells", accuracy)
+    results = run_compare(replace(asked, report_only=True)).results
+
+    threshold = 0.85 * accuracy[("none", 128)] / 3
+    oracle = {
+        label: max((n for (m, n), c in accuracy.items() if m == label and c / 3 >= threshold), default=None)
+        for label in ("none", "yarn", "rerope")
+    }
+    assert oracle == {"none": 128, "yarn": 256, "rerope": None}
+    assert {r["label"]: r["effective_length"] for r in results["rows"]} == oracle
+    report = (tmp_path / "out" / "report.md").read_text()
+    shown = {label: row["effective length"] for label, row in table_columns(report).items()}
+    assert shown == {"**native** (unpatched, L-token windows)": "-", "none": "128", "yarn": "256", "rerope": "< 256"}
+    rules = [line for line in report.splitlines() if line.startswith("Effective length: ")]
+    assert len(rules) == 1 and "at least 85% of the unpatched model's score at the shortest length" in rules[0]
+    assert "threshold 0.85" in rules[0] and "1.00 at 128" in rules[0]
+    with open(tmp_path / "out" / "results.csv", newline="") as f:
+        assert {r["label"]: r["effective_length"] for r in csv.DictReader(f)} == {
+            "none": "128", "yarn": "256", "rerope": ""
+        }  # fmt: skip
+
+    for path in (tmp_path / "out" / "cells").glob("*.json"):  # rerope's passkey cell at 256 goes missing
+        key = json.loads(path.read_text())["key"]
+        if key["kind"] == "passkey" and key["config"]["method"] == "rerope":
+            path.unlink()
+    results = run_compare(replace(asked, report_only=True)).results
+    assert {r["label"]: r["effective_length"] for r in results["rows"]} == {**oracle, "rerope": "pending"}
+    assert table_columns((tmp_path / "out" / "report.md").read_text())["rerope"]["effective length"] == "..."
+
+
+# ------------------------------------------------------------------------------------------ --tasks
+def test_tasks_without_lm_eval_or_with_a_bad_limit_is_one_line_exit_2(tiny, tmp_path, capsys, monkeypatch):
+    from ctxext.cli import main
+
+    base = ["compare", str(tiny["models"]["llama"]), "--lengths", "128", "--text-file", str(tiny["docs"])]
+    cases = {
+        "--task-limit must be at least 1, got 0": ["--tasks", "niah_single_1", "--task-limit", "0"],
+        "--task-limit limits the samples of --tasks; give --tasks too": ["--task-limit", "2"],
+        "--tasks needs lm-evaluation-harness, which is not installed; install it with: pip install": [
+            "--tasks", "niah_single_1"],
+    }  # fmt: skip
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` fails as if it were not installed
+    for i, (message, args) in enumerate(cases.items()):
+        assert main([*base, *args, "-o", str(tmp_path / f"out{i}"), "--device", "cpu"]) == 2, message
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("ctxext compare: error: ") and message in lines[0], lines
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow  # `make test-slow`: CI's second step (lm-eval's task index alone takes 5-25 s)
+def test_tasks_give_each_row_lm_evals_own_scores_and_answers_at_each_length(
+    tmp_path, smollm2_path, monkeypatch, capsys, one_torch_thread
+):
+    """--tasks niah_single_1: each row at each length through `ctxext tasks`' cells gives what lm-eval gives on
+    HFLM over the model patched with `ctxext.patch` (same prompts, same answers, the score their mean), as a column
+    of the table, the JSON and the CSV; a report-only run reads the cells back without lm-eval; bad task input is
+    one line, exit 2."""
+    import csv
+    import random
+    from dataclasses import replace
+
+    pytest.importorskip("lm_eval")
+    import lm_eval
+    import lm_eval.tasks
+    from lm_eval.tasks import TaskManager
+
+    from ctxext.cli import main
+    from tests.test_tasks import save_ruler_llama
+
+    length, limit = 1024, 2
+    checkpoint = save_ruler_llama(tmp_path / "ruler", smollm2_path, 512, attention_std=0.3)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    rng = random.Random(0)
+    words = ("the", "king", "said", "a", "man", "of", "city", "would", "ride", "north", "to", "see", "his", "sea")
+    for name in "ab":
+        (docs / f"{name}.txt").write_text(" ".join(rng.choice(words) for _ in range(1600)))
+    asked = CompareRequest(
+        model=str(checkpoint),
+        lengths=[length],
+        output=tmp_path / "out",
+        data=DataOptions(text_files=[str(docs)]),
+        methods=["yarn"],
+        held_out_docs=1,
+        search=False,
+        passkey_lengths=[length],
+        tasks=["niah_single_1"],
+        task_limit=limit,
+        runtime=RuntimeOptions(device="cpu", dtype="fp32", progress=False),
+    )
+    results = run_compare(asked).results
+    assert results["failed"] == {} and results["missing"] == []
+    assert results["tasks"]["columns"] == ["niah_single_1"]
+
+    manager = TaskManager(  # lm-eval's own, indexing RULER's folder only, with what simple_evaluate(metadata=) sets
+        include_defaults=False,
+        include_path=str(Path(lm_eval.tasks.__file__).parent / "ruler"),
+        metadata={"max_seq_lengths": [length], "tokenizer": str(checkpoint), "pretrained": str(checkpoint)},
+    )
+    cells = [json.loads(p.read_text()) for p in (tmp_path / "out" / "tasks").glob("*.json")]
+    answers = {}
+    for label, method in (("none", None), ("yarn", "yarn")):
+        reference = lm_eval_answers(checkpoint, method, length, limit, manager)
+        (cell,) = [c for c in cells if (c["key"]["method"].get("method") or "none") == (method or "none")]
+        samples = cell["result"]["samples"]["niah_single_1"]
+        assert [(s["prompt_hash"], s["response"]) for s in samples] == [
+            (want["prompt_hash"], want["filtered_resps"][0]) for want in reference
+        ]  # the same prompts, the same answers
+        row = next(r for r in results["rows"] if r["label"] == label)
+        expected = sum(want[str(length)] for want in reference) / limit
+        assert row["tasks"] == {str(length): {"niah_single_1": pytest.approx(expected)}}
+        answers[label] = [s["response"] for s in samples]
+    assert answers["none"] != answers["yarn"]  # each row's patch reached the model lm-eval ran
+
+    shown = table_columns((tmp_path / "out" / "report.md").read_text())
+    assert shown["yarn"]["niah_single_1 1k"] == f"{results['rows'][1]['tasks']['1024']['niah_single_1']:.3f}"
+    with open(tmp_path / "out" / "results.csv", newline="") as f:
+        assert [float(r["niah_single_1"]) for r in csv.DictReader(f)] == [
+            r["tasks"]["1024"]["niah_single_1"] for r in results["rows"]
+        ]
+
+    def not_called(*args, **kwargs):
+        raise AssertionError("a kept task cell ran again")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", not_called)
+    again = run_compare(replace(asked, report_only=True)).results
+    assert [r["tasks"] for r in again["rows"]] == [r["tasks"] for r in results["rows"]]
+
+    base = ["compare", str(checkpoint), "--text-file", str(docs), "--device", "cpu", "--no-search"]
+    cases = {
+        "unknown lm-eval task 'niah_singel_1' (did you mean 'niah_single_1'?)": [
+            "--lengths", "1024", "--tasks", "niah_singel_1"],
+        "RULER tasks (niah_single_1) need --lengths of at least 1024": ["--lengths", "768", "--tasks", "niah_single_1"],
+    }  # fmt: skip
+    for i, (message, args) in enumerate(cases.items()):
+        capsys.readouterr()  # what the runs above wrote
+        code = main([*base, *args, "-o", str(tmp_path / f"bad{i}")])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and message in lines[0], lines
+        assert not (tmp_path / f"bad{i}").exists()
+
+
+def lm_eval_answers(checkpoint, method: str | None, length: int, limit: int, manager) -> list[dict]:
+    """lm-eval's samples of niah_single_1 on HFLM over the checkpoint, patched with ctxext.patch (x2) or not."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import ctxext
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    if method is not None:
+        ctxext.patch(model, method, factor=2)
+    lm = HFLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(checkpoint), max_length=length + 256)
+    out = lm_eval.simple_evaluate(model=lm, tasks=["niah_single_1"], limit=limit, task_manager=manager)
+    return sorted(out["samples"]["niah_single_1"], key=lambda s: int(s["doc_id"]))

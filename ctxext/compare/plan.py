@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..errors import CtxextError
 from .request import NEEDS_FINE_TUNING, PRESETS, CompareRequest, format_seconds, parse_write_best
+from .tasks import check_tasks
 
 NONE = "none"  # the unpatched model at each length: a row of every table (and the cost reference)
 EFFICIENCY = 0.5  # the share of a matmul's FLOP/s a forward pass is assumed to reach, for the --budget estimate
@@ -40,6 +41,7 @@ class ComparePlan:
     passkey_lengths: list[int]
     write_best: tuple[str, Path] | None
     estimate: dict = field(default_factory=dict)  # seconds: screen, forward at each length, how estimated
+    task_specs: list = field(default_factory=list)  # --tasks as lm-eval knows them (ctxext.tasks.harness.TaskSpec)
 
     @property
     def searchable(self) -> list[str]:
@@ -296,6 +298,10 @@ def check_request(request: CompareRequest) -> None:
         raise CtxextError("--write-best needs -o/--output (the recommendation's method file is written there)")
     if request.output is None and request.cache is None:
         raise CtxextError("--page without -o/--output: give --cache, where the cells and searches are kept")
+    if request.task_limit is not None and request.task_limit < 1:
+        raise CtxextError(f"--task-limit must be at least 1, got {request.task_limit}")
+    if request.task_limit is not None and not request.tasks:
+        raise CtxextError("--task-limit limits the samples of --tasks; give --tasks too")
     if request.page is not None and Path(request.page).suffix != ".md":
         raise CtxextError(
             f"--page must name a .md file (its .json and .png are written beside it), got '{request.page}'"
@@ -376,6 +382,7 @@ def plan_compare(request: CompareRequest, measure=measured_flops) -> ComparePlan
     rope = dict(getattr(model_config, "rope_parameters", None) or {})
     base = float(rope.get("rope_theta", getattr(model_config, "rope_theta", 10000.0)))
     methods, excluded = select_methods(request.methods, model_config, lengths, L, dim, base)
+    task_specs = check_tasks(request.tasks, lengths) if request.tasks is not None else []
     tokenizer = load_tokenizer(request.model)
     bos_id, _ = bos_choice(request.runtime.bos, tokenizer)
     documents = request.data.load(tokenizer)
@@ -417,6 +424,7 @@ def plan_compare(request: CompareRequest, measure=measured_flops) -> ComparePlan
         fingerprint=model_fingerprint(request.model),
         passkey_lengths=sorted(set(request.passkey_lengths)) if request.passkey_lengths else [L, *lengths],
         write_best=write_best,
+        task_specs=task_specs,
     )
     plan.estimate = estimate_screen(plan, measure(runtime["device"], runtime["dtype"]))
     if request.budget is not None and not request.report_only and plan.estimate["screen_seconds"] > request.budget:

@@ -149,6 +149,68 @@ def effective_lengths(measured, labels: list[str], lengths: list[int]) -> dict |
     return {**panel, "pending": pending}
 
 
+def effective_length_of(effective: dict | None, label: str) -> int | str | None:
+    """A row's effective length: a number of tokens, 'pending' while a passkey cell it needs is missing, or None
+    (no length tested passes, or no baseline to measure against)."""
+    if effective is None:
+        return None
+    if label in effective["pending"]:
+        return "pending"
+    return effective["effective_length"].get(label)
+
+
+def effective_rule(effective: dict | None, L: int) -> str:
+    """The rule of the effective-length column, as `ctxext.tasks.report.effective_lengths` computes it, with what
+    it was measured against here."""
+    from ..tasks.report import EFFECTIVE_RULE, EFFECTIVE_SHARE
+
+    rule = f"{EFFECTIVE_RULE[0].upper()}{EFFECTIVE_RULE[1:]}, here passkey accuracy at the passkey lengths"
+    if effective is None:
+        return rule + (
+            ": not measured (it needs passkey at two lengths or more, and the unpatched model's at the shortest; "
+            f"by default L = {L} and every length)."
+        )
+    if effective["threshold"] is None:
+        return rule + f": not measured ({effective['note']})."
+    return rule + (
+        f" (threshold {effective['threshold']:.2f}: {EFFECTIVE_SHARE:.0%} of the unpatched model's "
+        f"{effective['baseline']:.2f} at {effective['baseline_length']}); '<' where no length tested passes, '...' "
+        "while a passkey cell is missing."
+    )
+
+
+def task_column(task: str, metric: str) -> str:
+    """A task score's column name: the task for RULER's score (and any metric named 'score'), else task metric."""
+    return task if metric == "score" else f"{task} {metric}"
+
+
+def task_scores_of(measured, label: str, lengths: list[int]) -> dict:
+    """length -> {column: lm-eval's value} of a row's task cells (--tasks); empty without them."""
+    scores = {}
+    for n in lengths:
+        for score in measured.tasks.get((label, n), []):
+            scores.setdefault(str(n), {})[task_column(score["task"], score["metric"])] = score["value"]
+    return scores
+
+
+def tasks_record(session) -> dict | None:
+    """What --tasks ran (None without it): the tasks, the columns the rows carry, the samples and the protocol."""
+    request = session.request
+    if not request.tasks:
+        return None
+    columns = list(
+        dict.fromkeys(task_column(s["task"], s["metric"]) for scores in session.measured.tasks.values() for s in scores)
+    )
+    return {
+        "tasks": list(request.tasks),
+        "columns": columns,
+        "limit": request.task_limit,
+        "protocol": "each row's configuration at each length through `ctxext tasks`' cells (lm_eval.simple_evaluate "
+        "on HFLM over the patched model, the task's length in its metadata, the model's tokenizer; lm-eval's own "
+        "values, RULER: the fraction of answers found); reported, not ranked",
+    }
+
+
 def slug(label: str) -> str:
     return re.sub(r"[^a-z0-9_]+", "-", label.lower()).strip("-")
 
@@ -207,7 +269,7 @@ def report_results(session, rows, written: Path | None = None) -> dict:
             "method_file": str(method_file),
             "commands": serve_commands(target, session.request.model, str(method_file), longest, written_name),
         }
-    effective = effective_lengths(measured, [r.label for r in rows], [plan.L, *lengths])
+    effective = effective_lengths(measured, [r.label for r in rows], plan.passkey_lengths)
     results = {
         "protocol": protocol(session),
         "model": {
@@ -223,11 +285,20 @@ def report_results(session, rows, written: Path | None = None) -> dict:
         "excluded": plan.excluded,
         "failed": measured.failed,
         "native": {str(n): table[n]["native"] for n in lengths},
-        "rows": [row_record(r, table, measured, serving, costs, lengths, plan.L, baseline) for r in rows],
+        "rows": [
+            {
+                **row_record(r, table, measured, serving, costs, lengths, plan.L, baseline),
+                "effective_length": effective_length_of(effective, r.label),
+                "tasks": task_scores_of(measured, r.label, lengths),
+            }
+            for r in rows
+        ],
         "ranking": [r.label for r in ranked],
         "ranking_rule": RANKING_RULE,
         "recommendations": recommendations,
         "effective_length": effective,
+        "effective_length_rule": effective_rule(effective, plan.L),
+        "tasks": tasks_record(session),
         "searches": {str(n): v for n, v in session.halving.items()},
         "pruning_rule": pruning_rule(session),
         "budget": budget_record(session),
@@ -343,6 +414,9 @@ def budget_record(session) -> dict:
 
 # -------------------------------------------------------------------------------------------- formats
 def results_csv(results: dict) -> str:
+    """One line per row and length; the effective length (the row's, on each of its lines) and the --tasks scores
+    (a column each) after the cost."""
+    columns = (results["tasks"] or {}).get("columns", [])
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(
@@ -362,17 +436,21 @@ def results_csv(results: dict) -> str:
             "llama.cpp",
             "prefill_ratio",
             "memory_ratio",
+            "effective_length",
+            *columns,
         ]
     )
     for row in results["rows"]:
         for n in results["lengths"]:
             passkey = row["passkey"].get(str(n)) or {}
             cost = row["cost"] or {}
+            scores = row["tasks"].get(str(n), {})
             writer.writerow([
                 row["label"], row["method"], row["kind"], n, row["perplexity"][str(n)], row["ratio"][str(n)],
                 row["rank"][str(n)], passkey.get("correct"), passkey.get("trials"), row["tier"],
                 *[row["serving"].get(e, {}).get("level") for e in ("vllm", "sglang", "llama.cpp")],
-                cost.get("prefill_ratio"), cost.get("memory_ratio"),
+                cost.get("prefill_ratio"), cost.get("memory_ratio"), row["effective_length"],
+                *[scores.get(c) for c in columns],
             ])  # fmt: skip
     return buffer.getvalue()
 
@@ -467,16 +545,20 @@ def markdown(results: dict, plan) -> str:
 def table_lines(results: dict) -> list[str]:
     lengths = results["lengths"]
     header = "| method | parameters |" + "".join(f" {_k(n)} ppl | rank | vs native |" for n in lengths)
-    header += (
-        "".join(f" passkey {_k(n)} |" for n in lengths) + " needle | vLLM | SGLang | llama.cpp | prefill | memory |"
-    )
-    rule = "|---|---|" + "---:|---:|---:|" * len(lengths) + "---:|" * len(lengths) + "---|---|---|---|---:|---:|"
+    columns = (results["tasks"] or {}).get("columns", [])
+    tasks = [(c, n) for c in columns for n in lengths]
+    header += "".join(f" passkey {_k(n)} |" for n in lengths) + " effective length |"
+    header += "".join(f" {c} {_k(n)} |" for c, n in tasks)
+    header += " needle | vLLM | SGLang | llama.cpp | prefill | memory |"
+    rule = "|---|---|" + "---:|---:|---:|" * len(lengths) + "---:|" * (len(lengths) + 1 + len(tasks))
+    rule += "---|---|---|---|---:|---:|"
     lines = ["## Table", "", header, rule]
     native = "| **native** (unpatched, L-token windows) | - |"
     for n in lengths:
         value = results["native"][str(n)]
         native += f" {value:.2f} | - | 1.00 |" if value else " ... | - | - |"
-    lines.append(native + " - |" * len(lengths) + " - |" * 6)
+    lines.append(native + " - |" * (len(lengths) + 1 + len(tasks)) + " - |" * 6)
+    shortest_passkey = min((n for n in results["protocol"]["passkey"]["lengths"] if n in lengths), default=None)
     for row in results["rows"]:
         params = row["note"] or ("searched (below)" if row["kind"] == "searched" else "defaults")
         line = f"| {row['label']} | {params} |"
@@ -490,6 +572,10 @@ def table_lines(results: dict) -> list[str]:
             cell = row["passkey"].get(str(n))
             asked = n in results["protocol"]["passkey"]["lengths"]
             line += f" {cell['correct']}/{cell['trials']} |" if cell else " ... |" if asked else " - |"
+        line += f" {effective_cell(row['effective_length'], results['effective_length'], shortest_passkey)} |"
+        for column, n in tasks:
+            value = row["tasks"].get(str(n), {}).get(column)
+            line += f" {value:.3f} |" if value is not None else " ... |" if row["configs"][str(n)] else " - |"
         serving = row["serving"]
         cost = row["cost"] or {}
         prefill = f"{cost['prefill_ratio']:.2f}x" if cost.get("prefill_ratio") else "-"
@@ -498,6 +584,11 @@ def table_lines(results: dict) -> list[str]:
             f" {serving.get(e, {}).get('level', '-')} |" for e in ("vllm", "sglang", "llama.cpp")
         )
         lines.append(line + f" {prefill} | {memory} |")
+    lines += ["", results["effective_length_rule"]]
+    if results["tasks"]:
+        record = results["tasks"]
+        samples = "all samples" if record["limit"] is None else f"the first {record['limit']} samples"
+        lines += ["", f"Tasks (--tasks {','.join(record['tasks'])}, {samples} per cell): {record['protocol']}."]
     lines += ["", "Searched parameters (at each length):", ""]
     for row in results["rows"]:
         for n, info in row["search"].items():
@@ -510,6 +601,18 @@ def table_lines(results: dict) -> list[str]:
                     f"{info['calibration_best']:.3f})"
                 )
     return lines
+
+
+def effective_cell(found, effective: dict | None, shortest_passkey: int | None) -> str:
+    """The effective-length column of a row: its length, '...' while pending, '<' the shortest patched passkey
+    length where none passes, '-' where it is not measured (no baseline)."""
+    if found == "pending":
+        return "..."
+    if found is not None:
+        return _k(found)
+    if effective is None or effective["threshold"] is None or shortest_passkey is None:
+        return "-"
+    return f"< {_k(shortest_passkey)}"
 
 
 def search_lines(results: dict) -> list[str]:

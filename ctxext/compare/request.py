@@ -69,6 +69,8 @@ class CompareRequest:
     passkey_lengths: list[int] | None = None  # None: L (the unpatched model only) and every length
     page: str | Path | None = None  # also write the one-page layout (PAGE, its .json and .png) of docs/comparison.md
     model_name: str | None = None  # how the report names the model (None: the checkpoint's folder name)
+    tasks: list[str] | None = None  # lm-eval tasks run per row and length (RULER: niah_single_1, ...); needs lm-eval
+    task_limit: int | None = None  # samples per task cell (lm-eval's --limit: the first N; None: all of them)
 
     @property
     def cache_dir(self) -> Path:

@@ -15,8 +15,11 @@ into the same decisions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +27,7 @@ from pathlib import Path
 from ..errors import CtxextError
 from ..eval.setup import DataOptions, RuntimeOptions
 
+HOLD_ENV = "CTXEXT_COMPARE_HOLD_IN_SEARCH"  # tests only: "N:FILE", held (to be killed) in a search's N-th forward
 SEARCH_SEEDS = {"ppl": 0}  # the needle objectives use seed 1: other keys than the table's passkey (seed 0)
 NEEDLE_SEED = 1
 
@@ -133,6 +137,29 @@ def searched_config(folder: Path) -> tuple[dict | None, dict | None]:
     return config, info
 
 
+@contextlib.contextmanager
+def held_in_forward(model, forwards: list[int]):
+    """Tests only ($CTXEXT_COMPARE_HOLD_IN_SEARCH=N:FILE): at the N-th forward pass of this process's searches
+    (`forwards` counts them across searches), write FILE and wait there, inside a running trial, to be killed."""
+    spec = os.environ.get(HOLD_ENV)
+    if not spec:
+        yield
+        return
+    at, _, marker = spec.partition(":")
+
+    def count(module, args):
+        forwards[0] += 1
+        if forwards[0] == int(at):
+            Path(marker).write_text(str(os.getpid()))
+            threading.Event().wait()  # until killed
+
+    handle = model.register_forward_pre_hook(count)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 @dataclass
 class StudyRunner:
     """Runs (or, report-only, reads) the searches of one compare on its loaded model."""
@@ -143,6 +170,7 @@ class StudyRunner:
     compute: bool = True
     log: Callable[[str], None] = lambda line: None
     ran: list = field(default_factory=list)
+    forwards: list = field(default_factory=lambda: [0])  # the searches' forward passes so far (HOLD_ENV)
 
     def folder(self, method: str, length: int, screen: bool, objective: str | None = None) -> Path:
         return search_folder(self.root, method, length, objective or self.plan.request.objective, screen)
@@ -212,7 +240,9 @@ class StudyRunner:
             write_json(model_file(folder), {"model_fingerprint": self.plan.fingerprint})
         request = self.request(method, length, trials, screen, objective)
         self.log(f"search: {method} at {length}, {trials} trials ({request.objective})")
-        result = run_search(request, model=self.model_loader())
+        model = self.model_loader()
+        with held_in_forward(model, self.forwards):
+            result = run_search(request, model=model)
         self.ran.append(folder.name)
         return result.history
 

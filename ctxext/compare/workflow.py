@@ -2,7 +2,7 @@
 engine serves it; the library behind `ctxext compare`.
 
 plan (no weights) -> output directory -> the defaults table (native, every method at its defaults: held-out
-perplexity and passkey) -> the screen and successive halving (ordinary `ctxext search` studies) -> the searched
+perplexity and passkey; --tasks: lm-eval's task scores) -> the screen and successive halving (ordinary `ctxext search` studies) -> the searched
 rows -> ranking, recommendation per serving target, cost -> report.md, results.json, results.csv, plots (after
 every stage) -> --write-best. Every cell is kept as soon as it is computed; the same command resumes.
 """
@@ -36,11 +36,13 @@ class Row:
 
 @dataclass
 class Measurements:
-    """Every cell found so far: perplexity[(label, doc, length)], native[(doc, length)], passkey[(label, length)]."""
+    """Every cell found so far: perplexity[(label, doc, length)], native[(doc, length)], passkey[(label, length)],
+    tasks[(label, length)]."""
 
     perplexity: dict = field(default_factory=dict)
     native: dict = field(default_factory=dict)
     passkey: dict = field(default_factory=dict)
+    tasks: dict = field(default_factory=dict)  # (label, length) -> --tasks score rows (task, metric, value, ...)
     failed: dict = field(default_factory=dict)  # label -> why its cells cannot be computed here
     missing: list = field(default_factory=list)
 
@@ -268,6 +270,13 @@ class Session:
                 self.progress.close()
             self.progress = None
 
+    def stage_tasks(self, rows: list[Row]) -> None:
+        """--tasks: every row's lm-eval task cells at every length (found, or computed unless report-only)."""
+        from .tasks import run_task_cells
+
+        if self.plan.task_specs:
+            run_task_cells(self.plan, rows, self.load_model, self.compute, self.measured, self.log)
+
     def stage_full_searches(self) -> None:
         """Every --full-search kind's searches run to its trials, length by length (report-only: none)."""
         plan = self.plan
@@ -311,6 +320,7 @@ def run_compare(request: CompareRequest, log: Callable[[str], None] | None = Non
     defaults = session.default_rows()
     session.cells.on_computed = lambda what, record: say(f"  {what} ({record['seconds']:.1f} s)")
     session.stage_cells(defaults, with_native=True, what="defaults")
+    session.stage_tasks(defaults)
     searching = request.search and bool(plan.searchable)
     results = write_outputs(session, defaults, final=not searching)
     rows = defaults
@@ -318,6 +328,7 @@ def run_compare(request: CompareRequest, log: Callable[[str], None] | None = Non
         session.stage_searches()
         searched = session.searched_rows()
         session.stage_cells(searched, with_native=False, what="searched rows")
+        session.stage_tasks(searched)
         rows = defaults + searched
         results = write_outputs(session, rows)
     written = write_best(session, results) if plan.write_best else None
