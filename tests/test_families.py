@@ -22,6 +22,7 @@ import ctxext
 from ctxext import compat
 from ctxext.errors import CtxextError
 from ctxext.patching import rope_layout
+from ctxext.patching.families import attention_of, has_attention_sinks, value_head_dim
 from tests.family_models import L, build, rope_families
 
 FAMILIES = rope_families()
@@ -29,18 +30,10 @@ FAMILIES = rope_families()
 # shows up as an unexpected pass), and docs/guides/families.md lists them.
 KNOWN_DEFECTS = {
     ("static", "mimo_v2_flash"): "per-type frequencies differ from transformers' own for linear (partial rotary)",
-    ("static", "phi3"): "its rotary class reads longrope's mscale keys whatever the type",
-    ("static", "phimoe"): "its config accepts only longrope",
-    ("reload", "phi3"): "the yarn config ctxext writes does not load in the family (longrope keys expected)",
-    ("reload", "phimoe"): "its config accepts only longrope: the yarn checkpoint does not load",
+    ("static", "phimoe"): "its rotary class reads short_mscale/long_mscale whatever the rope type (KeyError)",
+    ("reload", "phi3"): "its config accepts only default and longrope: the yarn checkpoint does not save",
+    ("reload", "phimoe"): "its config needs short_mscale/long_mscale: the yarn checkpoint does not save",
     ("reload", "mimo_v2_flash"): "per-type frequencies differ from transformers' own",
-    ("reload", "granite_swa"): "yarn x4 leaves the logits unchanged past L on the tiny model: not understood yet",
-    ("reload", "granitemoe_swa"): "yarn x4 leaves the logits unchanged past L on the tiny model: not understood yet",
-    ("remap", "apertus"): "SelfExtend differs from the per-cell reference by about 1e-3",
-    ("remap", "apertus1p5_text"): "SelfExtend differs from the per-cell reference by about 1e-3",
-    ("remap", "lfm3"): "the reference cannot read its per-type rotary (test side)",
-    ("remap", "mimo_v2_flash"): "the reference cannot read its partial per-type rotary (test side)",
-    ("shipped", "phi3"): "its rotary class reads longrope's mscale keys whatever the type",
 }
 
 
@@ -75,6 +68,11 @@ def status(model_type: str) -> tuple[str, str]:
         notes.append("frequencies per layer type")
     if not all(layout.uses_rope[i] for i in range(len(layout.uses_rope)) if layout.attention[i]):
         notes.append("NoPE layers")
+    modules = [attention_of(layer) for layer in ctxext.patching.rotary_host(model).layers]
+    if any(has_attention_sinks(module) for module in modules):
+        notes.append("attention sinks (no remapping)")
+    if any(value_head_dim(module) for module in modules) and not layout.latent_attention:
+        notes.append("values of another head size (no remapping)")
     if layout.latent_attention:
         notes.append("multi-head latent attention (RoPE on its qk_rope_head_dim slice; no remapping)")
     elif partial:
@@ -184,26 +182,29 @@ def self_extend_relative(i, j):
     return torch.where(r < W, r, i // G - j // G + W - W // G)
 
 
-def _reference_attention(inner, touched, inv_freq_of, partial_dims):
+def _reference_attention(inner, touched, own_rotary_at, method_inv_freq_of):
     """An attention function: the family's own `inner` on untouched layers; on touched ones, every score from
-    the unrotated query turned by r'(i, j) per cell, dotted with the unrotated key, in float64."""
+    the unrotated query turned by r'(i, j) per cell, dotted with the unrotated key, in float64.
+
+    The model's own rotation is undone with its own (cos, sin) (`own_rotary_at(layer, n)`, whatever its rope type
+    and attention factor); the turn uses `method_inv_freq_of(layer)`, the frequencies a remapping method rotates
+    with: plain RoPE at the layer's base, since a patch replaces any scaling the model shipped with rather than
+    stacking on it (Apertus' llama3 x8, Ministral 3's yarn x16; as docs/METHODS.md says of DeepSeek's yarn x40)."""
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         if module.layer_idx not in touched:
             function = ALL_ATTENTION_FUNCTIONS.get_interface(inner, compat.family_eager_attention(module))
             return function(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        inv_freq = inv_freq_of(module.layer_idx).double()
-        rotary = partial_dims
+        inv_freq = method_inv_freq_of(module.layer_idx)
+        rotary = 2 * inv_freq.shape[0]
+        half = rotary // 2
         n = query.shape[2]
-        at = torch.arange(n).double()
-        angles = at[:, None] * inv_freq  # (n, d/2): the model's own rotation at position i
+        cos, sin = own_rotary_at(module.layer_idx, n)  # (n, rotary): the model's own rotation at position i
 
         def undo(x):
-            cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
             turned, kept = x[..., :rotary].double(), x[..., rotary:].double()
-            half = rotary // 2
-            back = turned * cos - torch.cat((-turned[..., half:], turned[..., :half]), -1) * sin
-            return back, kept
+            rotated_half = torch.cat((-turned[..., half:], turned[..., :half]), -1)
+            return (turned * cos - rotated_half * sin) / (cos * cos + sin * sin), kept
 
         (q, q_pass), (k, k_pass) = undo(query), undo(key)
         groups = q.shape[1] // k.shape[1]
@@ -212,7 +213,6 @@ def _reference_attention(inner, touched, inv_freq_of, partial_dims):
         i, j = torch.arange(n)[:, None], torch.arange(n)[None]
         r = self_extend_relative(i, j).double()[..., None] * inv_freq  # (n, n, d/2)
         cos, sin = torch.cat((r.cos(), r.cos()), -1), torch.cat((r.sin(), r.sin()), -1)
-        half = rotary // 2
         q_half = torch.cat((-q[..., half:], q[..., :half]), -1)
         q_turned = q[:, :, :, None] * cos + q_half[:, :, :, None] * sin  # (b, h, n, n, rotary)
         scores = (q_turned * k[:, :, None]).sum(-1) + q_pass @ k_pass.transpose(-1, -2)
@@ -262,14 +262,20 @@ def test_a_remapping_method_equals_the_per_cell_reference_on_the_layers_it_touch
 
         rotary = host.rotary_emb
 
-        def inv_freq_of(layer):
-            if layout.per_type_rotary:
-                return getattr(rotary, f"{layout.layer_types[layer]}_inv_freq")
-            return rotary.inv_freq
+        def key_of(layer):
+            return layout.layer_types[layer] if layout.per_type_rotary else None
 
-        dims = next(iter(layout.rotary_dims.values()))
+        def own_rotary_at(layer, n):
+            x, positions = torch.zeros(1, dtype=torch.float32), torch.arange(n)[None]
+            args = (x, positions) if key_of(layer) is None else (x, positions, key_of(layer))
+            return tuple(t[0].double() for t in rotary(*args))
+
+        def method_inv_freq_of(layer):
+            dim, base = layout.rotary_dims[key_of(layer)], layout.bases[key_of(layer)]
+            return 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+
         name = f"ctxext_test_reference_{family}"
-        AttentionInterface.register(name, _reference_attention(inner, touched, inv_freq_of, dims))
+        AttentionInterface.register(name, _reference_attention(inner, touched, own_rotary_at, method_inv_freq_of))
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
         model.set_attn_implementation(name)
         try:
@@ -277,6 +283,49 @@ def test_a_remapping_method_equals_the_per_cell_reference_on_the_layers_it_touch
         finally:
             model.set_attn_implementation(inner)
     torch.testing.assert_close(patched, reference, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------ one rotary module per base (Granite SWA)
+def granite_swa_with(layer_rope_theta):
+    """The tiny granite_swa model rebuilt with a base per layer (0: NoPE), its weights kept."""
+    from transformers import AutoConfig
+
+    model, _ = build("granite_swa")
+    values = {**model.config.to_dict(), "layer_rope_theta": layer_rope_theta}
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    rebuilt = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    rebuilt.load_state_dict(model.state_dict())
+    return rebuilt
+
+
+def test_granite_swa_nope_layer_stays_untouched_and_its_checkpoint_reloads(tmp_path):
+    """Granite SWA's layers read `rotary_embs` (one module per layer_rope_theta), never `rotary_emb`: yarn must
+    reach them (a reload by plain transformers is the oracle), and a layer of base 0 is NoPE."""
+    base = build("granite_swa")[0].config.rope_parameters["rope_theta"]
+    model = granite_swa_with([0, base])
+    assert rope_layout(model).uses_rope == (False, True)
+    tokens = _tokens()
+    with torch.no_grad():
+        before = model(tokens).logits
+        ctxext.patch(model, "yarn", factor=4.0)
+        patched = model(tokens).logits
+        model.save_pretrained(tmp_path)
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()(tokens).logits
+        ctxext.unpatch(model)
+        assert torch.equal(model(tokens).logits, before)
+    assert not torch.allclose(before, patched)
+    torch.testing.assert_close(reloaded, patched, atol=1e-5, rtol=1e-5)
+    with pytest.raises(CtxextError, match="attention sinks") as error:  # a remapping method would drop them
+        ctxext.patch(model, "self_extend", group_size=G, window=W)
+    assert "\n" not in str(error.value)
+
+
+def test_granite_swa_with_several_bases_is_one_line():
+    base = build("granite_swa")[0].config.rope_parameters["rope_theta"]
+    model = granite_swa_with([base, 10 * base])
+    with pytest.raises(CtxextError, match="several bases") as error:
+        ctxext.patch(model, "yarn", factor=4.0)
+    assert "\n" not in str(error.value)
 
 
 # ------------------------------------------------------------------------- layer types, recipes
@@ -393,6 +442,8 @@ def test_a_shipped_scaling_is_read_and_patching_again_scales_from_its_L_and_base
     base = float(values["rope_parameters"]["rope_theta"])
     values["rope_parameters"] = {**shipped, "rope_theta": base}
     values["max_position_embeddings"] = 4 * L
+    if "original_max_position_embeddings" in values:  # Phi-3 ships L at the top level too, and transformers reads it
+        values["original_max_position_embeddings"] = original
     config = AutoConfig.for_model(values.pop("model_type"), **values)
     scaled = AutoModelForCausalLM.from_config(config).eval()
     scaled.load_state_dict(model.state_dict())

@@ -223,6 +223,38 @@ def rotary_host(model: nn.Module) -> nn.Module:
     )
 
 
+def per_base_rotaries(host: nn.Module) -> nn.ModuleList | None:
+    """The rotary modules a model's layers read instead of `rotary_emb`, or None where they read `rotary_emb`.
+
+    Granite SWA (granite_swa, granitemoe_swa) builds `rotary_embs`, one rotary module per distinct non-zero
+    `config.layer_rope_theta`, and its forward never calls `rotary_emb` (transformers 5.24,
+    models/granite_swa/modeling_granite_swa.py, GraniteSWAModel.__init__ and forward). A patch must replace those.
+    """
+    modules = getattr(host, "rotary_embs", None)
+    return modules if isinstance(modules, nn.ModuleList) else None
+
+
+def _layer_bases(config, layer_count: int) -> tuple[float, ...]:
+    """Each layer's RoPE base where the model has one rotary module per base (`layer_rope_theta`, 0 for a NoPE
+    layer): one base shared by every RoPE layer, the config's rope_theta, is all ctxext patches there."""
+    name = getattr(config, "model_type", None) or type(config).__name__
+    bases = getattr(config, "layer_rope_theta", None)
+    if not bases or len(bases) < layer_count:
+        raise CtxextError(
+            f"this rotary module computes positions in its own way: {name} has one rotary module per base "
+            "('rotary_embs') but no base per layer ('layer_rope_theta')"
+        )
+    distinct = sorted({float(base) for base in bases[:layer_count] if base})
+    shared = float(rope_parameters_of(config).get("rope_theta") or 0)
+    if len(distinct) > 1 or (distinct and distinct[0] != shared):
+        listed = ", ".join(f"{base:g}" for base in distinct)
+        raise CtxextError(
+            f"{name} gives its layers RoPE of several bases (layer_rope_theta: {listed}; rope_theta {shared:g}), "
+            "one rotary module each, which ctxext does not patch yet"
+        )
+    return tuple(float(base) for base in bases[:layer_count])
+
+
 def _decoder_layers(host: nn.Module) -> list[nn.Module]:
     layers = getattr(host, "layers", None)
     return list(layers) if layers is not None else []
@@ -235,6 +267,19 @@ def attention_of(layer: nn.Module) -> nn.Module | None:
         if isinstance(module, nn.Module) and hasattr(module, "layer_idx"):
             return module
     return None
+
+
+def has_attention_sinks(module: nn.Module | None) -> bool:
+    """Whether an attention module adds learned per-head sinks to its softmax (`sinks`, passed to the attention
+    function as `s_aux`: gpt-oss, Granite SWA), which is more than softmax(q.k)."""
+    return isinstance(getattr(module, "sinks", None), torch.Tensor)
+
+
+def value_head_dim(module: nn.Module | None) -> int | None:
+    """An attention module's value head size where it differs from its query/key head size (MiMo V2 Flash's
+    `v_head_dim`; multi-head latent attention is told apart by the layout), else None."""
+    value, head = getattr(module, "v_head_dim", None), getattr(module, "head_dim", None)
+    return int(value) if value is not None and head is not None and value != head else None
 
 
 def _rotary_call(rotary: nn.Module, layer_type: str | None):
@@ -305,6 +350,8 @@ def rope_layout(model: nn.Module) -> RopeLayout:
     modules = [attention_of(layer) for layer in layers]
     attention = tuple(module is not None for module in modules)
     uses_rope = tuple(module is not None and bool(getattr(module, "use_rope", True)) for module in modules)
+    if per_base_rotaries(host) is not None:  # Granite SWA: a layer whose base is 0 applies no RoPE
+        uses_rope = tuple(rope and bool(base) for rope, base in zip(uses_rope, _layer_bases(config, len(layers))))
     windows = tuple(
         None if module is None else _window(module, config, layer_type)
         for module, layer_type in zip(modules, layer_types)

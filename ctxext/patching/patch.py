@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 from torch import nn
 
+from ..errors import CtxextError
 from ..methods import get_method
 from ..methods.attention import AttentionSettings, check_original_length_for_logn, check_query_temperature
 from ..validate import boolean, whole_number
@@ -19,13 +20,16 @@ from .attention import (
 )
 from .families import (
     attention_of,
+    has_attention_sinks,
     is_nested,
     latent_attention_scale,
     own_partial_rotary_factor,
+    per_base_rotaries,
     rope_layout,
     rope_parameters_of,
     rotary_dim,
     rotary_host,
+    value_head_dim,
 )
 from .rope_types import rope_parameters_for
 from .rotary import ScaledRotaryEmbedding
@@ -105,7 +109,13 @@ def patch(
     # types must keep L there for a saved checkpoint to behave the same after reloading.
     grows = any("dynamic" in values["rope_type"] for values in written.values())
     config.max_position_embeddings = L if grows else int(round(L * method_params.factor))
+    if hasattr(config, "original_max_position_embeddings"):
+        # Phi-3 keeps L outside its rope parameters too, and transformers' yarn, llama3 and longrope read that one
+        # first (standardize_rope_params in modeling_rope_utils.py copies it over the rope parameters' own)
+        scaled.saved_config["original_max_position_embeddings"] = config.original_max_position_embeddings
+        config.original_max_position_embeddings = L
     host.rotary_emb = scaled
+    scaled.saved_config["per_base_rotaries"] = replace_per_base_rotaries(host, scaled)
     if layout.latent_attention:  # the softmax scale MLA attention computed from the rope parameters at build time
         scaled.saved_config["latent_attention_scales"] = rescale_latent_attention(host, config)
     record_attention_in_config(config, attention, None if layers == layout.attention_layers() else layers)
@@ -164,6 +174,8 @@ def plan_patch(
     layers = layout.attention_layers(chosen, L if attention.remap is not None else None)
     if attention.active:
         check_can_install(host, attention, int(round(L * method_params.factor)), layout, layers)
+    if attention.remap is not None:
+        check_remappable_layers(host, layers, spec.name)
     return PatchPlan(host, layout, chosen, spec, method_params, L, attention, layers, native_temperature)
 
 
@@ -182,6 +194,44 @@ def rescale_latent_attention(host: nn.Module, config) -> list:
             changed.append((module, module.scaling))
             module.scaling = latent_attention_scale(config.rope_parameters, module.qk_head_dim)
     return changed
+
+
+def check_remappable_layers(host: nn.Module, layers: tuple, method: str) -> None:
+    """What a remapping method, which forms softmax(q.k) v itself, cannot do on the layers it would go on, as one
+    line: learned attention sinks (Granite SWA's and gpt-oss' `sinks`, passed as `s_aux`: they would be dropped)
+    and values of another head size than queries and keys (MiMo V2 Flash's `v_head_dim`)."""
+    for index in layers:
+        module = attention_of(host.layers[index])
+        if has_attention_sinks(module):
+            raise CtxextError(
+                f"{method} does not implement attention sinks ({type(module).__name__}.sinks, layer {index}); use a "
+                "frequency method"
+            )
+        value_dim = value_head_dim(module)
+        if value_dim is not None:
+            raise CtxextError(
+                f"{method} needs values of the query/key head size; {type(module).__name__} has v_head_dim "
+                f"{value_dim} and head_dim {module.head_dim} (layer {index}); use a frequency method"
+            )
+
+
+def replace_per_base_rotaries(host: nn.Module, scaled: nn.Module) -> list:
+    """Put `scaled` in place of each rotary module the layers read instead of `rotary_emb` (Granite SWA's
+    `rotary_embs`, whose one base `rope_layout` has checked is rope_theta); the modules replaced, in order."""
+    modules = per_base_rotaries(host)
+    if modules is None:
+        return []
+    replaced = list(modules)
+    for index in range(len(modules)):
+        modules[index] = scaled
+    return replaced
+
+
+def restore_per_base_rotaries(host: nn.Module, replaced: list) -> None:
+    """Undo `replace_per_base_rotaries`."""
+    modules = per_base_rotaries(host)
+    for index, module in enumerate(replaced):
+        modules[index] = module
 
 
 def check_shape(config, method_params, original_max_position_embeddings: int) -> None:
@@ -216,8 +266,11 @@ def unpatch(model: nn.Module) -> nn.Module:
     scaled = host.rotary_emb
     if isinstance(scaled, ScaledRotaryEmbedding):
         host.rotary_emb = scaled.original
+        restore_per_base_rotaries(host, scaled.saved_config.get("per_base_rotaries", []))
         host.config.rope_parameters = scaled.saved_config["rope_parameters"]
         host.config.max_position_embeddings = scaled.saved_config["max_position_embeddings"]
+        if "original_max_position_embeddings" in scaled.saved_config:
+            host.config.original_max_position_embeddings = scaled.saved_config["original_max_position_embeddings"]
         for module, scale in scaled.saved_config.get("latent_attention_scales", []):
             module.scaling = scale
         saved_attention = scaled.saved_config.get(CONFIG_KEY)
