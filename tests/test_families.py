@@ -30,9 +30,6 @@ FAMILIES = rope_families()
 # shows up as an unexpected pass), and docs/guides/families.md lists them.
 KNOWN_DEFECTS = {
     ("static", "mimo_v2_flash"): "per-type frequencies differ from transformers' own for linear (partial rotary)",
-    ("static", "phimoe"): "its rotary class reads short_mscale/long_mscale whatever the rope type (KeyError)",
-    ("reload", "phi3"): "its config accepts only default and longrope: the yarn checkpoint does not save",
-    ("reload", "phimoe"): "its config needs short_mscale/long_mscale: the yarn checkpoint does not save",
     ("reload", "mimo_v2_flash"): "per-type frequencies differ from transformers' own",
 }
 
@@ -73,11 +70,24 @@ def status(model_type: str) -> tuple[str, str]:
         notes.append("attention sinks (no remapping)")
     if any(value_head_dim(module) for module in modules) and not layout.latent_attention:
         notes.append("values of another head size (no remapping)")
+    if records_yarn_as_longrope(model):
+        notes.append(
+            "its config refuses scaled types as ctxext writes them: static methods recorded as longrope with equal "
+            "factor sets, dynamic and remapping methods refused"
+        )
     if layout.latent_attention:
         notes.append("multi-head latent attention (RoPE on its qk_rope_head_dim slice; no remapping)")
     elif partial:
         notes.append("partial rotary")
     return "patched", "; ".join(notes)
+
+
+def records_yarn_as_longrope(model) -> bool:
+    """Whether `patch` would record yarn as longrope on `model` (asked of `plan_patch`, which changes nothing)."""
+    from ctxext.patching.patch import plan_patch
+
+    written = plan_patch(model, "yarn", 4.0, layer_types="all").written
+    return all(values["rope_type"] == "longrope" for values in written.values())
 
 
 def _tokens(n: int = SEQ) -> torch.Tensor:
@@ -326,6 +336,110 @@ def test_granite_swa_with_several_bases_is_one_line():
     with pytest.raises(CtxextError, match="several bases") as error:
         ctxext.patch(model, "yarn", factor=4.0)
     assert "\n" not in str(error.value)
+
+
+# ---------------------------------------------------- configs that take no scaled type but longrope (Phi-3, PhiMoE)
+LONGROPE_ONLY = ("phi3", "phimoe")
+
+
+@pytest.mark.parametrize("family", LONGROPE_ONLY)
+@pytest.mark.parametrize(
+    ("method", "params"),
+    [("linear", {}), ("ntk", {}), ("ntk_by_parts", {}), ("yarn", {}), ("llama3", {}), ("longrope", {})],
+)
+def test_a_static_method_is_written_as_longrope_that_plain_transformers_reloads(family, method, params, tmp_path):
+    """Phi-3's config takes only 'default' and 'longrope'; PhiMoE's rotary multiplies cos/sin by short_mscale or
+    long_mscale, which its config requires, whatever the type. A static method is written as longrope with
+    short_factor = long_factor; the oracle is plain transformers' reload of the saved checkpoint, at a length below
+    L (short factors, short_mscale) and past it (long ones), and, for linear and yarn, their published numbers."""
+    model, _ = build(family)
+    if method == "longrope" and family == "phimoe":
+        pytest.skip("PhiMoE's rotary reads the short factors at every length: refused (the refusal test)")
+    short, long = _tokens(L // 2), _tokens()
+    with torch.no_grad():
+        before = model(long).logits
+        ctxext.patch(model, method, factor=4.0, **params)
+        written = dict(model.config.rope_parameters)
+        patched = [model(tokens).logits for tokens in (short, long)]
+        model.save_pretrained(tmp_path)
+        ctxext.unpatch(model)
+        assert torch.equal(model(long).logits, before)
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+        for tokens, expected in zip((short, long), patched):
+            torch.testing.assert_close(reloaded(tokens).logits, expected, atol=1e-5, rtol=1e-5)
+    assert written["rope_type"] == "longrope"
+    if method != "longrope":
+        assert written["short_factor"] == written["long_factor"]
+    pairs = rope_layout(model).rotary_dims[None] // 2
+    if method == "linear":  # every pair's frequency divided by s
+        assert written["short_factor"] == pytest.approx([4.0] * pairs, rel=1e-12)
+    if method == "yarn":  # YaRN's temperature, 0.1 ln s + 1
+        assert written["attention_factor"] == pytest.approx(0.1 * math.log(4.0) + 1.0, rel=1e-12)
+    if family == "phimoe":
+        assert written["short_mscale"] == written["long_mscale"] == written["attention_factor"]
+
+
+@pytest.mark.parametrize("family", LONGROPE_ONLY)
+@pytest.mark.parametrize(
+    ("method", "params", "why"),
+    [
+        ("dynamic_ntk", {}, "its frequencies change with the length"),
+        ("dynamic_yarn", {}, "its frequencies change with the length"),
+        ("longrope", {}, "its frequencies change with the length"),  # short != long factors
+    ],
+)
+def test_what_a_longrope_only_config_cannot_record_is_refused_in_one_line_before_any_change(
+    family, method, params, why
+):
+    model, _ = build(family)
+    if method == "longrope" and family == "phi3":
+        pytest.skip("Phi-3 reads longrope as it is (the reload test)")
+    host = ctxext.patching.rotary_host(model)
+    rotary, rope_parameters = host.rotary_emb, json.dumps(model.config.rope_parameters, sort_keys=True)
+    with pytest.raises(CtxextError, match="cannot be recorded in this model's config") as error:
+        ctxext.patch(model, method, factor=4.0, **params)
+    assert why in str(error.value) and "\n" not in str(error.value)
+    assert host.rotary_emb is rotary and json.dumps(model.config.rope_parameters, sort_keys=True) == rope_parameters
+    assert ctxext.patching.attention.installed_layers(host) == ()
+
+
+@pytest.mark.parametrize("family", LONGROPE_ONLY)
+def test_a_remapping_method_is_recorded_with_the_familys_default_type_and_reloads_patched(family, tmp_path):
+    """A remapping method keeps plain frequencies, which the config's own 'default' type records; the attention
+    setting goes beside it, and the checkpoint reloads (after `import ctxext`) with the patched logits."""
+    model, _ = build(family)  # shared with other tests: unpatched again at the end
+    tokens = _tokens()
+    try:
+        with torch.no_grad():
+            ctxext.patch(model, "self_extend", factor=4.0, group_size=G, window=W)
+            patched = model(tokens).logits
+            model.save_pretrained(tmp_path)
+            reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+            torch.testing.assert_close(reloaded(tokens).logits, patched, atol=1e-5, rtol=1e-5)
+        assert model.config.rope_parameters["rope_type"] == "default"
+    finally:
+        ctxext.unpatch(model)
+
+
+@pytest.mark.parametrize("family", LONGROPE_ONLY)
+def test_ctxext_patch_writes_the_form_the_family_reloads(family, tmp_path, capsys):
+    """The command line rewrites config.json for serving; for these families it keeps what `patch` recorded."""
+    from ctxext.cli import main
+    from tests.conftest import save_tiny_checkpoint
+
+    model, _ = build(family)  # shared with other tests: unpatched again at the end
+    save_tiny_checkpoint(tmp_path / "in", model)
+    tokens = _tokens()
+    assert main(["patch", str(tmp_path / "in"), "--method", "yarn", "--factor", "4", "-o", str(tmp_path / "out")]) == 0
+    assert "loads in plain transformers: yes" in capsys.readouterr().out
+    try:
+        with torch.no_grad():
+            ctxext.patch(model, "yarn", factor=4.0)
+            expected = model(tokens).logits
+            reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+            torch.testing.assert_close(reloaded(tokens).logits, expected, atol=1e-5, rtol=1e-5)
+    finally:
+        ctxext.unpatch(model)
 
 
 # ------------------------------------------------------------------------- layer types, recipes

@@ -38,7 +38,11 @@ def is_nested(rope_parameters) -> bool:
 
 def rope_parameters_of(config, layer_type: str | None = None) -> dict:
     """The rope parameters a layer type uses (the one flat dict where the config has no nesting)."""
-    rope_parameters = getattr(config, "rope_parameters", None) or {}
+    return layer_rope_parameters(getattr(config, "rope_parameters", None) or {}, layer_type)
+
+
+def layer_rope_parameters(rope_parameters: dict, layer_type: str | None = None) -> dict:
+    """`rope_parameters_of` for a config's rope parameters given as they are."""
     if not is_nested(rope_parameters):
         return rope_parameters
     if layer_type is None:
@@ -75,6 +79,30 @@ def check_supported(config, what: str | None = None) -> None:
         raise CtxextError(f"{what} has no rotary position embedding (RoPE): there is nothing for ctxext to scale")
     if any(isinstance(values, dict) and "mrope_section" in values for values in types):
         raise CtxextError(f"{what} uses multimodal RoPE (mrope_section), which ctxext does not patch yet")
+
+
+def config_refusal(config, rope_parameters: dict) -> str | None:
+    """Why the model's config class refuses `rope_parameters` (the whole value, nested by layer type where the
+    config nests them), in one line, or None where it takes them. Asked of the class's own `validate_rope`, which
+    transformers runs when the config is built, loaded and saved (Phi-3's takes only 'default' and 'longrope';
+    PhiMoE's needs `short_mscale` and `long_mscale` beside any scaled type, which its rotary reads), on a copy."""
+    import copy
+    import logging
+
+    if not callable(getattr(config, "validate_rope", None)):
+        return None
+    trial = copy.deepcopy(config)
+    trial.rope_parameters = copy.deepcopy(rope_parameters)
+    rope_logger = logging.getLogger("transformers.modeling_rope_utils")
+    level = rope_logger.level
+    rope_logger.setLevel(logging.ERROR)  # its warnings about keys it does not know are for the real config
+    try:
+        trial.validate_rope()
+    except (ValueError, KeyError, TypeError) as error:
+        return f"{type(config).__name__}: {str(error).strip().splitlines()[0]}"
+    finally:
+        rope_logger.setLevel(level)
+    return None
 
 
 def own_partial_rotary_factor(rope_parameters: dict, config=None) -> float | None:

@@ -10,6 +10,7 @@ from torch import nn
 from ..errors import CtxextError
 from ..methods import get_method
 from ..methods.attention import AttentionSettings, check_original_length_for_logn, check_query_temperature
+from ..methods.remapping import RemapParams
 from ..validate import boolean, whole_number
 from .attention import (
     CONFIG_KEY,
@@ -20,9 +21,11 @@ from .attention import (
 )
 from .families import (
     attention_of,
+    config_refusal,
     has_attention_sinks,
     is_nested,
     latent_attention_scale,
+    layer_rope_parameters,
     own_partial_rotary_factor,
     per_base_rotaries,
     rope_layout,
@@ -31,7 +34,7 @@ from .families import (
     rotary_host,
     value_head_dim,
 )
-from .rope_types import rope_parameters_for
+from .rope_types import longrope_form, rope_parameters_for, why_no_longrope_form, with_mscales
 from .rotary import ScaledRotaryEmbedding
 
 
@@ -51,7 +54,9 @@ def patch(
     recorded in its rope_parameters, else the model's `max_position_embeddings`. The config is
     updated so that `save_pretrained` records the method: `rope_parameters` names it and
     `max_position_embeddings` becomes L*factor (dynamic methods keep L there, because transformers reads
-    it as the length where scaling starts). Patching a patched model replaces the earlier patch.
+    it as the length where scaling starts). Patching a patched model replaces the earlier patch. Where the family's
+    config refuses that form (Phi-3, PhiMoE), a static method is written as longrope with equal factor sets, and
+    a dynamic or remapping method, which no such form expresses, is refused (`rope_parameters_to_write`).
 
     `logn=True` adds log-n query scaling (any method); `query_temperature=beta` multiplies queries by
     1 + beta ln(1 + floor(p / L)) (Llama 4 / Ministral 3), written as the family's own `llama_4_scaling_beta`
@@ -63,7 +68,7 @@ def patch(
     only on the chosen layers that apply RoPE (never a NoPE layer); a remapping method also skips a sliding
     layer whose window is at most L. See `RopeLayout`.
     """
-    host, layout, chosen, spec, method_params, L, attention, layers, native_temperature = plan_patch(
+    host, layout, chosen, spec, method_params, L, attention, layers, _, written = plan_patch(
         model, method, factor, original_max_position_embeddings, logn, layer_types, query_temperature, **params
     )
     unpatch(model)
@@ -85,26 +90,7 @@ def patch(
     }
     scaled.to(next(host.parameters()).device)
 
-    written = {
-        key: rope_parameters_for(
-            spec,
-            method_params,
-            layout.rotary_dims[key],
-            layout.bases[key],
-            L,
-            own_partial_rotary_factor(rope_parameters_of(config, key)),
-        )
-        for key in keys
-    }
-    for key, values in written.items():  # what the family's own code reads beside the rope type stays
-        kept = rope_parameters_of(config, key)
-        values.update({name: kept[name] for name in FAMILY_KEYS if name in kept})
-        if native_temperature is not None:
-            values[NATIVE_QUERY_TEMPERATURE] = native_temperature
-    if chosen is None:
-        config.rope_parameters = written[None]
-    else:  # nested by layer type, as transformers reads it: the other types keep what they had
-        config.rope_parameters = {key: written.get(key, value) for key, value in config.rope_parameters.items()}
+    config.rope_parameters = copy.deepcopy(with_written(config.rope_parameters, written))
     # transformers' dynamic update only recomputes frequencies past max_position_embeddings, so dynamic
     # types must keep L there for a saved checkpoint to behave the same after reloading.
     grows = any("dynamic" in values["rope_type"] for values in written.values())
@@ -135,6 +121,7 @@ class PatchPlan(NamedTuple):
     attention: AttentionSettings
     layers: tuple  # the attention layers an attention-level method goes on
     native_query_temperature: float | None  # beta written for the family's own code to apply (Ministral 3)
+    written: dict  # {layer type (None: the one set): the rope parameters the config records}
 
 
 def plan_patch(
@@ -176,12 +163,84 @@ def plan_patch(
         check_can_install(host, attention, int(round(L * method_params.factor)), layout, layers)
     if attention.remap is not None:
         check_remappable_layers(host, layers, spec.name)
-    return PatchPlan(host, layout, chosen, spec, method_params, L, attention, layers, native_temperature)
+    written = rope_parameters_to_write(host, layout, chosen or (None,), spec, method_params, L, native_temperature)
+    return PatchPlan(host, layout, chosen, spec, method_params, L, attention, layers, native_temperature, written)
 
 
 # rope_parameters keys that belong to the family rather than to a rope type (Ministral 3's query temperature)
 NATIVE_QUERY_TEMPERATURE = "llama_4_scaling_beta"
 FAMILY_KEYS = (NATIVE_QUERY_TEMPERATURE,)
+
+
+def rope_parameters_to_write(
+    host: nn.Module, layout, keys: tuple, spec, method_params, L: int, native_temperature: float | None
+) -> dict:
+    """{layer type (None: the one set of frequencies): the rope parameters `patch` records for it}.
+
+    ctxext's own form (`rope_parameters_for`) where the family's config takes it; else, for a config that takes no
+    other scaled type than longrope (Phi-3, PhiMoE: `families.config_refusal`), the method as longrope with equal
+    factor sets (`longrope_form`), its attention factor as `attention_factor` or, where the config needs them, as
+    `short_mscale`/`long_mscale` too. A method no such form expresses is a one-line CtxextError: the checkpoint
+    would not save, or would not load as patched. Read from the unpatched model's rope parameters."""
+    unpatched = unpatched_rope_parameters(host)
+
+    def family_keys_kept(written: dict) -> dict:  # what the family's own code reads beside the rope type stays
+        for key, values in written.items():
+            kept = layer_rope_parameters(unpatched, key)
+            values.update({name: kept[name] for name in FAMILY_KEYS if name in kept})
+            if native_temperature is not None:
+                values[NATIVE_QUERY_TEMPERATURE] = native_temperature
+        return written
+
+    def form(write) -> dict:
+        return {
+            key: write(
+                spec,
+                method_params,
+                layout.rotary_dims[key],
+                layout.bases[key],
+                L,
+                own_partial_rotary_factor(layer_rope_parameters(unpatched, key)),
+            )
+            for key in keys
+        }
+
+    written = family_keys_kept(form(rope_parameters_for))
+    refusal = config_refusal(host.config, with_written(unpatched, written))
+    if refusal is None:
+        return written
+    if isinstance(method_params, RemapParams):  # plain frequencies: the family's own 'default' type says so
+        plain = get_method("none")
+        written = family_keys_kept(form(lambda _, __, *rest: rope_parameters_for(plain, plain.make_params(), *rest)))
+        if config_refusal(host.config, with_written(unpatched, written)) is None:
+            return written
+    as_longrope = form(longrope_form)
+    if any(values is None for values in as_longrope.values()):
+        raise CtxextError(
+            f"{spec.name} cannot be recorded in this model's config ({refusal}), and {why_no_longrope_form(spec)}, "
+            "so no longrope with equal factor sets expresses it; use a static frequency method"
+        )
+    for candidate in (as_longrope, {key: with_mscales(values) for key, values in as_longrope.items()}):
+        candidate = family_keys_kept(candidate)
+        if config_refusal(host.config, with_written(unpatched, candidate)) is None:
+            return candidate
+    raise CtxextError(f"{spec.name} cannot be recorded in this model's config, even as longrope: {refusal}")
+
+
+def unpatched_rope_parameters(host: nn.Module) -> dict:
+    """The config's rope parameters before any patch (an in-memory patch is looked through)."""
+    current = host.rotary_emb
+    if isinstance(current, ScaledRotaryEmbedding):
+        return current.saved_config["rope_parameters"] or {}
+    return host.config.rope_parameters or {}
+
+
+def with_written(rope_parameters: dict, written: dict) -> dict:
+    """The config's rope parameters once `written` ({layer type or None: parameters}) replaces what it names: the
+    one flat dict, or the nesting by layer type, as transformers reads it, where the other types keep theirs."""
+    if list(written) == [None]:
+        return written[None]
+    return {key: written.get(key, value) for key, value in rope_parameters.items()}
 
 
 def rescale_latent_attention(host: nn.Module, config) -> list:

@@ -4,6 +4,8 @@ Methods with an exact transformers equivalent (linear, dynamic, yarn, llama3, lo
 transformers' own rope_type, so the saved checkpoint loads anywhere transformers' configs are understood.
 The others are written as `ctxext_<method>` (`ctxext_<method>_dynamic` when dynamic) and registered here,
 in `ROPE_INIT_FUNCTIONS` and as a validation method on the config mixin, when `ctxext` is imported.
+A family whose config refuses both (Phi-3 takes only 'default' and 'longrope') gets a static method as
+`longrope_form`: longrope with equal short and long factors, which reproduces it exactly.
 """
 
 from __future__ import annotations
@@ -120,6 +122,68 @@ def rope_parameters_for(
     if partial_rotary_factor is not None:
         rope_parameters["partial_rotary_factor"] = partial_rotary_factor
     return with_float_numbers(rope_parameters)
+
+
+def longrope_form(
+    method: Method,
+    params: MethodParams,
+    rotary_dim: int,
+    base: float,
+    original_max_position_embeddings: int,
+    partial_rotary_factor: float | None = None,
+) -> dict | None:
+    """`method` with `params` as transformers' `longrope` with short_factor = long_factor = theta_i / theta'_i per
+    pair (the method's frequencies against plain RoPE's) and its attention factor a written out, for a family whose
+    config takes no other scaled type (Phi-3: 'default' and 'longrope' only; PhiMoE: any type, but with
+    `short_mscale`/`long_mscale`). a is written as `attention_factor`, which transformers' longrope reads; with
+    `with_mscales`, also as the keys PhiMoE (and vLLM, SGLang) read instead. With equal sets, which set transformers
+    picks (short up to L tokens, long past) cannot matter.
+
+    None where no such form is exact: a method that remaps positions inside attention, or whose frequencies change
+    with the length (dynamic, or longrope with different short and long factors).
+    """
+    from ..serving.forms import per_pair_factors  # that module imports this one
+
+    L = original_max_position_embeddings
+    own = rope_parameters_for(method, params, rotary_dim, base, L, partial_rotary_factor)
+    equal_sets = own["rope_type"] == "longrope" and own["short_factor"] == own["long_factor"]
+    if remaps_positions(method) or (method.is_dynamic(params) and not equal_sets):
+        return None
+    factors = per_pair_factors(method, params, rotary_dim, base, L)
+    _, attention_factor = compute_inv_freq(method, params, rotary_dim, base, L)
+    rope_parameters = {
+        "rope_type": "longrope",
+        "rope_theta": base,
+        "factor": params.factor,
+        "original_max_position_embeddings": L,
+        "short_factor": factors,
+        "long_factor": list(factors),
+        "attention_factor": attention_factor,
+    }
+    if partial_rotary_factor is not None:
+        rope_parameters["partial_rotary_factor"] = partial_rotary_factor
+    return with_float_numbers(rope_parameters)
+
+
+def remaps_positions(method: Method) -> bool:
+    """Whether `method` works inside attention (a remapping method) rather than on the frequencies alone."""
+    from ..methods.remapping import RemapParams
+
+    return issubclass(method.params_cls, RemapParams)
+
+
+def why_no_longrope_form(method: Method) -> str:
+    """Why `longrope_form` has none for `method` (which it returned None for), as part of a sentence."""
+    if remaps_positions(method):
+        return "it remaps positions inside attention"
+    return "its frequencies change with the length"
+
+
+def with_mscales(rope_parameters: dict) -> dict:
+    """A longrope's attention factor a also as `short_mscale` = `long_mscale` = a: what PhiMoE's rotary multiplies
+    cos/sin by (short up to L tokens, long past) in place of `attention_factor`."""
+    a = rope_parameters["attention_factor"]
+    return {**rope_parameters, "short_mscale": a, "long_mscale": a}
 
 
 def rotates_part_of_each_head(partial_rotary_factor: float | None) -> bool:

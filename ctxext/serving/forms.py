@@ -159,7 +159,7 @@ def with_both_spellings(config: dict, rope_parameters: dict) -> dict:
 def model_rope_form(model, format: str = "native") -> RopeForm:
     """The rope form of whatever `ctxext.patch` applied to `model` (its config's own parameters if unpatched)."""
     from ..patching import ScaledRotaryEmbedding, rotary_host
-    from ..patching.families import is_nested, own_partial_rotary_factor
+    from ..patching.families import config_refusal, is_nested, own_partial_rotary_factor
 
     host = rotary_host(model)
     scaled = host.rotary_emb
@@ -170,7 +170,7 @@ def model_rope_form(model, format: str = "native") -> RopeForm:
     if not isinstance(scaled, ScaledRotaryEmbedding):
         rope_parameters = dict(host.config.rope_parameters)
         return RopeForm(rope_parameters, not rope_parameters["rope_type"].startswith("ctxext_"), "as loaded")
-    return rope_form(
+    form = rope_form(
         scaled.method,
         scaled.params,
         scaled.rotary_dim,
@@ -179,6 +179,9 @@ def model_rope_form(model, format: str = "native") -> RopeForm:
         own_partial_rotary_factor(host.config.rope_parameters),
         format,
     )
+    if config_refusal(host.config, form.rope_parameters) is not None:  # Phi-3, PhiMoE: what `patch` recorded
+        return RopeForm(dict(host.config.rope_parameters), True, "the only form this family's config takes")
+    return form
 
 
 def write_config_for_serving(model, folder, format: str = "native") -> RopeForm:
