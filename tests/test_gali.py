@@ -43,6 +43,14 @@ def test_fractional_positions_are_really_interpolated():
     assert float(relative.max()) == L - 1
 
 
+def test_the_largest_relative_position_is_the_oracles_and_below_l():
+    n = torch.arange(SEQ)
+    largest = float(gali_relative(n[:, None], n[None], 3, 20).max())
+    assert GaliParams(local_window=3, position_range=20).largest_relative_position(SEQ) == largest == 19
+    assert GaliParams(local_window=3).resolved(L).largest_relative_position(SEQ) == L - 1
+    assert GaliParams().largest_relative_position(SEQ) is None  # R not resolved: it is L, so never past it
+
+
 # ------------------------------------------------------------------------------------ model oracle
 CASES = [({"local_window": 3}, False), ({"local_window": 1}, True), ({"local_window": 4, "position_range": 20}, False)]
 RUNS = [(family, params, logn) for family in FAMILIES for params, logn in CASES]

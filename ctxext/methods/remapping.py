@@ -505,7 +505,8 @@ class GaliParams(RemapParams):
         return self.range
 
     def largest_relative_position(self, length: int) -> float | None:
-        return float(min(length, self.range) - 1)
+        """min(length, R) - 1, below L by construction; None before R is resolved (it is L then)."""
+        return None if self.position_range is None else float(min(length, self.position_range) - 1)
 
     def describe(self) -> str:
         return f"w{self.local_window}" + ("" if self.position_range is None else f" R{self.position_range}")
