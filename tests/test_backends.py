@@ -201,40 +201,51 @@ def test_kernel_gradients_match_autograd_through_naive(monkeypatch, backend, lay
         # support backward on CPU"); its eager math path has one, so the check is lifted for this test only.
         monkeypatch.setattr(torch_flex, "_validate_device", lambda *args, **kwargs: None)
     lo, hi = layout(q_len, k_len)
-    regions = lo.shape[0]
-    assert regions >= 2 and bool(((hi - lo) > 0).sum(1).gt(0).all())  # every region is seen by some query
-    generator = torch.Generator().manual_seed(7)
-    batch, heads, kv_heads, dim = 2, 4, 2, 8  # grouped-query attention: 2 query heads per key head
+    assert lo.shape[0] >= 2 and bool(((hi - lo) > 0).sum(1).gt(0).all())  # every region is seen by some query
+    got = kernel_gradients(backend, lo, hi, query_block=4, padding=4)
+    want = kernel_gradients("naive", lo, hi, query_block=4, padding=4)
+    assert_same_gradients(got, want, atol=1e-4)
+
+
+def kernel_gradients(kernel, lo, hi, query_block, padding=0, heads=4, seed=7, scale=0.4):
+    """(output, [dq per region, dk per region, dv]) of `kernel` on seeded random inputs for the region bounds lo/hi:
+    batch 2, grouped-query attention over 2 key heads, row 1 left-padded by `padding` keys (none if 0)."""
+    regions, q_len = lo.shape
+    k_len = int(hi.max())
+    generator = torch.Generator().manual_seed(seed)
+    batch, kv_heads, dim = 2, 2, 8
     queries = [torch.randn(batch, heads, q_len, dim, generator=generator) for _ in range(regions)]
     keys = [torch.randn(batch, kv_heads, k_len, dim, generator=generator) for _ in range(regions)]
     value = torch.randn(batch, kv_heads, k_len, dim, generator=generator)
     weights = torch.randn(batch, heads, q_len, dim, generator=generator)
-    allowed = torch.ones(batch, k_len, dtype=torch.bool)
-    allowed[1, :4] = False  # row 1 is left-padded by 4 tokens
+    allowed = None
+    if padding:
+        allowed = torch.ones(batch, k_len, dtype=torch.bool)
+        allowed[1, :padding] = False
+    inputs = [t.clone().requires_grad_(True) for t in (*queries, *keys, value)]
+    out = remapped_attention(
+        inputs[:regions],
+        inputs[regions : 2 * regions],
+        inputs[-1],
+        lo,
+        hi,
+        scale=scale,
+        allowed=allowed,
+        query_block=query_block,
+        kernel=kernel,
+    )
+    (out * weights).sum().backward()
+    return out.detach(), [t.grad for t in inputs]
 
-    def gradients(kernel):
-        inputs = [t.clone().requires_grad_(True) for t in (*queries, *keys, value)]
-        out = remapped_attention(
-            inputs[:regions],
-            inputs[regions : 2 * regions],
-            inputs[-1],
-            lo,
-            hi,
-            scale=0.4,
-            allowed=allowed,
-            query_block=4,
-            kernel=kernel,
-        )
-        (out * weights).sum().backward()
-        return out.detach(), [t.grad for t in inputs]
 
-    out, got = gradients(backend)
-    out_naive, want = gradients("naive")
-    assert torch.allclose(out, out_naive, atol=1e-4), max_error(out, out_naive)
+def assert_same_gradients(got, want, atol):
+    (out, grads), (out_naive, grads_naive) = got, want
+    torch.testing.assert_close(out, out_naive, atol=atol, rtol=atol)
+    regions = (len(grads) - 1) // 2
     names = [f"q{r}" for r in range(regions)] + [f"k{r}" for r in range(regions)] + ["v"]
-    for name, g, w in zip(names, got, want):
+    for name, g, w in zip(names, grads, grads_naive):
         assert torch.isfinite(w).all() and w.abs().max() > 1e-3, name  # the oracle's gradient is real
-        assert torch.allclose(g, w, atol=1e-4), (name, max_error(g, w))
+        torch.testing.assert_close(g, w, atol=atol, rtol=atol, msg=name)
 
 
 # ------------------------------------------------------------------------ 5. model-level gradients

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ctxext.methods.remapping import DualChunkParams, StringParams
+from ctxext.methods.remapping import DualChunkParams, GaliParams, StringParams
 from ctxext.patching.remap_kernel import (
     RegionPlan,
     band_and_far_ranges,
@@ -16,6 +16,7 @@ from ctxext.patching.remap_kernel import (
     bound_jumps,
     remapped_attention,
 )
+from tests.test_backends import assert_same_gradients, kernel_gradients
 
 
 def region_bounds(regions, q_len: int, k_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +55,10 @@ def test_bound_jumps_find_chunk_boundaries_and_nothing_in_a_sliding_band():
     assert bound_jumps(*dual_chunk_bounds(40, 40)) == [11, 22, 33]
     assert bound_jumps(*rerope_bounds(30, 40)) == []
     assert bound_jumps(*string_bounds(40, 40)) == []
+    # GALI's far edge advances by one or two keys a row: a jump only where the group size g changes (R 16, w 2:
+    # g 2 from 17 tokens, 3 from 31, 4 from 45, 5 from 59), where one far region's rows end and the next one's begin
+    gali = GaliParams(local_window=2, position_range=16)
+    assert bound_jumps(*region_bounds(gali.regions_for(torch.arange(60)), 60, 60)) == [16, 30, 44, 58]
 
 
 def test_no_ragged_key_span_is_wider_than_its_block_once_blocks_restart_at_jumps():
@@ -77,41 +82,10 @@ def test_no_ragged_key_span_is_wider_than_its_block_once_blocks_restart_at_jumps
 @pytest.mark.parametrize("padded", [False, True])
 def test_blockwise_gradients_match_autograd_through_naive(bounds, q_len, k_len, query_block, padded):
     lo, hi = bounds(q_len, k_len)
-    regions = lo.shape[0]
-    generator = torch.Generator().manual_seed(11)
-    batch, heads, kv_heads, dim = 2, 6, 2, 8  # three query heads per key head
-    queries = [torch.randn(batch, heads, q_len, dim, generator=generator) for _ in range(regions)]
-    keys = [torch.randn(batch, kv_heads, k_len, dim, generator=generator) for _ in range(regions)]
-    value = torch.randn(batch, kv_heads, k_len, dim, generator=generator)
-    weights = torch.randn(batch, heads, q_len, dim, generator=generator)
-    allowed = None
-    if padded:
-        allowed = torch.ones(batch, k_len, dtype=torch.bool)
-        allowed[1, :5] = False  # row 1 is left-padded by 5 tokens
-
-    def gradients(kernel):
-        inputs = [t.clone().requires_grad_(True) for t in (*queries, *keys, value)]
-        out = remapped_attention(
-            inputs[:regions],
-            inputs[regions : 2 * regions],
-            inputs[-1],
-            lo,
-            hi,
-            scale=0.35,
-            allowed=allowed,
-            query_block=query_block,
-            kernel=kernel,
-        )
-        (out * weights).sum().backward()
-        return out.detach(), [t.grad for t in inputs]
-
-    out, got = gradients("blockwise")
-    out_naive, want = gradients("naive")
-    torch.testing.assert_close(out, out_naive, atol=1e-5, rtol=1e-5)
-    names = [f"q{r}" for r in range(regions)] + [f"k{r}" for r in range(regions)] + ["v"]
-    for name, g, w in zip(names, got, want):
-        assert torch.isfinite(w).all() and w.abs().max() > 1e-3, name  # the oracle's gradient is real
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=name)
+    padding = 5 if padded else 0
+    got = kernel_gradients("blockwise", lo, hi, query_block, padding, heads=6, seed=11, scale=0.35)
+    want = kernel_gradients("naive", lo, hi, query_block, padding, heads=6, seed=11, scale=0.35)
+    assert_same_gradients(got, want, atol=1e-5)
 
 
 def test_blockwise_forward_is_the_same_whatever_the_block_size():
