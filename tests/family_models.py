@@ -61,6 +61,14 @@ def rope_families() -> list[str]:
     return found
 
 
+def _partial_rotary_factor(default) -> float:
+    """The share of each head a default config rotates (top-level, or in its first rope parameters)."""
+    parameters = getattr(default, "rope_parameters", None) or {}
+    if parameters and all(isinstance(v, dict) for v in parameters.values()):
+        parameters = next(iter(parameters.values()))
+    return float(parameters.get("partial_rotary_factor") or getattr(default, "partial_rotary_factor", None) or 1.0)
+
+
 def _values(model_type: str, default) -> dict:
     values = {k: v for k, v in SMALL.items() if hasattr(default, k) or k in ("pad_token_id", "bos_token_id")}
     types = set(getattr(default, "layer_types", None) or [])
@@ -76,6 +84,8 @@ def _values(model_type: str, default) -> dict:
     if getattr(default, "qk_rope_head_dim", None):  # MLA (DeepSeek): small latent ranks, RoPE on 8 channels a head
         values.update(MLA_SMALL, head_dim=MLA_SMALL["qk_rope_head_dim"])
         values.update({k: v for k, v in MLA_MOE_SMALL.items() if hasattr(default, k)})
+    if int(values.get("head_dim", 0) * _partial_rotary_factor(default)) % 2:  # real configs rotate whole pairs
+        values["head_dim"] = 24  # MiMo V2 Flash's 0.334: 8 rotated channels (16 would rotate 5)
     if hasattr(default, "no_rope_layers"):
         values["no_rope_layers"] = [1, 0]  # SmolLM3: layer 1 is NoPE
     return values

@@ -28,10 +28,7 @@ from tests.family_models import L, build, rope_families
 FAMILIES = rope_families()
 # Defects found by this matrix and not fixed yet: each test below is expected to fail on them (strict, so a fix
 # shows up as an unexpected pass), and docs/guides/families.md lists them.
-KNOWN_DEFECTS = {
-    ("static", "mimo_v2_flash"): "per-type frequencies differ from transformers' own for linear (partial rotary)",
-    ("reload", "mimo_v2_flash"): "per-type frequencies differ from transformers' own",
-}
+KNOWN_DEFECTS = {}
 
 
 def expect_known_defect(request, test: str, family: str) -> None:
@@ -440,6 +437,21 @@ def test_ctxext_patch_writes_the_form_the_family_reloads(family, tmp_path, capsy
             torch.testing.assert_close(reloaded(tokens).logits, expected, atol=1e-5, rtol=1e-5)
     finally:
         ctxext.unpatch(model)
+
+
+def test_an_odd_number_of_rotated_channels_is_refused_in_one_line():
+    """head_dim 16 x MiMo V2 Flash's 0.334 rotates 5 channels: transformers takes exponents 2i/5 for its 3
+    frequencies, which no whole-pair method reproduces; refused rather than patched with other frequencies."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from tests.family_models import _values
+
+    default = CONFIG_MAPPING["mimo_v2_flash"]()
+    config = CONFIG_MAPPING["mimo_v2_flash"](**{**_values("mimo_v2_flash", default), "head_dim": 16})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(CtxextError, match="odd number of channels per head \\(5") as error:
+        ctxext.patch(model, "linear", factor=2.0)
+    assert "\n" not in str(error.value)
 
 
 # ------------------------------------------------------------------------- layer types, recipes

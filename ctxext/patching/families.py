@@ -397,6 +397,11 @@ def rope_layout(model: nn.Module) -> RopeLayout:
     dims, bases, layouts = {}, {}, set()
     for key in keys:
         laid_out, dim = _probe_rotary(rotary, key)
+        if laid_out != "once" and dim != rotary_dim(config, key) and rotary_dim(config, key) % 2:
+            raise CtxextError(
+                f"this model rotates an odd number of channels per head ({rotary_dim(config, key)}: head_dim x "
+                "partial_rotary_factor), whose frequencies ctxext cannot reproduce; it needs whole rotary pairs"
+            )
         layouts.add(laid_out)
         dims[key] = dim
         bases[key] = shipped_base(rope_parameters_of(config, key), dim)
