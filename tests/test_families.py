@@ -70,7 +70,7 @@ def status(model_type: str) -> tuple[str, str]:
     if records_yarn_as_longrope(model):
         notes.append(
             "its config refuses scaled types as ctxext writes them: static methods recorded as longrope with equal "
-            "factor sets, dynamic and remapping methods refused"
+            "factor sets, remapping methods with its 'default' type, dynamic methods refused"
         )
     if layout.latent_attention:
         notes.append("multi-head latent attention (RoPE on its qk_rope_head_dim slice; no remapping)")
