@@ -72,6 +72,8 @@ def status(model_type: str) -> tuple[str, str]:
             "its config refuses scaled types as ctxext writes them: static methods recorded as longrope with equal "
             "factor sets, remapping methods with its 'default' type, dynamic methods refused"
         )
+    if layout.angles == "complex":
+        notes.append("complex freqs_cis, multiplied with interleaved pairs (no remapping)")
     if layout.latent_attention:
         notes.append("multi-head latent attention (RoPE on its qk_rope_head_dim slice; no remapping)")
     elif partial:
@@ -137,6 +139,12 @@ def _transformers_rotary(model, config):
     return type(original)(config)
 
 
+def _rotary_outputs(rotary, *args) -> tuple:
+    """What a rotary module returns, as a tuple: (cos, sin), or (freqs_cis,) where it returns one complex tensor."""
+    out = rotary(*args)
+    return out if isinstance(out, tuple) else (out,)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_static_methods_equal_transformers_rope_types(family, request):
     expect_known_defect(request, "static", family)
@@ -154,7 +162,9 @@ def test_static_methods_equal_transformers_rope_types(family, request):
             theirs = _transformers_rotary(model, model.config)
             for key in keys:
                 args = (x, positions) if key is None else (x, positions, key)
-                for a, b in zip(ours(*args), theirs(*args)):
+                expected = _rotary_outputs(theirs, *args)
+                assert len(_rotary_outputs(ours, *args)) == len(expected), f"{family}: another form than its own"
+                for a, b in zip(_rotary_outputs(ours, *args), expected):
                     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{family} {method} {key}")
         finally:
             ctxext.unpatch(model)
@@ -454,6 +464,96 @@ def test_an_odd_number_of_rotated_channels_is_refused_in_one_line():
     assert "\n" not in str(error.value)
 
 
+# ---------------------------------------------------------- complex freqs_cis (Llama 4, DeepSeek V2)
+COMPLEX = ("llama4_text", "deepseek_v2")
+
+
+@pytest.mark.parametrize("family", COMPLEX)
+def test_complex_freqs_cis_keep_their_form_and_carry_the_attention_factor_as_magnitude(family):
+    """Their rotary modules return freqs_cis = polar(attention factor, p * inv_freq), complex64 whatever the dtype
+    of x, which their attention multiplies with interleaved channel pairs. Patched, the module returns that form
+    (transformers' own yarn module of the family, built from the written config, is the oracle, at bf16 x too),
+    with YaRN's 0.1 ln s + 1 as its magnitude."""
+    model, _ = build(family)
+    assert rope_layout(model).angles == "complex"
+    positions = torch.arange(SEQ)[None]
+    ctxext.patch(model, "yarn", factor=4.0)
+    try:
+        ours = ctxext.patching.rotary_host(model).rotary_emb
+        theirs = _transformers_rotary(model, model.config)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.zeros(1, dtype=dtype)
+            expected = theirs(x, positions)
+            assert expected.dtype == torch.complex64
+            torch.testing.assert_close(ours(x, positions), expected, atol=1e-5, rtol=1e-5)
+        magnitude = ours(torch.zeros(1), positions).abs()
+    finally:
+        ctxext.unpatch(model)
+    torch.testing.assert_close(magnitude, torch.full_like(magnitude, 0.1 * math.log(4.0) + 1.0))
+
+
+class _RotaryOfItsOwnKind(torch.nn.Module):
+    """A rotary module with an inv_freq that returns complex angles at twice those frequencies, or (`real`) the
+    angles alone: neither is what ctxext would put in its place."""
+
+    def __init__(self, inv_freq, real: bool):
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
+        self.real = real
+
+    def forward(self, x, position_ids):
+        angles = position_ids[..., None].float() * self.inv_freq
+        return angles if self.real else torch.polar(torch.ones_like(angles), 2 * angles)
+
+
+@pytest.mark.parametrize(
+    ("real", "why"),
+    [(False, "its complex output is not polar"), (True, "it returns neither \\(cos, sin\\) nor one complex tensor")],
+)
+def test_a_rotary_module_of_its_own_kind_is_refused_in_one_line_before_any_change(real, why):
+    model, _ = build("llama4_text")
+    host = ctxext.patching.rotary_host(model)
+    rotary = host.rotary_emb
+    own_kind = host.rotary_emb = _RotaryOfItsOwnKind(rotary.inv_freq, real)
+    try:
+        with pytest.raises(
+            CtxextError, match=f"computes positions in its own way: _RotaryOfItsOwnKind \\({why}"
+        ) as error:
+            ctxext.patch(model, "yarn", factor=4.0)
+        assert host.rotary_emb is own_kind
+    finally:
+        host.rotary_emb = rotary
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("family", "angles"), [("llama4_text", "complex"), ("deepseek_v2", "complex"), ("llama", "halves")]
+)
+def test_a_model_on_the_meta_device_is_probed_by_the_form_of_its_rotary_output(family, angles):
+    """A model being loaded has no frequencies yet: its layout is read from what its rotary module returns there."""
+    model, _ = build(family)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(model.config)
+    assert ctxext.patching.rotary_host(skeleton).rotary_emb.inv_freq.is_meta
+    layout = rope_layout(skeleton)
+    assert (layout.angles, layout.rotary_dims) == (angles, rope_layout(model).rotary_dims)
+
+
+def test_a_remapping_method_on_complex_freqs_cis_is_one_line_before_any_change():
+    from ctxext.patching.applicable import why_not
+
+    model, _ = build("llama4_text")
+    host = ctxext.patching.rotary_host(model)
+    rotary, rope_parameters = host.rotary_emb, json.dumps(model.config.rope_parameters, sort_keys=True)
+    for method, params in (("self_extend", {"group_size": G, "window": W}), ("rerope", {"window": W})):
+        with pytest.raises(CtxextError, match="complex multiplication of interleaved channel pairs") as error:
+            ctxext.patch(model, method, factor=4.0, **params)
+        assert "\n" not in str(error.value)
+        assert why_not(model, method, 4.0, **params) == str(error.value)
+    assert host.rotary_emb is rotary and json.dumps(model.config.rope_parameters, sort_keys=True) == rope_parameters
+    assert ctxext.patching.attention.installed_layers(host) == ()
+
+
 # ------------------------------------------------------------------------- layer types, recipes
 def test_gemma3_recipe_linear_x8_on_the_full_layers_only(tmp_path):
     """Gemma 3's published rope: linear x8 (base 1e6) on full_attention, default base 1e4 on sliding."""
@@ -533,6 +633,19 @@ SHIPPED = {
         },
         L,
     ),
+    # DeepSeek V2's published yarn x40 (mscale = mscale_all_dim = 0.707), its rotary returning complex freqs_cis
+    "deepseek_v2": (
+        {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": L,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+        L,
+    ),
     "gpt_oss": (
         {
             "rope_type": "yarn",
@@ -606,18 +719,20 @@ def shipped_model(family):
     return scaled
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
 @pytest.mark.parametrize(
     ("method", "params", "m_all"),
     [("linear", {}, None), ("yarn", {"mscale": 1.0, "mscale_all_dim": 1.0}, 1.0), ("yarn", {}, None)],
 )
-def test_mla_softmax_scale_follows_the_written_rope_parameters(tmp_path, method, params, m_all):
-    """DeepSeek V3 shipped with yarn x40 (mscale = mscale_all_dim = 1) builds its attention's softmax scale from
-    them; patched again, the model in memory has the scale a reload of the saved checkpoint builds (the oracle:
-    plain transformers), qk_head_dim^-1/2 (0.1 m_all ln s + 1)^2, and unpatch restores it."""
-    model = shipped_model("deepseek_v3")
+def test_mla_softmax_scale_follows_the_written_rope_parameters(tmp_path, family, method, params, m_all):
+    """DeepSeek V3 shipped with yarn x40 (mscale = mscale_all_dim = 1; V2's: 0.707) builds its attention's softmax
+    scale from them; patched again, the model in memory has the scale a reload of the saved checkpoint builds (the
+    oracle: plain transformers), qk_head_dim^-1/2 (0.1 m_all ln s + 1)^2, and unpatch restores it."""
+    model = shipped_model(family)
     attention = ctxext.patching.rotary_host(model).layers[0].self_attn
     shipped_scale = attention.scaling
-    assert shipped_scale == pytest.approx(attention.qk_head_dim**-0.5 * (0.1 * math.log(40) + 1) ** 2)
+    shipped_m_all = SHIPPED[family][0]["mscale_all_dim"]
+    assert shipped_scale == pytest.approx(attention.qk_head_dim**-0.5 * (0.1 * shipped_m_all * math.log(40) + 1) ** 2)
     tokens = _tokens()
     with torch.no_grad():
         before = model(tokens).logits
@@ -633,8 +748,9 @@ def test_mla_softmax_scale_follows_the_written_rope_parameters(tmp_path, method,
         assert torch.equal(model(tokens).logits, before)
 
 
-def test_a_remapping_method_on_mla_is_one_line():
-    model = shipped_model("deepseek_v3")
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_a_remapping_method_on_mla_is_one_line(family):
+    model = shipped_model(family)
     with pytest.raises(CtxextError, match="multi-head latent attention") as error:
         ctxext.patch(model, "self_extend", factor=4.0)
     assert "\n" not in str(error.value)

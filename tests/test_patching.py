@@ -207,15 +207,6 @@ def test_model_without_rope_is_rejected_naming_the_families():
         ctxext.patch(gpt2, "yarn", factor=2.0)
 
 
-def test_a_rotary_module_of_its_own_kind_is_rejected_by_capability():
-    """Llama 4's rotary returns complex frequencies, not (cos, sin): refused by the probe, in one line."""
-    from tests.family_models import build
-
-    llama4, _ = build("llama4_text")
-    with pytest.raises(CtxextError, match="computes positions in its own way: Llama4TextRotaryEmbedding"):
-        ctxext.patch(llama4, "yarn", factor=2.0)
-
-
 def test_peft_wrapped_model_is_patched_through_the_wrapper():
     from peft import LoraConfig, get_peft_model
 

@@ -4,7 +4,9 @@ A transformers 5 RoPE model has a `rotary_emb` module on its base model that ret
 frequencies (`inv_freq`), either one set for all layers (`forward(x, position_ids)`) or one set per layer type
 (`forward(x, position_ids, layer_type)` with `{layer_type}_inv_freq` buffers, as Gemma 3). Each attention layer
 rotates its queries and keys with them, rotate-half style (cos, sin = the angles twice, [a, a]) or, in a few
-families (Cohere), interleaved ([a0, a0, a1, a1, ...]). `rope_layout(model)` reads all of that once, as data:
+families (Cohere), interleaved ([a0, a0, a1, a1, ...]); Llama 4 and DeepSeek V2 return the angles as one complex
+tensor instead (`freqs_cis`, polar(scaling, a)), which their attention multiplies with interleaved channel pairs
+read as complex numbers. `rope_layout(model)` reads all of that once, as data:
 which layer types there are and which frequencies each uses, which layers apply no RoPE (SmolLM3's and
 Llama 4's NoPE layers), which are sliding-window layers and how far they see, how many channels rotate
 (`partial_rotary_factor`). The methods' math never needs to know the family.
@@ -128,8 +130,10 @@ class RopeLayout:
 
     `per_type_rotary`: the rotary module keeps one set of frequencies per layer type (its forward takes the
     layer type); otherwise one set serves every layer. `angles`: how cos/sin lay the angles a out per head,
-    "halves" ([a, a], rotate-half: most families), "interleaved" ([a0, a0, a1, a1, ...]: Cohere) or "once" ([a]:
-    gpt-oss, whose attention splits the head itself). `uses_rope[i]` is False for a NoPE layer; `windows[i]` is a sliding
+    "halves" ([a, a], rotate-half: most families), "interleaved" ([a0, a0, a1, a1, ...]: Cohere), "once" ([a]:
+    gpt-oss, whose attention splits the head itself) or "complex" (no (cos, sin) but one complex tensor,
+    polar(scaling, a), one entry per pair: Llama 4 and DeepSeek V2, whose attention multiplies interleaved channel
+    pairs by it). `uses_rope[i]` is False for a NoPE layer; `windows[i]` is a sliding
     layer's window (None for a full one); `attention[i]` is False for a layer without softmax attention (linear
     attention, Mamba, convolution), which RoPE never reaches.
     """
@@ -310,9 +314,9 @@ def value_head_dim(module: nn.Module | None) -> int | None:
     return int(value) if value is not None and head is not None and value != head else None
 
 
-def _rotary_call(rotary: nn.Module, layer_type: str | None):
-    """(cos, sin) of `rotary` at positions 0..7 of a float32 probe."""
-    x = torch.zeros(1, 1, 8, dtype=torch.float32, device=_device_of(rotary))
+def _rotary_call(rotary: nn.Module, layer_type: str | None, device=None):
+    """What `rotary` returns at positions 0..7 of a float32 probe ((cos, sin), or one complex tensor)."""
+    x = torch.zeros(1, 1, 8, dtype=torch.float32, device=device or _device_of(rotary))
     positions = torch.arange(8, device=x.device)[None]
     return rotary(x, positions) if layer_type is None else rotary(x, positions, layer_type)
 
@@ -323,27 +327,58 @@ def _device_of(module: nn.Module):
     return "cpu"
 
 
+def _is_complex_tensor(out) -> bool:
+    return isinstance(out, torch.Tensor) and out.is_complex()
+
+
+def _meta_layout(rotary: nn.Module, layer_type: str | None) -> str:
+    """The angle layout of a rotary module whose buffers are not filled yet (a model being loaded), from the form
+    of what it returns on the meta device: "complex" for one complex tensor, else rotate-half assumed."""
+    try:
+        with torch.no_grad():
+            out = _rotary_call(rotary, layer_type, device="meta")
+    except Exception:  # noqa: BLE001 - a module that cannot run on meta: the sizes are all there is to read
+        return "halves"
+    return "complex" if _is_complex_tensor(out) else "halves"
+
+
+def _matches_complex(freqs_cis: torch.Tensor, angles: torch.Tensor) -> bool:
+    """Whether a complex rotary output is polar(scaling, p * inv_freq), one scaling for every entry (the
+    magnitude at position 0), as Llama 4's and DeepSeek V2's `freqs_cis` are."""
+    values = freqs_cis.to(torch.complex64).cpu().reshape(-1, freqs_cis.shape[-1])[-8:]
+    if values.shape != angles.shape:
+        return False
+    scale = values[0].abs().max().clamp_min(1e-12)
+    expected = torch.polar(torch.full_like(angles, float(scale)), angles)
+    return torch.allclose(values, expected, atol=1e-4 * float(scale))
+
+
 def _probe_rotary(rotary: nn.Module, layer_type: str | None) -> tuple[str, int]:
     """(angle layout, rotary_dim) from one call of the model's own rotary module, checked against its inv_freq.
 
     What ctxext replaces must be what the model computes: cos = cos(p * inv_freq) * scaling, with the angles
-    laid out twice (rotate-half) or interleaved. Anything else is a one-line CtxextError.
+    laid out twice (rotate-half), interleaved or once, or one complex tensor polar(scaling, p * inv_freq).
+    Anything else is a one-line CtxextError.
     """
     what = f"this rotary module computes positions in its own way: {type(rotary).__name__}"
     inv_freq = getattr(rotary, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq", None)
     if not isinstance(inv_freq, torch.Tensor) or inv_freq.dim() != 1:
         raise CtxextError(f"{what} (no inv_freq buffer)")
-    if inv_freq.is_meta:  # a model being loaded (its buffers not filled yet): the sizes only, rotate-half assumed
-        return "halves", 2 * inv_freq.shape[0]
+    if inv_freq.is_meta:  # a model being loaded (its buffers not filled yet): the sizes and the output's form only
+        return _meta_layout(rotary, layer_type), 2 * inv_freq.shape[0]
     try:
         with torch.no_grad():
             out = _rotary_call(rotary, layer_type)
     except Exception as error:  # noqa: BLE001 - any failure of a foreign module means it is not the usual kind
         raise CtxextError(f"{what} ({type(error).__name__} when called as rotary_emb(x, position_ids))") from None
-    if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
-        raise CtxextError(f"{what} (it does not return (cos, sin))")
-    cos, sin = (t.float().cpu().reshape(-1, t.shape[-1])[-8:] for t in out)
     angles = torch.arange(8, dtype=torch.float32)[:, None] * inv_freq.float().cpu()[None]
+    if _is_complex_tensor(out):
+        if _matches_complex(out, angles):
+            return "complex", 2 * angles.shape[-1]
+        raise CtxextError(f"{what} (its complex output is not polar(scaling, position x inv_freq))")
+    if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
+        raise CtxextError(f"{what} (it returns neither (cos, sin) nor one complex tensor)")
+    cos, sin = (t.float().cpu().reshape(-1, t.shape[-1])[-8:] for t in out)
     scale = cos[0].abs().max().clamp_min(1e-12)  # cos(0) = the attention scaling
     layouts = {
         "halves": torch.cat((angles, angles), -1),

@@ -159,6 +159,8 @@ def plan_patch(
     # A remapping method changes (query, key) distances, which a sliding layer within L never has past L; log-n
     # alone scales queries by their own position, and stays on every RoPE layer of the chosen types.
     layers = layout.attention_layers(chosen, L if attention.remap is not None else None)
+    if attention.remap is not None:
+        check_remappable_angles(layout, spec.name)
     if attention.active:
         check_can_install(host, attention, int(round(L * method_params.factor)), layout, layers)
     if attention.remap is not None:
@@ -253,6 +255,18 @@ def rescale_latent_attention(host: nn.Module, config) -> list:
             changed.append((module, module.scaling))
             module.scaling = latent_attention_scale(config.rope_parameters, module.qk_head_dim)
     return changed
+
+
+def check_remappable_angles(layout, method: str) -> None:
+    """A remapping method rotates rotate-half pairs in its own attention; a model that carries its angles as complex
+    `freqs_cis` (Llama 4) rotates interleaved pairs by complex multiplication, which it does not: one line. MLA
+    (DeepSeek V2) is left to the attention's own refusal, which names the more basic reason."""
+    if layout.angles == "complex" and not layout.latent_attention:
+        raise CtxextError(
+            f"{method} rotates rotate-half pairs; {layout.model_type} applies RoPE as complex multiplication of "
+            "interleaved channel pairs (its rotary module returns complex freqs_cis), which ctxext's remapping "
+            "methods do not support; use a frequency method"
+        )
 
 
 def check_remappable_layers(host: nn.Module, layers: tuple, method: str) -> None:

@@ -18,7 +18,8 @@ from ..methods import Method, MethodParams, compute_inv_freq
 
 class ScaledRotaryEmbedding(nn.Module):
     """Drop-in `rotary_emb`: forward(x, position_ids[, layer_type]) -> (cos, sin), computed in float32, cast to
-    x.dtype.
+    x.dtype; or, for the "complex" layout (Llama 4, DeepSeek V2), one complex64 tensor polar(scaling, angles), as
+    their own modules return whatever x.dtype (the attention factor is its magnitude, as transformers' yarn puts it).
 
     `scaled` maps each scaled layer type to its (rotary_dim, base); the key None is the one set of frequencies
     a model without per-type rotary shares among its layers. A layer type not in `scaled` (Gemma 3's sliding
@@ -100,7 +101,7 @@ class ScaledRotaryEmbedding(nn.Module):
     @torch.no_grad()
     def forward(
         self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
         if self.original_within and self.original is not None and int(position_ids.max()) < self.original_within:
             return self.original(x, position_ids) if layer_type is None else self.original(x, position_ids, layer_type)
         key = layer_type if layer_type in self.scaled else None
@@ -108,6 +109,8 @@ class ScaledRotaryEmbedding(nn.Module):
             return self.original(x, position_ids, layer_type)
         inv_freq, scaling = self._inv_freq_for(key, position_ids, x.device)
         freqs = position_ids[..., None].float() * inv_freq
+        if self.angles == "complex":
+            return complex_angles(freqs, scaling)
         if self.angles == "interleaved":
             angles = freqs.repeat_interleave(2, dim=-1)
         elif self.angles == "once":
@@ -130,6 +133,11 @@ class ScaledRotaryEmbedding(nn.Module):
     def extra_repr(self) -> str:
         types = "" if list(self.scaled) == [None] else f", layer_types={list(self.scaled)}"
         return f"method={self.method.name}, params={self.params.to_dict()}, L={self.original_max_position_embeddings}{types}"
+
+
+def complex_angles(freqs: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The angles as the "complex" layout carries them: polar(scaling, freqs), complex64 from float32 angles."""
+    return torch.polar(torch.full_like(freqs, scaling), freqs)
 
 
 @contextlib.contextmanager
