@@ -39,6 +39,13 @@ SMALL = dict(
     first_k_dense_replace=0,
 )
 
+# Multimodal RoPE: the rope keys these families' checkpoints ship (Qwen3.5: mrope_section [11, 11, 10] over the 32
+# rotary pairs of head_dim 256 x 0.25), here over 6 pairs (head_dim 48 x 0.25), so that every section has pairs.
+MROPE_SMALL = {
+    family: (48, {"mrope_section": [2, 2, 2], "mrope_interleaved": True})
+    for family in ("qwen3_5_text", "qwen3_5_moe_text")
+}
+
 MLA_SMALL = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
 MLA_MOE_SMALL = dict(n_shared_experts=1, n_group=1, topk_group=1)
 
@@ -86,6 +93,9 @@ def _values(model_type: str, default) -> dict:
         values.update({k: v for k, v in MLA_MOE_SMALL.items() if hasattr(default, k)})
     if int(values.get("head_dim", 0) * _partial_rotary_factor(default)) % 2:  # real configs rotate whole pairs
         values["head_dim"] = 24  # MiMo V2 Flash's 0.334: 8 rotated channels (16 would rotate 5)
+    if model_type in MROPE_SMALL:
+        head_dim, keys = MROPE_SMALL[model_type]
+        values.update(head_dim=head_dim, rope_parameters={**default.rope_parameters, **keys})
     if hasattr(default, "no_rope_layers"):
         values["no_rope_layers"] = [1, 0]  # SmolLM3: layer 1 is NoPE
     return values

@@ -74,6 +74,8 @@ def status(model_type: str) -> tuple[str, str]:
         )
     if layout.angles == "complex":
         notes.append("complex freqs_cis, multiplied with interleaved pairs (no remapping)")
+    if layout.sections is not None:
+        notes.append("multimodal RoPE, each pair reading one of 3 position sections (no remapping)")
     if layout.latent_attention:
         notes.append("multi-head latent attention (RoPE on its qk_rope_head_dim slice; no remapping)")
     elif partial:
@@ -527,16 +529,18 @@ def test_a_rotary_module_of_its_own_kind_is_refused_in_one_line_before_any_chang
 
 
 @pytest.mark.parametrize(
-    ("family", "angles"), [("llama4_text", "complex"), ("deepseek_v2", "complex"), ("llama", "halves")]
+    ("family", "angles"),
+    [("llama4_text", "complex"), ("deepseek_v2", "complex"), ("llama", "halves"), ("qwen3_5_text", "halves")],
 )
 def test_a_model_on_the_meta_device_is_probed_by_the_form_of_its_rotary_output(family, angles):
-    """A model being loaded has no frequencies yet: its layout is read from what its rotary module returns there."""
+    """A model being loaded has no frequencies yet: its layout is read from what its rotary module returns there
+    (and, for multimodal RoPE, which section each pair reads, from a CPU copy with made-up frequencies)."""
     model, _ = build(family)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(model.config)
     assert ctxext.patching.rotary_host(skeleton).rotary_emb.inv_freq.is_meta
-    layout = rope_layout(skeleton)
-    assert (layout.angles, layout.rotary_dims) == (angles, rope_layout(model).rotary_dims)
+    layout, loaded = rope_layout(skeleton), rope_layout(model)
+    assert (layout.angles, layout.rotary_dims, layout.sections) == (angles, loaded.rotary_dims, loaded.sections)
 
 
 def test_a_remapping_method_on_complex_freqs_cis_is_one_line_before_any_change():
@@ -547,6 +551,145 @@ def test_a_remapping_method_on_complex_freqs_cis_is_one_line_before_any_change()
     rotary, rope_parameters = host.rotary_emb, json.dumps(model.config.rope_parameters, sort_keys=True)
     for method, params in (("self_extend", {"group_size": G, "window": W}), ("rerope", {"window": W})):
         with pytest.raises(CtxextError, match="complex multiplication of interleaved channel pairs") as error:
+            ctxext.patch(model, method, factor=4.0, **params)
+        assert "\n" not in str(error.value)
+        assert why_not(model, method, 4.0, **params) == str(error.value)
+    assert host.rotary_emb is rotary and json.dumps(model.config.rope_parameters, sort_keys=True) == rope_parameters
+    assert ctxext.patching.attention.installed_layers(host) == ()
+
+
+# ------------------------------------------------------------------- multimodal RoPE (Qwen3.5's mrope_section)
+MROPE = ("qwen3_5_text", "qwen3_5_moe_text")
+
+
+def interleaved_sections(mrope_section, pairs: int) -> tuple:
+    """The section each pair reads under Qwen3.5's interleaving, from its published description: pair 3j + 1 reads
+    height and 3j + 2 width while j < that section's size, every other pair temporal."""
+    return tuple(index % 3 if index % 3 and index // 3 < mrope_section[index % 3] else 0 for index in range(pairs))
+
+
+def multimodal_positions(n: int = SEQ, batch: int = 2) -> torch.Tensor:
+    """(3, batch, n) position ids whose temporal, height and width rows all differ, some past L (as an image's
+    grid and the text after it give them): what the family's rotary module takes."""
+    steps = torch.arange(n)
+    rows = torch.stack((steps, steps // 4 + 3 * (steps % 4), 2 * steps + 1))
+    return torch.stack([rows + b for b in range(batch)], dim=1)
+
+
+@pytest.mark.parametrize("family", MROPE)
+def test_multimodal_rope_pairs_read_the_sections_the_family_interleaves(family):
+    model, _ = build(family)
+    layout = rope_layout(model)
+    rope_parameters = model.config.rope_parameters
+    assert layout.sections == interleaved_sections(rope_parameters["mrope_section"], layout.rotary_dims[None] // 2)
+    assert set(layout.sections) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("family", MROPE)
+@pytest.mark.parametrize(
+    ("method", "params"),
+    [("linear", {}), ("yarn", {"beta_fast": 16.0}), ("llama3", {}), ("ntk", {}), ("dynamic_ntk", {})],
+)
+def test_multimodal_rope_with_sections_that_differ_equals_the_familys_own_rotary(family, method, params):
+    """Oracle: the family's own rotary module built from the config ctxext writes (transformers' yarn, linear,
+    llama3, dynamic; ctxext_ntk through transformers' rope registry), at 3-section position ids that differ, and
+    at 2-D ones, which it broadcasts to every section; the config keeps mrope_section and mrope_interleaved."""
+    model, _ = build(family)
+    shipped = dict(model.config.rope_parameters)
+    ctxext.patch(model, method, factor=4.0, **params)
+    try:
+        written = dict(model.config.rope_parameters)
+        ours = ctxext.patching.rotary_host(model).rotary_emb
+        for positions in (multimodal_positions(), torch.arange(SEQ)[None]):
+            theirs = _transformers_rotary(model, model.config)  # fresh: transformers' dynamic type keeps a state
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.zeros(1, dtype=dtype)
+                for a, b in zip(ours(x, positions), theirs(x, positions)):
+                    assert a.dtype == dtype
+                    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{family} {method}")
+    finally:
+        ctxext.unpatch(model)
+    assert {k: written[k] for k in ("mrope_section", "mrope_interleaved")} == {
+        k: shipped[k] for k in ("mrope_section", "mrope_interleaved")
+    }
+    assert written["rope_type"] != "default"
+
+
+@pytest.mark.parametrize("family", MROPE)
+@pytest.mark.parametrize("method", ["yarn", "ntk"])
+def test_multimodal_positions_reload_in_plain_transformers_and_unpatch_is_exact(family, method, tmp_path):
+    """The whole model, fed (4, batch, n) position ids (text row, then temporal/height/width rows that differ):
+    a saved checkpoint reloaded by plain transformers gives the patched logits (yarn, transformers' own type;
+    ntk, ctxext's, read back with the family's mrope keys beside it), and unpatch gives the first ones bit for bit."""
+    model, _ = build(family)
+    sections = multimodal_positions()
+    positions = torch.cat((torch.arange(SEQ).expand(1, 2, SEQ), sections))
+    tokens = torch.cat((_tokens(), _tokens().flip(-1)))
+    with torch.no_grad():
+        before = model(tokens, position_ids=positions).logits
+        ctxext.patch(model, method, factor=4.0)
+        patched = model(tokens, position_ids=positions).logits
+        text_only = model(tokens).logits
+        model.save_pretrained(tmp_path)
+        ctxext.unpatch(model)
+        after = model(tokens, position_ids=positions).logits
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+        assert torch.equal(before, after), f"{family}: unpatch is not bit for bit"
+        torch.testing.assert_close(reloaded(tokens, position_ids=positions).logits, patched, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(reloaded(tokens).logits, text_only, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(before, patched), f"{family}: {method} x4 changed nothing"
+
+
+class _SectionedRotaryOfItsOwnKind(torch.nn.Module):
+    """A multimodal rotary module (it has `mrope_section`), plain RoPE where the sections are equal, that is not
+    ctxext's kind: every pair turns by the largest of the three positions (`largest`), or by its section's position
+    plus a term that is 0 unless all three positions differ."""
+
+    mrope_section = [1, 1, 1]
+
+    def __init__(self, inv_freq, largest: bool):
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
+        self.largest = largest
+
+    def forward(self, x, position_ids):
+        rows = position_ids.expand(3, *position_ids.shape[-2:]).float()
+        pairs = self.inv_freq.shape[0]
+        if self.largest:
+            positions = rows.max(0).values[..., None].expand(*rows.shape[1:], pairs)
+        else:
+            all_differ = (rows[1] - rows[0]) * (rows[2] - rows[0]) * (rows[2] - rows[1])
+            positions = rows[torch.arange(pairs) % 3].movedim(0, -1) + all_differ[..., None]
+        angles = torch.cat((positions * self.inv_freq,) * 2, -1)
+        return angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize(
+    ("largest", "why"),
+    [(True, "do not each read one section"), (False, "not cos/sin of each pair's section position")],
+)
+def test_a_multimodal_rotary_of_its_own_kind_is_refused_in_one_line(largest, why):
+    model, _ = build("llama")
+    host = ctxext.patching.rotary_host(model)
+    rotary = host.rotary_emb
+    host.rotary_emb = _SectionedRotaryOfItsOwnKind(rotary.inv_freq, largest)
+    try:
+        with pytest.raises(CtxextError, match=why) as error:
+            ctxext.patch(model, "yarn", factor=4.0)
+    finally:
+        host.rotary_emb = rotary
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("family", MROPE)
+def test_a_remapping_method_on_multimodal_rope_is_one_line_before_any_change(family):
+    from ctxext.patching.applicable import why_not
+
+    model, _ = build(family)
+    host = ctxext.patching.rotary_host(model)
+    rotary, rope_parameters = host.rotary_emb, json.dumps(model.config.rope_parameters, sort_keys=True)
+    for method, params in (("self_extend", {"group_size": G, "window": W}), ("rerope", {"window": W})):
+        with pytest.raises(CtxextError, match="multimodal RoPE, whose rotary pairs read 3 position sections") as error:
             ctxext.patch(model, method, factor=4.0, **params)
         assert "\n" not in str(error.value)
         assert why_not(model, method, 4.0, **params) == str(error.value)

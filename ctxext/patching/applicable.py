@@ -23,7 +23,7 @@ def skeleton(config) -> nn.Module:
     except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as error:
         what = getattr(config, "model_type", type(config).__name__)
         raise CtxextError(f"transformers cannot build a causal LM of type '{what}': {error}") from None
-    host = rotary_host(model)  # refuses a model without RoPE, mrope and MLA in one line
+    host = rotary_host(model)  # refuses a model without RoPE in one line
     try:
         with torch.device("cpu"):
             host.rotary_emb = type(host.rotary_emb)(config=host.config)

@@ -9,7 +9,8 @@ tensor instead (`freqs_cis`, polar(scaling, a)), which their attention multiplie
 read as complex numbers. `rope_layout(model)` reads all of that once, as data:
 which layer types there are and which frequencies each uses, which layers apply no RoPE (SmolLM3's and
 Llama 4's NoPE layers), which are sliding-window layers and how far they see, how many channels rotate
-(`partial_rotary_factor`). The methods' math never needs to know the family.
+(`partial_rotary_factor`), and, for a multimodal rotary (`mrope_section`: Qwen3.5), which of the three position
+sections (temporal, height, width) each rotary pair reads. The methods' math never needs to know the family.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from torch import nn
 from ..errors import CtxextError
 
 FULL = "full_attention"  # transformers' name of a layer that attends to every earlier token
+SECTIONS = 3  # multimodal RoPE's position sections: temporal, height, width
+# rope_parameters keys that belong to the family rather than to a rope type: Ministral 3's query temperature, and
+# how a multimodal rotary splits its pairs among the position sections (Qwen3.5). A patch keeps them.
+FAMILY_ROPE_KEYS = ("llama_4_scaling_beta", "mrope_section", "mrope_interleaved")
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -79,8 +84,6 @@ def check_supported(config, what: str | None = None) -> None:
     types = list(rope_parameters.values()) if is_nested(rope_parameters) else [rope_parameters or {}]
     if not any(isinstance(values, dict) and "rope_theta" in values for values in types):
         raise CtxextError(f"{what} has no rotary position embedding (RoPE): there is nothing for ctxext to scale")
-    if any(isinstance(values, dict) and "mrope_section" in values for values in types):
-        raise CtxextError(f"{what} uses multimodal RoPE (mrope_section), which ctxext does not patch yet")
 
 
 def config_refusal(config, rope_parameters: dict) -> str | None:
@@ -135,7 +138,9 @@ class RopeLayout:
     polar(scaling, a), one entry per pair: Llama 4 and DeepSeek V2, whose attention multiplies interleaved channel
     pairs by it). `uses_rope[i]` is False for a NoPE layer; `windows[i]` is a sliding
     layer's window (None for a full one); `attention[i]` is False for a layer without softmax attention (linear
-    attention, Mamba, convolution), which RoPE never reaches.
+    attention, Mamba, convolution), which RoPE never reaches. `sections`: for a multimodal rotary, the position
+    section (0 temporal, 1 height, 2 width) each rotary pair reads from position ids shaped (3, batch, seq); None
+    where every pair reads the one position (plain RoPE).
     """
 
     model_type: str | None
@@ -148,6 +153,7 @@ class RopeLayout:
     rotary_dims: dict
     bases: dict
     latent_attention: bool = False  # MLA (DeepSeek): RoPE on a separate qk_rope_head_dim slice of each head
+    sections: tuple[int, ...] | None = None
 
     @property
     def types(self) -> tuple[str, ...]:
@@ -379,21 +385,89 @@ def _probe_rotary(rotary: nn.Module, layer_type: str | None) -> tuple[str, int]:
     if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
         raise CtxextError(f"{what} (it returns neither (cos, sin) nor one complex tensor)")
     cos, sin = (t.float().cpu().reshape(-1, t.shape[-1])[-8:] for t in out)
-    scale = cos[0].abs().max().clamp_min(1e-12)  # cos(0) = the attention scaling
-    layouts = {
-        "halves": torch.cat((angles, angles), -1),
-        "interleaved": angles.repeat_interleave(2, -1),
-        "once": angles,
-    }
-    for layout, laid_out in layouts.items():
-        tolerance = 1e-4 * float(scale)
-        if (
-            laid_out.shape == cos.shape
-            and torch.allclose(cos, laid_out.cos() * scale, atol=tolerance)
-            and torch.allclose(sin, laid_out.sin() * scale, atol=tolerance)
-        ):
+    for layout in ANGLE_LAYOUTS:
+        if _is_cos_sin_of(cos, sin, laid_out(angles, layout)):
             return layout, 2 * angles.shape[-1]
     raise CtxextError(f"{what} (its (cos, sin) are not cos/sin of position x inv_freq)")
+
+
+ANGLE_LAYOUTS = ("halves", "interleaved", "once")  # how (cos, sin) lay the angles out per head
+
+
+def laid_out(angles: torch.Tensor, layout: str) -> torch.Tensor:
+    """Angles (..., pairs) laid out per head as a rotary module's (cos, sin) carry them."""
+    if layout == "halves":
+        return torch.cat((angles, angles), -1)
+    if layout == "interleaved":
+        return angles.repeat_interleave(2, -1)
+    return angles
+
+
+def _is_cos_sin_of(cos: torch.Tensor, sin: torch.Tensor, angles: torch.Tensor) -> bool:
+    """Whether (cos, sin) are cos/sin of `angles` times one attention scaling (cos at position 0, first row)."""
+    scale = cos[0].abs().max().clamp_min(1e-12)
+    tolerance = 1e-4 * float(scale)
+    return (
+        angles.shape == cos.shape
+        and torch.allclose(cos, angles.cos() * scale, atol=tolerance)
+        and torch.allclose(sin, angles.sin() * scale, atol=tolerance)
+    )
+
+
+def _filled_copy(rotary: nn.Module, inv_freq: torch.Tensor) -> tuple[nn.Module, torch.Tensor]:
+    """(`rotary`, its inv_freq) where they hold numbers; for a module on the meta device (a model being loaded), a
+    CPU copy whose inv_freq is made up: which section a pair reads does not depend on its frequency."""
+    if not inv_freq.is_meta:
+        return rotary, inv_freq
+    import copy
+
+    made_up = 1.0 / (2.0 + torch.arange(inv_freq.shape[0], dtype=torch.float32))
+    probe = copy.deepcopy(rotary).to_empty(device="cpu")
+    probe.inv_freq = made_up.clone()
+    return probe, made_up
+
+
+def _sectioned_cos_sin(rotary: nn.Module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of `rotary` at 3-section position ids `positions` (3, 8), as float32 rows (8, channels)."""
+    device = _device_of(rotary)
+    x = torch.zeros(1, 1, positions.shape[-1], dtype=torch.float32, device=device)
+    with torch.no_grad():
+        cos, sin = rotary(x, positions[:, None, :].to(device))
+    return tuple(t.float().cpu().reshape(-1, t.shape[-1]) for t in (cos, sin))
+
+
+def _probe_sections(rotary: nn.Module, layout: str) -> tuple[int, ...]:
+    """Which position section each rotary pair of a multimodal rotary module reads, probed, never read by name.
+
+    Called with position ids (3, batch, seq) in which one section moves and the others stay at 0, a pair whose sine
+    is not 0 reads that section; each pair must read exactly one. Then, at positions that differ in every section,
+    (cos, sin) must be cos/sin(p_section(i) x inv_freq_i): that is what ctxext's module computes with its own
+    frequencies (Qwen3.5 interleaves the sections: pair 3j + 1 reads height, 3j + 2 width, up to their sizes).
+    """
+    what = f"this rotary module computes positions in its own way: {type(rotary).__name__}"
+    if layout not in ANGLE_LAYOUTS:
+        raise CtxextError(f"{what} (multimodal RoPE sections with {layout} angles)")
+    module, inv_freq = _filled_copy(rotary, rotary.inv_freq)
+    pairs, steps = inv_freq.shape[0], torch.arange(8)
+    try:
+        reads = []
+        for section in range(SECTIONS):
+            positions = torch.zeros(SECTIONS, steps.shape[0], dtype=torch.long)
+            positions[section] = steps
+            _, sin = _sectioned_cos_sin(module, positions)
+            reads.append((sin[:, :pairs] if layout != "interleaved" else sin[:, 0::2]).ne(0).any(0))
+        different = torch.stack((steps, 3 * steps + 1, 5 * steps + 2))
+        cos, sin = _sectioned_cos_sin(module, different)
+    except Exception as error:  # noqa: BLE001 - any failure of a foreign module means it is not the usual kind
+        raise CtxextError(f"{what} ({type(error).__name__} when called with 3-section position ids)") from None
+    reads = torch.stack(reads)  # (section, pair)
+    if not bool((reads.sum(0) == 1).all()):
+        raise CtxextError(f"{what} (its rotary pairs do not each read one section of the 3-section position ids)")
+    sections = tuple(int(section) for section in reads.int().argmax(0))
+    angles = different[list(sections)].T.float() * inv_freq.float().cpu()
+    if not _is_cos_sin_of(cos, sin, laid_out(angles, layout)):
+        raise CtxextError(f"{what} (its (cos, sin) are not cos/sin of each pair's section position x inv_freq)")
+    return sections
 
 
 def rope_layout(model: nn.Module) -> RopeLayout:
@@ -402,9 +476,13 @@ def rope_layout(model: nn.Module) -> RopeLayout:
     host = rotary_host(model)
     config = host.config
     rotary = getattr(host.rotary_emb, "original", None) or host.rotary_emb  # look through ctxext's own module
-    if getattr(rotary, "mrope_section", None) is not None:  # positions in 3 sections (text, height, width)
-        raise CtxextError(f"{config.model_type} uses multimodal RoPE (mrope_section), which ctxext does not patch yet")
     per_type = "layer_type" in inspect.signature(rotary.forward).parameters and is_nested(config.rope_parameters)
+    multimodal = getattr(rotary, "mrope_section", None) is not None  # positions in 3 sections (Qwen3.5)
+    if multimodal and per_type:
+        raise CtxextError(
+            f"{config.model_type} uses multimodal RoPE (mrope_section) with frequencies per layer type, which "
+            "ctxext does not patch yet"
+        )
     layers = _decoder_layers(host)
     if not layers:
         raise CtxextError(f"{type(host).__name__} has no decoder layers ('layers') for ctxext to patch")
@@ -431,26 +509,28 @@ def rope_layout(model: nn.Module) -> RopeLayout:
         keys = list(dict.fromkeys(keys))
     dims, bases, layouts = {}, {}, set()
     for key in keys:
-        laid_out, dim = _probe_rotary(rotary, key)
-        if laid_out != "once" and dim != rotary_dim(config, key) and rotary_dim(config, key) % 2:
+        layout, dim = _probe_rotary(rotary, key)
+        if layout != "once" and dim != rotary_dim(config, key) and rotary_dim(config, key) % 2:
             raise CtxextError(
                 f"this model rotates an odd number of channels per head ({rotary_dim(config, key)}: head_dim x "
                 "partial_rotary_factor), whose frequencies ctxext cannot reproduce; it needs whole rotary pairs"
             )
-        layouts.add(laid_out)
+        layouts.add(layout)
         dims[key] = dim
         bases[key] = shipped_base(rope_parameters_of(config, key), dim)
+    angles = layouts.pop() if len(layouts) == 1 else "mixed"
     return RopeLayout(
         model_type=getattr(config, "model_type", None),
         layer_types=layer_types,
         per_type_rotary=per_type,
-        angles=layouts.pop() if len(layouts) == 1 else "mixed",
+        angles=angles,
         uses_rope=uses_rope,
         windows=windows,
         attention=attention,
         rotary_dims=dims,
         bases=bases,
         latent_attention=bool(getattr(config, "qk_rope_head_dim", None)),
+        sections=_probe_sections(rotary, angles) if multimodal else None,
     )
 
 

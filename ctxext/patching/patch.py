@@ -20,6 +20,7 @@ from .attention import (
     sync_attention_with_config,
 )
 from .families import (
+    FAMILY_ROPE_KEYS,
     attention_of,
     config_refusal,
     has_attention_sinks,
@@ -82,6 +83,7 @@ def patch(
         L,
         original=host.rotary_emb,
         angles=layout.angles,
+        sections=layout.sections,
     )
     scaled.saved_config = {
         "rope_parameters": copy.deepcopy(config.rope_parameters),
@@ -169,9 +171,8 @@ def plan_patch(
     return PatchPlan(host, layout, chosen, spec, method_params, L, attention, layers, native_temperature, written)
 
 
-# rope_parameters keys that belong to the family rather than to a rope type (Ministral 3's query temperature)
+# Ministral 3's query temperature, one of the rope_parameters keys that belong to the family (FAMILY_ROPE_KEYS)
 NATIVE_QUERY_TEMPERATURE = "llama_4_scaling_beta"
-FAMILY_KEYS = (NATIVE_QUERY_TEMPERATURE,)
 
 
 def rope_parameters_to_write(
@@ -189,7 +190,7 @@ def rope_parameters_to_write(
     def family_keys_kept(written: dict) -> dict:  # what the family's own code reads beside the rope type stays
         for key, values in written.items():
             kept = layer_rope_parameters(unpatched, key)
-            values.update({name: kept[name] for name in FAMILY_KEYS if name in kept})
+            values.update({name: kept[name] for name in FAMILY_ROPE_KEYS if name in kept})
             if native_temperature is not None:
                 values[NATIVE_QUERY_TEMPERATURE] = native_temperature
         return written
@@ -260,7 +261,15 @@ def rescale_latent_attention(host: nn.Module, config) -> list:
 def check_remappable_angles(layout, method: str) -> None:
     """A remapping method rotates rotate-half pairs in its own attention; a model that carries its angles as complex
     `freqs_cis` (Llama 4) rotates interleaved pairs by complex multiplication, which it does not: one line. MLA
-    (DeepSeek V2) is left to the attention's own refusal, which names the more basic reason."""
+    (DeepSeek V2) is left to the attention's own refusal, which names the more basic reason. Nor does it remap
+    multimodal RoPE, whose pairs read 3 position sections (Qwen3.5): its distances are between one position per token.
+    """
+    if layout.sections is not None:
+        raise CtxextError(
+            f"{method} remaps one position per token; {layout.model_type} uses multimodal RoPE, whose rotary pairs "
+            "read 3 position sections (temporal, height, width), which ctxext's remapping methods do not remap; "
+            "use a frequency method"
+        )
     if layout.angles == "complex" and not layout.latent_attention:
         raise CtxextError(
             f"{method} rotates rotate-half pairs; {layout.model_type} applies RoPE as complex multiplication of "

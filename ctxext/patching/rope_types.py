@@ -19,7 +19,7 @@ from ..errors import CtxextError
 from ..methods import METHODS, Method, MethodParams, compute_inv_freq
 from ..methods.frequency import proportional_fraction
 from ..methods.registry import method_for_rope_type
-from .families import ntk_alpha, rope_parameters_of, rotary_dim
+from .families import FAMILY_ROPE_KEYS, ntk_alpha, rope_parameters_of, rotary_dim
 
 # Keys transformers accepts for its own types, beyond rope_type/rope_theta/partial_rotary_factor.
 _TRANSFORMERS_KEYS = {
@@ -197,7 +197,7 @@ def params_from_rope_parameters(rope_parameters: dict) -> tuple[Method, MethodPa
     """Rebuild (method, params) from a ctxext rope_type's saved parameters."""
     method, implied = method_for_rope_type(rope_parameters["rope_type"])
     fields = {f.name for f in dataclasses.fields(method.params_cls)}
-    skip = {"rope_type", "rope_theta", "partial_rotary_factor", "original_max_position_embeddings"}
+    skip = {"rope_type", "rope_theta", "partial_rotary_factor", "original_max_position_embeddings", *FAMILY_ROPE_KEYS}
     unknown = set(rope_parameters) - fields - skip
     if unknown:
         raise CtxextError(

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..methods import Method, MethodParams, compute_inv_freq
+from .families import SECTIONS
 
 
 class ScaledRotaryEmbedding(nn.Module):
@@ -30,6 +31,11 @@ class ScaledRotaryEmbedding(nn.Module):
     Dynamic methods recompute their frequencies from the current length l = max(position_ids) + 1,
     statelessly: the same positions always give the same (cos, sin).
 
+    Multimodal RoPE (`sections`, from `RopeLayout.sections`: Qwen3.5): position ids may come as (3, batch, seq), one
+    row per section (temporal, height, width), or (batch, seq), every section the same, as the family takes them;
+    rotary pair i turns by the positions of its section sections[i] times its scaled frequency, as the family does
+    with its own. For text alone the sections are equal and this is plain RoPE.
+
     Mixed window (LongRoPE2): while `original_within` is a length N > 0, a forward whose positions all lie below
     N is answered by the model's own module, unscaled; see `original_rotary_within`.
     """
@@ -44,6 +50,7 @@ class ScaledRotaryEmbedding(nn.Module):
         original_max_position_embeddings: int,
         original: nn.Module | None = None,
         angles: str = "halves",
+        sections: tuple[int, ...] | None = None,
     ):
         super().__init__()
         self.method = method
@@ -51,6 +58,7 @@ class ScaledRotaryEmbedding(nn.Module):
         self.scaled = dict(scaled)
         self.original_max_position_embeddings = original_max_position_embeddings
         self.angles = angles
+        self.sections = None if sections is None else tuple(sections)
         self.dynamic = method.is_dynamic(params)
         # The module we replaced, kept so that `unpatch` can put it back (it follows .to() with the model).
         self.original = original
@@ -108,7 +116,7 @@ class ScaledRotaryEmbedding(nn.Module):
         if key not in self.scaled:  # a layer type this patch leaves alone
             return self.original(x, position_ids, layer_type)
         inv_freq, scaling = self._inv_freq_for(key, position_ids, x.device)
-        freqs = position_ids[..., None].float() * inv_freq
+        freqs = angles_at(position_ids, inv_freq, self.sections)
         if self.angles == "complex":
             return complex_angles(freqs, scaling)
         if self.angles == "interleaved":
@@ -132,7 +140,22 @@ class ScaledRotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         types = "" if list(self.scaled) == [None] else f", layer_types={list(self.scaled)}"
-        return f"method={self.method.name}, params={self.params.to_dict()}, L={self.original_max_position_embeddings}{types}"
+        sections = "" if self.sections is None else f", sections={list(self.sections)}"
+        return (
+            f"method={self.method.name}, params={self.params.to_dict()}, L={self.original_max_position_embeddings}"
+            f"{types}{sections}"
+        )
+
+
+def angles_at(position_ids: torch.Tensor, inv_freq: torch.Tensor, sections: tuple[int, ...] | None) -> torch.Tensor:
+    """position x inv_freq, one angle per rotary pair: (..., seq, pairs). With `sections` (multimodal RoPE), pair i
+    takes its positions from row sections[i] of position ids (3, batch, seq); ids (batch, seq) serve every row, as
+    the family broadcasts them."""
+    if sections is None:
+        return position_ids[..., None].float() * inv_freq
+    rows = position_ids.expand(SECTIONS, *position_ids.shape[-2:])
+    index = torch.tensor(sections, device=position_ids.device)
+    return rows[index].movedim(0, -1).float() * inv_freq
 
 
 def complex_angles(freqs: torch.Tensor, scaling: float) -> torch.Tensor:
