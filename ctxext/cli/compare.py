@@ -188,7 +188,8 @@ def run(args) -> int:
     from ..compare.workflow import run_compare
 
     result = run_compare(request_from_args(args), log=lambda line: print(line, flush=True))
-    _print_summary(result)
+    if result.main_process:  # under `accelerate launch` the main process reports; the others only log their cells
+        _print_summary(result)
     return 0
 
 

@@ -1,7 +1,8 @@
 """The cells of a compare: one perplexity (a row or native, one document, one length) or one passkey result (a row,
 one length), each a small JSON file written atomically as soon as it is computed (`ctxext.outputs.CellCache`), keyed
 by the model, dtype, BOS, the method's settings, the tokens and the protocol. The same command finds them again and
-computes only what is missing; cells computed on other machines fill the same table, each naming its machine.
+computes only what is missing; cells computed on other machines fill the same table, each naming its machine
+(and, under `accelerate launch`, its process: {"rank", "of"}).
 
 The key is the one scripts/compare_methods.py used, so the committed cells of docs/comparison.md are read as they
 are: context {model, dtype, bos}; perplexity {kind, config, document, length, tokens, protocol}; passkey {kind,
@@ -99,9 +100,12 @@ class Cells:
         self.computed = 0
         self.stop_after = int(os.environ[STOP_AFTER_ENV]) if os.environ.get(STOP_AFTER_ENV) else None
         self.on_computed = None  # called with (description, record) after each new cell
+        self.process = (0, 1)  # (rank, processes) under `accelerate launch`: recorded in the cells it computes
 
     def _store(self, key: dict, value: dict, description: str) -> dict:
-        record = self.cache.put(key, {**value, "machine": self.machine})
+        rank, processes = self.process
+        by = {"process": {"rank": rank, "of": processes}} if processes > 1 else {}
+        record = self.cache.put(key, {**value, "machine": self.machine, **by})
         self.computed += 1
         if self.on_computed is not None:
             self.on_computed(description, record)

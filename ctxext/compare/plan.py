@@ -42,6 +42,7 @@ class ComparePlan:
     write_best: tuple[str, Path] | None
     estimate: dict = field(default_factory=dict)  # seconds: screen, forward at each length, how estimated
     task_specs: list = field(default_factory=list)  # --tasks as lm-eval knows them (ctxext.tasks.harness.TaskSpec)
+    processes: object = None  # ctxext.runtime.Processes: this process among those `accelerate launch` started
 
     @property
     def searchable(self) -> list[str]:
@@ -399,7 +400,8 @@ def plan_compare(request: CompareRequest, measure=measured_flops) -> ComparePlan
 
         check_output_dir(write_best[1], protected)
     rt = request.runtime
-    runtime = inference_runtime(rt.device, rt.dtype, rt.attn_implementation, Processes(cpu=rt.device == "cpu" or None))
+    processes = Processes(cpu=rt.device == "cpu" or None)
+    runtime = inference_runtime(rt.device, rt.dtype, rt.attn_implementation, processes)
     check_passkey_lengths(request.passkey_lengths, lengths, L)
     plan = ComparePlan(
         request=request,
@@ -425,6 +427,7 @@ def plan_compare(request: CompareRequest, measure=measured_flops) -> ComparePlan
         passkey_lengths=sorted(set(request.passkey_lengths)) if request.passkey_lengths else [L, *lengths],
         write_best=write_best,
         task_specs=task_specs,
+        processes=processes,
     )
     plan.estimate = estimate_screen(plan, measure(runtime["device"], runtime["dtype"]))
     if request.budget is not None and not request.report_only and plan.estimate["screen_seconds"] > request.budget:

@@ -279,6 +279,7 @@ def report_results(session, rows, written: Path | None = None) -> dict:
             "fingerprint": plan.fingerprint,
         },
         "machine": session.machine,
+        "processes": session.processes.world_size,  # `accelerate launch` shares the cells among them
         "lengths": lengths,
         "documents": {"calibration": plan.data["calibration"], "held_out": docs},
         "methods": plan.methods,
@@ -514,7 +515,8 @@ def markdown(results: dict, plan) -> str:
         f"table's). {results['pruning_rule']}",
         f"- **Cost**: prefill time and peak memory of each row's cell on the first held-out document at "
         f"{_k(max(lengths))}, relative to the unpatched model's (the `none` row) on the same machine.",
-        f"- **Runtime**: {p['dtype']} on {p['device']}, {p['attn_implementation']}; machine: {results['machine']}.",
+        f"- **Runtime**: {p['dtype']} on {p['device']}, {p['attn_implementation']}; machine: {results['machine']}"
+        + (f" ({results['processes']} processes sharing the cells)." if results.get("processes", 1) > 1 else "."),
         f"- **Cells**: {p['cells']}; searches: {p['searches']} (the same command resumes; nothing is recomputed).",
     ]
     if results["excluded"]:

@@ -4,14 +4,17 @@ engine serves it; the library behind `ctxext compare`.
 plan (no weights) -> output directory -> the defaults table (native, every method at its defaults: held-out
 perplexity and passkey; --tasks: lm-eval's task scores) -> the screen and successive halving (ordinary `ctxext search` studies) -> the searched
 rows -> ranking, recommendation per serving target, cost -> report.md, results.json, results.csv, plots (after
-every stage) -> --write-best. Every cell is kept as soon as it is computed; the same command resumes.
+every stage) -> --write-best. Every cell is kept as soon as it is computed; the same command resumes. Under
+`accelerate launch` the processes share the cells; the searches, the report and --write-best run on the main
+process (ctxext.compare.processes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,11 +51,24 @@ class Measurements:
 
 
 @dataclass
+class CellJob:
+    """One cell of a stage: `compute()` finds or computes it; the measurement goes to `into[key]`; a CtxextError
+    marks `failing` (a row's label; None: what[0]) as failed."""
+
+    what: tuple
+    compute: Callable
+    into: dict
+    key: tuple
+    failing: str | None = None
+
+
+@dataclass
 class CompareResult:
     output: Path
     plan: ComparePlan
     results: dict  # results.json
     written: Path | None = None  # --write-best
+    main_process: bool = True  # False on the other processes of an `accelerate launch` (they write nothing)
 
     @property
     def protocol(self) -> dict:
@@ -63,12 +79,16 @@ class Session:
     """One compare: the plan, the model (loaded on first need), the cells, the searches and the rows so far."""
 
     def __init__(self, plan: ComparePlan, log: Callable[[str], None]):
-        from ..runtime import machine_description
+        from ..runtime import Processes, machine_description
         from .cells import Cells
+        from .processes import MainOnly
         from .searches import StudyRunner
 
-        self.plan, self.log = plan, log
+        self.processes = plan.processes or Processes()
+        self.plan, self.say = plan, log
+        self.log = log if self.processes.is_main else (lambda line: None)  # the other processes: their cells only
         self.request = plan.request
+        self.main_only = MainOnly(self.processes, self.request.cache_dir)  # every process has planned: now write
         self.started = time.perf_counter()
         self.machine = machine_description()
         self.model = None
@@ -78,7 +98,9 @@ class Session:
         self.cells = Cells(
             root / "cells", context, self.load_model, plan.tokenizer, plan.bos_id, self.machine, self.compute
         )
-        self.runner = StudyRunner(plan, root, self.load_model, self.compute, log)
+        self.cells.process = (self.processes.rank, self.processes.world_size)
+        self.cells.on_computed = self.cell_computed
+        self.runner = StudyRunner(plan, root, self.load_model, self.compute, self.log)
         self.measured = Measurements()
         self.halving: dict[int, dict] = {}
         self.progress = None
@@ -159,12 +181,13 @@ class Session:
         return self.halving.get(length, {}).get("rungs", [])
 
     # ---------------------------------------------------------------------------------------- cells
-    def measure(self, rows: list[Row], with_native: bool) -> None:
+    def cell_jobs(self, rows: list[Row], with_native: bool, failed: dict) -> Iterator[CellJob]:
+        """A stage's cells in their order; a row in `failed` (read as the jobs are taken) has no more cells."""
         plan, m = self.plan, self.measured
         for length in plan.lengths:
             if with_native:
                 for doc in plan.held_out:
-                    self.cell(
+                    yield CellJob(
                         ("native", doc.name, length),
                         lambda d=doc, n=length: self.cells.perplexity("native", None, d, n, native_L=plan.L),
                         m.native,
@@ -172,24 +195,25 @@ class Session:
                     )
             for row in rows:
                 config = row.configs.get(length)
-                if config is None or row.label in m.failed:
+                if config is None or row.label in failed:
                     continue
                 for doc in plan.held_out:
-                    self.cell(
+                    yield CellJob(
                         (row.label, doc.name, length),
                         lambda r=row, c=config, d=doc, n=length: self.cells.perplexity(r.label, c, d, n),
                         m.perplexity,
                         (row.label, doc.name, length),
                     )
                 if length in plan.passkey_lengths:
-                    self.passkey_cell(row, config, length)
+                    yield self.passkey_job(row, config, length)
         baseline = with_native and plan.L in plan.passkey_lengths
         if baseline and any(r.method == NONE for r in rows):  # the unpatched model inside its window
-            self.passkey_cell(next(r for r in rows if r.method == NONE), {"method": NONE}, plan.L, f"none at {plan.L}")
+            none = next(r for r in rows if r.method == NONE)
+            yield self.passkey_job(none, {"method": NONE}, plan.L, f"none at {plan.L}")
 
-    def passkey_cell(self, row: Row, config: dict, length: int, failing: str | None = None) -> None:
+    def passkey_job(self, row: Row, config: dict, length: int, failing: str | None = None) -> CellJob:
         request = self.request
-        self.cell(
+        return CellJob(
             (f"passkey {row.label}", length),
             lambda: self.cells.passkey(row.label, config, length, request.passkey_depths, request.passkey_trials),
             self.measured.passkey,
@@ -197,11 +221,38 @@ class Session:
             failing or row.label,
         )
 
-    def cell(self, what, compute, into: dict, key, failing: str | None = None) -> None:
-        """Find or compute one cell into `into[key]`; a CtxextError marks `failing` (a row's label) as failed."""
-        failing = failing or what[0]
+    def measure(self, rows: list[Row], with_native: bool) -> None:
+        """Every cell of a stage, found or computed, into the measurements (as one process does it)."""
+        for job in self.cell_jobs(rows, with_native, self.measured.failed):
+            self.cell(job)
+
+    def compute_my_share(self, rows: list[Row], with_native: bool, what: str) -> None:
+        """This process's share of a stage's cells (ctxext.compare.processes.my_share), into the cache only. The
+        order does not depend on failures, so every process takes the same one; a cell that fails is left to the
+        main process, which computes it again as it measures and records why."""
+        from .processes import alone, my_share
+
+        processes = self.processes
+        mine = my_share(list(self.cell_jobs(rows, with_native, failed={})), processes.rank, processes.world_size)
+        progress = self.progress_of(len(mine) if processes.is_main else 0, f"{what} (this process's share)")
+        with progress, alone():
+            for job in mine:
+                with contextlib.suppress(CtxextError):
+                    job.compute()
+                if self.progress is not None:
+                    self.progress.update(1)
+
+    def cell_computed(self, what: str, record: dict) -> None:
+        processes = self.processes
+        by = f" [process {processes.rank} of {processes.world_size}]" if processes.world_size > 1 else ""
+        self.say(f"  {what} ({record['seconds']:.1f} s){by}")
+
+    def cell(self, job: CellJob) -> None:
+        """Find or compute one cell into `job.into[job.key]`; a CtxextError marks the job's row as failed."""
+        what, into, key = job.what, job.into, job.key
+        failing = job.failing or what[0]
         try:
-            found = compute()
+            found = job.compute()
         except CtxextError as error:
             self.measured.failed[failing] = str(error)
             self.log(f"{failing}: {error}")
@@ -262,9 +313,26 @@ class Session:
         return tqdm(total=total, unit="cell", desc=what, dynamic_ncols=True, file=sys.stderr)
 
     def stage_cells(self, rows: list[Row], with_native: bool, what: str) -> None:
-        self.progress = self.run_progress(self.count_cells(rows, with_native), what)
-        try:
+        """Every cell of a stage into the measurements. Under several processes each first computes its share, then
+        the main process measures (finding them all) and its measurements reach the others."""
+        if self.processes.world_size == 1:
+            with self.progress_of(self.count_cells(rows, with_native), what):
+                self.measure(rows, with_native)
+            return
+        if self.compute:
+            self.compute_my_share(rows, with_native, what)
+
+        def measured():
             self.measure(rows, with_native)
+            return self.measured
+
+        self.measured = self.main_only.run(measured)
+
+    @contextlib.contextmanager
+    def progress_of(self, total: int, what: str):
+        self.progress = self.run_progress(total, what) if total else None
+        try:
+            yield
         finally:
             if self.progress is not None:
                 self.progress.close()
@@ -287,6 +355,15 @@ class Session:
                     self.runner.run(method, length, kind.trials, objective=kind.objective)
 
     def stage_searches(self) -> None:
+        """The searches, on the main process only (ctxext.compare.processes); the halving record reaches all."""
+
+        def searched():
+            self.run_searches()
+            return self.halving
+
+        self.halving = self.main_only.run(searched)
+
+    def run_searches(self) -> None:
         from .searches import successive_halving
 
         request, plan = self.request, self.plan
@@ -312,17 +389,17 @@ def run_compare(request: CompareRequest, log: Callable[[str], None] | None = Non
 
     say = log or (lambda line: None)
     plan = plan_compare(request)  # every check that needs no weights: bad input fails here, nothing written
+    session = Session(plan, say)  # under several processes, once every one of them has planned
     out = Path(request.output) if request.output is not None else None
-    if out is not None:
+    if out is not None and session.processes.is_main:
         out.mkdir(parents=True, exist_ok=True)
-    session = Session(plan, say)
-    say(header(plan))
+    session.log(header(plan))
     defaults = session.default_rows()
-    session.cells.on_computed = lambda what, record: say(f"  {what} ({record['seconds']:.1f} s)")
     session.stage_cells(defaults, with_native=True, what="defaults")
     session.stage_tasks(defaults)
     searching = request.search and bool(plan.searchable)
-    results = write_outputs(session, defaults, final=not searching)
+    once = session.main_only.run
+    results = once(lambda: write_outputs(session, defaults, final=not searching))
     rows = defaults
     if searching:
         session.stage_searches()
@@ -330,11 +407,12 @@ def run_compare(request: CompareRequest, log: Callable[[str], None] | None = Non
         session.stage_cells(searched, with_native=False, what="searched rows")
         session.stage_tasks(searched)
         rows = defaults + searched
-        results = write_outputs(session, rows)
-    written = write_best(session, results) if plan.write_best else None
+        results = once(lambda: write_outputs(session, rows))
+    written = once(lambda: write_best(session, results)) if plan.write_best else None
     if written is not None:
-        results = write_report(session, rows, written=written, final=False)
-    return CompareResult(out, plan, results, written)
+        results = once(lambda: write_report(session, rows, written=written, final=False))
+    session.main_only.close()
+    return CompareResult(out, plan, results, written, session.processes.is_main)
 
 
 def write_outputs(session: Session, rows: list[Row], final: bool = True) -> dict:

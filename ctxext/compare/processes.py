@@ -1,0 +1,109 @@
+"""A compare under `accelerate launch` (or torchrun) with N processes: the cells are shared, the rest runs once.
+
+- **Cells**: every process walks the same order of a stage's cells and computes those whose index in it is congruent
+  to its rank modulo N (`my_share`), each writing its own cell files into the cache (which must be one folder all
+  the processes see). Then the main process runs the stage as a single process would: it finds every cell (it
+  computes again only one that failed, to record why), and its measurements reach the other processes.
+- **Once, on the main process**: the searches (an Optuna study's trials depend on which trials have finished when
+  the next is sampled, so a study shared among processes would not give a single process's trials), the report
+  and --write-best. The other processes wait for it by polling a file the main process writes when it is done
+  (`MainOnly`), not inside a collective: torch.distributed's collectives give up after 30 minutes (gloo's default)
+  and a search can run for hours. Then the main process's result reaches them in one broadcast.
+- **Alone**: what one process computes by itself (its cells, the main process's searches) must not join the
+  others' collectives, yet ctxext.eval's passkey (also the searches' passkey objectives) shards its trials among
+  the processes `ctxext.runtime.Processes()` finds in the environment. `alone()` says WORLD_SIZE=1 meanwhile, so
+  what asks how many processes were launched hears one (accelerate's state, already set up, is left as it is).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+SYNC_DIR = ".processes"  # under the cache folder: one folder per launched compare, removed when it finishes
+POLL_SECONDS = 0.2
+
+
+def my_share(items: list, rank: int, world_size: int) -> list:
+    """The items whose index is congruent to `rank` modulo `world_size`: each item on exactly one process."""
+    return [item for index, item in enumerate(items) if index % world_size == rank]
+
+
+@contextlib.contextmanager
+def alone():
+    """Within: `ctxext.runtime.Processes()` is this process alone (WORLD_SIZE=1), then as launched again."""
+    launched = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = "1"
+    try:
+        yield
+    finally:
+        if launched is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = launched
+
+
+def broadcast(value, processes):
+    """The main process's `value`, on every process."""
+    if processes.world_size == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    box = [value if processes.is_main else None]
+    broadcast_object_list(box)
+    return box[0]
+
+
+def wait_for_file(path: Path, poll_seconds: float = POLL_SECONDS) -> None:
+    """Until `path` exists (if the main process dies first, torchrun ends this process)."""
+    while not path.exists():
+        time.sleep(poll_seconds)
+
+
+class MainOnly:
+    """Runs steps on the main process while the others wait for them; `folder` holds the files that say a step is
+    done (one folder per launched compare, named by the main process's random token)."""
+
+    def __init__(self, processes, cache_dir: Path):
+        self.processes = processes
+        self.folder = Path(cache_dir) / SYNC_DIR / broadcast(uuid.uuid4().hex, processes)
+        self.steps = 0
+
+    def run(self, fn: Callable):
+        """fn() on the main process; its value on every process. An exception there stops every process
+        (`ctxext.runtime.on_main_first`: the main process raises it, the others a CtxextError with its message)."""
+        if self.processes.world_size == 1:
+            return fn()
+        from ..runtime import on_main_first
+
+        self.steps += 1
+        done = self.folder / f"{self.steps}.done"
+        value = [None]
+
+        def on_main():
+            try:
+                with alone():
+                    value[0] = fn()
+            finally:
+                done.parent.mkdir(parents=True, exist_ok=True)
+                done.touch()
+
+        if not self.processes.is_main:
+            wait_for_file(done)
+        on_main_first(self.processes, on_main)
+        result = broadcast(value[0], self.processes)
+        self.processes.state.wait_for_everyone()  # every process has seen `done`: it can go
+        if self.processes.is_main:
+            done.unlink(missing_ok=True)
+        return result
+
+    def close(self) -> None:
+        if self.processes.is_main and self.folder.is_dir():
+            shutil.rmtree(self.folder, ignore_errors=True)
+            with contextlib.suppress(OSError):  # other compares on the same cache may be running
+                self.folder.parent.rmdir()

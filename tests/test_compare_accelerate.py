@@ -1,0 +1,66 @@
+"""`accelerate launch` with 2 CPU processes (gloo) shares a compare's cells and gives the table of 1 process."""
+
+import collections
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from ctxext.compare import run_compare
+from tests.test_compare import REPO, request, table, tiny  # noqa: F401  (fixture)
+
+
+def free_port() -> int:
+    """A port for the processes' rendezvous that no other job on this machine is using now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def cell_processes(cells) -> collections.Counter:
+    """How many cell files each process rank wrote (None: a cell that records no process)."""
+    return collections.Counter(
+        (json.loads(path.read_text()).get("process") or {}).get("rank") for path in cells.glob("*.json")
+    )
+
+
+@pytest.mark.slow  # `make test-slow`: CI's second step
+def test_two_processes_share_the_cells_and_give_the_table_of_one(tiny, tmp_path, one_torch_thread):  # noqa: F811
+    methods = "yarn,rerope"
+    run_compare(request(tiny, "qwen3", tmp_path / "one", methods=methods.split(",")))
+    args = [str(tiny["models"]["qwen3"]), "--lengths", "128", "--text-file", str(tiny["docs"]), "--methods",
+            methods, "--held-out-docs", "2", "--trials", "2", "--device", "cpu", "--dtype", "fp32",
+            "--no-progress", "-o", str(tmp_path / "two")]  # fmt: skip
+    # As tests/test_eval_accelerate.py: without GPUs, accelerate starts several processes only with --multi_gpu
+    # (torchrun); ctxext then joins them with gloo on the CPU.
+    launched = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+         "--num_machines", "1", "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "ctxext", "compare",
+         *args],
+        cwd=REPO,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    one = json.loads((tmp_path / "one" / "results.json").read_text())
+    two = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert (one["processes"], two["processes"]) == (1, 2)
+    assert table(tmp_path / "two") == table(tmp_path / "one")  # perplexities, passkey, searched configs, searches
+    for same in ("failed", "missing", "effective_length", "documents"):
+        assert two[same] == one[same], same
+    assert launched.stdout.count("report:") == 1  # only the main process reports and writes
+
+    # Both processes computed cells, split by their index: each cell once, on rank 0 or 1, in near-equal shares
+    # (one stage of an odd count gives rank 0 one more); a single process's cells record no process.
+    by_rank = cell_processes(tmp_path / "two" / "cells")
+    assert set(by_rank) == {0, 1}, by_rank
+    assert abs(by_rank[0] - by_rank[1]) <= 2, by_rank
+    assert sum(by_rank.values()) == len(list((tmp_path / "one" / "cells").glob("*.json")))
+    assert set(cell_processes(tmp_path / "one" / "cells")) == {None}
+    assert launched.stdout.count("[process 1 of 2]") == by_rank[1]  # the other process logs its own cells
+    assert not (tmp_path / "two" / ".processes").exists()  # the wait files are gone
