@@ -339,10 +339,14 @@ def _is_complex_tensor(out) -> bool:
 
 def _meta_layout(rotary: nn.Module, layer_type: str | None) -> str:
     """The angle layout of a rotary module whose buffers are not filled yet (a model being loaded), from the form
-    of what it returns on the meta device: "complex" for one complex tensor, else rotate-half assumed."""
+    of what it returns on the meta device: "complex" for one complex tensor, else rotate-half assumed. A copy is
+    called: a rotary's forward may cache state (transformers' longrope keeps `long_inv_freq`), which would stay on
+    the meta device in the model being loaded."""
+    import copy
+
     try:
         with torch.no_grad():
-            out = _rotary_call(rotary, layer_type, device="meta")
+            out = _rotary_call(copy.deepcopy(rotary), layer_type, device="meta")
     except Exception:  # noqa: BLE001 - a module that cannot run on meta: the sizes are all there is to read
         return "halves"
     return "complex" if _is_complex_tensor(out) else "halves"
