@@ -34,7 +34,12 @@
 # resumable in comparison_cells.tar), needle32 (RULER's needle at 32k, 10 samples, of every needle-ppl row with 32k
 # parameters: scripts/device/needle_sweep.py, bf16, cache needle_cells/tasks), newrows (the page's rows of
 # NEW_METHODS, default proportional,cope,gali: at their defaults, passkey, and ppl-searched at 16k and 32k, bf16,
-# resumable in comparison_cells.tar; a later call on the same warm machine: CELLS=newrows).
+# resumable in comparison_cells.tar; a later call on the same warm machine: CELLS=newrows), budget16 (issue 46's
+# "budget that works": benchmarks/compare_budget.py, a budgeted `ctxext compare` of SmolLM2 at 16k with the page's
+# protocol in bf16, against the page's grid; its cache (BUDGET_DIR, default $WORK/compare-budget, seeded from
+# outputs/compare-budget when that was carried) comes back in $OUT/compare_budget.tar, its verdict in
+# $OUT/budget16.json; a later call on the same warm machine resumes it: CELLS=budget16; on a fresh one, unpack the
+# tar into outputs/compare-budget here and carry it: run(carry=["outputs/compare-budget"], ...)).
 # DTYPE: the cells' dtype (default fp32, the dtype of the committed CPU and CUDA cells). The first call on a
 # machine installs the wheels, rebuilds SmolLM2 from its GGUF (about 40 s), checks every tensor against this
 # checkpoint's digests and copies the committed caches to ROOT; later calls skip that (SETUP=0 skips it always).
@@ -133,6 +138,16 @@ newrows() {  # issue 47's page rows: NEW_METHODS at their defaults and searched 
     --max-minutes $(((limit - 60) / 60)) 2>&1 | tail -40
   cp "$WORK/comparison/comparison.json" "$OUT"/ 2>/dev/null
 }
+budget16() {  # issue 46: the budgeted compare at 16k and its comparison with the page (resumable)
+  step budget16 "${BUDGET_CAP:-540}" || return
+  [ "$limit" -lt 120 ] && { echo "skipped budget16: ${limit} s left"; return 1; }
+  local cache=${BUDGET_DIR:-$WORK/compare-budget}
+  [ ! -d "$cache" ] && [ -d outputs/compare-budget ] && cp -r outputs/compare-budget "$cache"
+  mkdir -p "$cache"
+  bounded $PY benchmarks/compare_budget.py --model "$MODEL" --device "$DEVICE" --dtype bf16 --cache "$cache" \
+    --json "$OUT/budget16.json" 2>&1 | grep -v Warning | tail -40
+  tar -cf "$OUT/compare_budget.tar" -C "$cache" .
+}
 rows32() {  # search first where a needle-ppl row of SEARCH_METHODS has no 32k parameters on the page yet
   if ! $PY scripts/device/needle_sweep.py "$(page)" 32768 "$SEARCH_METHODS" "$WORK/needle32.yaml" 2>"$WORK/sweep.err" ||
     [ -s "$WORK/sweep.err" ]; then
@@ -141,7 +156,7 @@ rows32() {  # search first where a needle-ppl row of SEARCH_METHODS has no 32k p
   fi
   needle32
 }
-STEPS="needle128 ppl128 rows32 decode64 native dpe g12 cost search32 needle32 newrows"
+STEPS="needle128 ppl128 rows32 decode64 native dpe g12 cost search32 needle32 newrows budget16"
 CELLS=${CELLS:-needle128 ppl128 rows32 decode64}
 for name in $CELLS; do  # every name checked before anything runs
   [[ " $STEPS " == *" $name "* ]] || { echo "unknown step '$name' (${STEPS// /, })"; exit 2; }
@@ -161,5 +176,6 @@ for name in $CELLS; do case $name in
   search32) search32 ;;
   needle32) needle32 ;;
   newrows) newrows ;;
+  budget16) budget16 ;;
 esac; done
 echo "=== done at $SECONDS s"
