@@ -613,7 +613,11 @@ def test_impossible_parameters_are_value_errors(method, params, message):
 
 @pytest.mark.parametrize(
     "method,params",
-    [("self_extend", {"group_size": 2, "window": 4}), ("dual_chunk", {"chunk_size": 9, "local_window": 2})],
+    [
+        ("self_extend", {"group_size": 2, "window": 4}),
+        ("dual_chunk", {"chunk_size": 9, "local_window": 2}),
+        ("gali", {"local_window": 2, "position_range": 8}),
+    ],
 )
 def test_left_padded_batch_decodes_like_each_row_alone(method, params):
     """Rules that are not shift-invariant see each row at its own positions (one region plan per row)."""
