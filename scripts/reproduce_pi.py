@@ -410,7 +410,7 @@ def mixed_window_markdown(result: dict) -> list[str]:
         f"train with the original rotary; the others train at {target} with {label}. The claim to check: "
         "short-context quality is kept.",
         "",
-        "Made by (both runs, one after the other, then this section):",
+        "Made by (both fine-tunings, then this section):",
         "",
         "```",
         section["command"],
