@@ -142,13 +142,27 @@ def longrope_form(
     None where no such form is exact: a method that remaps positions inside attention, or whose frequencies change
     with the length (dynamic, or longrope with different short and long factors).
     """
-    from ..serving.forms import per_pair_factors  # that module imports this one
-
     L = original_max_position_embeddings
     own = rope_parameters_for(method, params, rotary_dim, base, L, partial_rotary_factor)
     equal_sets = own["rope_type"] == "longrope" and own["short_factor"] == own["long_factor"]
     if remaps_positions(method) or (method.is_dynamic(params) and not equal_sets):
         return None
+    return equal_sets_longrope(method, params, rotary_dim, base, L, partial_rotary_factor)
+
+
+def equal_sets_longrope(
+    method: Method,
+    params: MethodParams,
+    rotary_dim: int,
+    base: float,
+    original_max_position_embeddings: int,
+    partial_rotary_factor: float | None = None,
+) -> dict:
+    """transformers' `longrope` parameters with short_factor = long_factor = theta_i / theta'_i per pair and the
+    method's attention factor: its frequencies, whatever the length (no check that the method is static)."""
+    from ..serving.forms import per_pair_factors  # that module imports this one
+
+    L = original_max_position_embeddings
     factors = per_pair_factors(method, params, rotary_dim, base, L)
     _, attention_factor = compute_inv_freq(method, params, rotary_dim, base, L)
     rope_parameters = {

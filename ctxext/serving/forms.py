@@ -24,7 +24,7 @@ from ..errors import CtxextError
 from ..methods import Method, MethodParams, compute_inv_freq, rope_inv_freq
 from ..methods.frequency import yarn_mscale
 from ..methods.remapping import RemapParams
-from ..patching.rope_types import rope_parameters_for, with_float_numbers
+from ..patching.rope_types import equal_sets_longrope, rope_parameters_for, with_float_numbers
 
 FORMATS = ("native", "ctxext")
 
@@ -86,21 +86,8 @@ def rope_form(
             True,
             f"a base change: 'default' with rope_theta {base:g} -> {new_base:g}",
         )
-    factors = per_pair_factors(method, params, rotary_dim, base, L)
-    _, attention_factor = compute_inv_freq(method, params, rotary_dim, base, L)
     return RopeForm(
-        _for_engines(
-            {
-                "rope_type": "longrope",
-                "rope_theta": base,
-                "factor": float(params.factor),
-                "original_max_position_embeddings": L,
-                "short_factor": factors,
-                "long_factor": factors,
-                "attention_factor": float(attention_factor),
-                **extra,
-            }
-        ),
+        _for_engines(equal_sets_longrope(method, params, rotary_dim, base, L, partial_rotary_factor)),
         True,
         "'longrope' with short_factor = long_factor = theta_i/theta'_i per pair",
     )
