@@ -13,7 +13,7 @@ import ctxext
 from ctxext.methods.remapping import GaliParams, gali_exact_keys, gali_group
 from ctxext.patching.attention import set_attention_tuning
 from tests.conftest import FAMILIES, save_tiny_checkpoint, tiny_model
-from tests.test_remapping import gali_positions, gali_relative, reference_model
+from tests.test_remapping import decoded_and_full_logits, gali_positions, gali_relative, reference_model
 
 L = 32
 SEQ = 100  # past L: far keys 1/2, 1/3 and 1/4 apart with w = 3
@@ -89,13 +89,7 @@ def test_cached_decoding_equals_full_forward_across_group_boundaries(family):
     """Decoding token by token crosses L and two group boundaries (g 2 -> 3 -> 4): new regions, kept keys
     rebuilt, the same logits as one full forward."""
     model = ctxext.patch(tiny_model(family, max_position_embeddings=L), "gali", local_window=3)
-    prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        generated = model.generate(
-            prompt, max_new_tokens=80, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0
-        )
-        decoded = torch.stack(generated.logits, dim=1)
-        full = model(generated.sequences).logits[:, prompt.shape[1] - 1 : -1]
+    decoded, full = decoded_and_full_logits(model, 80)
     assert decoded.shape[1] == 80 and int(gali_group(torch.tensor([92]), L, 3)) == 4
     assert torch.allclose(decoded, full, atol=1e-4), (decoded - full).abs().max()
 

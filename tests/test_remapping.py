@@ -216,16 +216,28 @@ DECODE = [
 ]
 
 
-@pytest.mark.parametrize("family,method,params,logn", DECODE)
-def test_cached_decoding_equals_full_forward(family, method, params, logn):
-    model = ctxext.patch(tiny_model(family, max_position_embeddings=L), method, logn=logn, **params)
+def decoded_and_full_logits(model, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decoding of `new_tokens` after a seeded 12-token prompt through the KV cache, and the same positions'
+    logits from one full forward over the generated sequence."""
     prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         generated = model.generate(
-            prompt, max_new_tokens=32, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0
+            prompt,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
         )
         decoded = torch.stack(generated.logits, dim=1)
         full = model(generated.sequences).logits[:, prompt.shape[1] - 1 : -1]
+    return decoded, full
+
+
+@pytest.mark.parametrize("family,method,params,logn", DECODE)
+def test_cached_decoding_equals_full_forward(family, method, params, logn):
+    model = ctxext.patch(tiny_model(family, max_position_embeddings=L), method, logn=logn, **params)
+    decoded, full = decoded_and_full_logits(model, 32)
     assert decoded.shape[1] == 32
     assert torch.allclose(decoded, full, atol=1e-4), (decoded - full).abs().max()
 
