@@ -22,7 +22,7 @@ import ctxext
 from ctxext import compat
 from ctxext.errors import CtxextError
 from ctxext.patching import rope_layout
-from ctxext.patching.families import attention_of, has_attention_sinks, value_head_dim
+from ctxext.patching.families import attention_of, has_attention_sinks, rope_parameters_of, value_head_dim
 from tests.family_models import L, build, rope_families
 
 FAMILIES = rope_families()
@@ -201,20 +201,20 @@ def self_extend_relative(i, j):
     return torch.where(r < W, r, i // G - j // G + W - W // G)
 
 
-def _reference_attention(inner, touched, own_rotary_at, method_inv_freq_of):
+def _reference_attention(inner, touched, own_rotary_at, method_frequencies_of):
     """An attention function: the family's own `inner` on untouched layers; on touched ones, every score from
     the unrotated query turned by r'(i, j) per cell, dotted with the unrotated key, in float64.
 
     The model's own rotation is undone with its own (cos, sin) (`own_rotary_at(layer, n)`, whatever its rope type
-    and attention factor); the turn uses `method_inv_freq_of(layer)`, the frequencies a remapping method rotates
-    with: plain RoPE at the layer's base, since a patch replaces any scaling the model shipped with rather than
-    stacking on it (Apertus' llama3 x8, Ministral 3's yarn x16; as docs/METHODS.md says of DeepSeek's yarn x40)."""
+    and attention factor); the turn uses `method_frequencies_of(layer)`, the (inv_freq, attention factor) a
+    remapping method rotates with: the model's own where it shipped a static scaling (Apertus' llama3 x8, Ministral
+    3's yarn x16: remapping moves positions, not frequencies), else plain RoPE at the layer's base."""
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         if module.layer_idx not in touched:
             function = ALL_ATTENTION_FUNCTIONS.get_interface(inner, compat.family_eager_attention(module))
             return function(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        inv_freq = method_inv_freq_of(module.layer_idx)
+        inv_freq, factor = method_frequencies_of(module.layer_idx)
         rotary = 2 * inv_freq.shape[0]
         half = rotary // 2
         n = query.shape[2]
@@ -234,7 +234,7 @@ def _reference_attention(inner, touched, own_rotary_at, method_inv_freq_of):
         cos, sin = torch.cat((r.cos(), r.cos()), -1), torch.cat((r.sin(), r.sin()), -1)
         q_half = torch.cat((-q[..., half:], q[..., :half]), -1)
         q_turned = q[:, :, :, None] * cos + q_half[:, :, :, None] * sin  # (b, h, n, n, rotary)
-        scores = (q_turned * k[:, :, None]).sum(-1) + q_pass @ k_pass.transpose(-1, -2)
+        scores = factor**2 * (q_turned * k[:, :, None]).sum(-1) + q_pass @ k_pass.transpose(-1, -2)
         scores = scores * (module.scaling if scaling is None else scaling)
         probs = torch.softmax(scores.masked_fill(j > i, float("-inf")), dim=-1)
         return (probs @ v).to(query.dtype).transpose(1, 2).contiguous(), None
@@ -259,7 +259,12 @@ def test_a_remapping_method_equals_the_per_cell_reference_on_the_layers_it_touch
     expect_known_defect(request, "remap", family)
     if not _remappable(family):
         pytest.skip(f"{family}: no remapping here (see docs/guides/families.md and the refusal tests)")
-    model, _ = build(family)
+    assert_self_extend_matches_the_per_cell_reference(build(family)[0], family)
+
+
+def assert_self_extend_matches_the_per_cell_reference(model, name: str) -> None:
+    """SelfExtend (G, W) patched on `model` gives the per-cell reference's logits on `_tokens()` (1e-4); the model
+    is unpatched again."""
     layout = rope_layout(model)
     host = ctxext.patching.rotary_host(model)
     tokens = _tokens()
@@ -289,12 +294,17 @@ def test_a_remapping_method_equals_the_per_cell_reference_on_the_layers_it_touch
             args = (x, positions) if key_of(layer) is None else (x, positions, key_of(layer))
             return tuple(t[0].double() for t in rotary(*args))
 
-        def method_inv_freq_of(layer):
+        def method_frequencies_of(layer):
+            rope_type = rope_parameters_of(config, key_of(layer)).get("rope_type", "default")
+            if rope_type not in ("default", "longrope") and "dynamic" not in rope_type:  # a static scaling, kept
+                prefix = "" if key_of(layer) is None else f"{key_of(layer)}_"
+                own = getattr(rotary, f"{prefix}inv_freq").double()
+                return own, float(getattr(rotary, f"{prefix}attention_scaling", 1.0))
             dim, base = layout.rotary_dims[key_of(layer)], layout.bases[key_of(layer)]
-            return 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+            return 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim), 1.0
 
-        name = f"ctxext_test_reference_{family}"
-        AttentionInterface.register(name, _reference_attention(inner, touched, own_rotary_at, method_inv_freq_of))
+        name = f"ctxext_test_reference_{name}"
+        AttentionInterface.register(name, _reference_attention(inner, touched, own_rotary_at, method_frequencies_of))
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
         model.set_attn_implementation(name)
         try:
@@ -851,6 +861,43 @@ def shipped_model(family):
     scaled = AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values)).eval()
     scaled.load_state_dict(model.state_dict())
     return scaled
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_remapping_method_keeps_the_static_scaling_the_model_shipped(family, tmp_path):
+    """Llama 3.1's llama3 x8 and a yarn x4 stay the frequencies a remapping method rotates with: within L, GALI leaves
+    the model's logits as they were; SelfExtend equals the per-cell reference turned by the model's own frequencies
+    and attention factor; the config keeps the shipped rope parameters (ctxext_attention beside them), the checkpoint
+    saved from Python and the one `ctxext patch` writes reload with the patched logits, and unpatch restores the
+    model."""
+    from ctxext.cli import main
+    from tests.conftest import save_tiny_checkpoint
+
+    model = shipped_model(family)
+    shipped = json.dumps(model.config.rope_parameters, sort_keys=True)
+    assert_self_extend_matches_the_per_cell_reference(model, f"shipped_{family}")
+    within, past = _tokens(L), _tokens(3 * L)
+    with torch.no_grad():
+        before, before_past = model(within).logits, model(past).logits
+        ctxext.patch(model, "gali", factor=2.0)
+        torch.testing.assert_close(model(within).logits, before, atol=1e-6, rtol=1e-6)
+        assert json.dumps(model.config.rope_parameters, sort_keys=True) == shipped
+        assert model.config.ctxext_attention["method"] == "gali"
+        assert model.config.max_position_embeddings == 4 * L  # what it shipped, not L x 2: the scaling still reaches
+        patched = model(past).logits
+        assert not torch.allclose(patched, before_past, atol=1e-3)
+        model.save_pretrained(tmp_path / "saved")
+        ctxext.unpatch(model)
+        save_tiny_checkpoint(tmp_path / "in", model)
+        assert (
+            main(["patch", str(tmp_path / "in"), "--method", "gali", "--factor", "2", "-o", str(tmp_path / "cli")]) == 0
+        )
+        for folder in ("saved", "cli"):  # the API's save_pretrained, and ctxext patch's rewrite for serving
+            reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / folder, dtype=torch.float32).eval()
+            assert json.dumps(reloaded.config.rope_parameters, sort_keys=True) == shipped, folder
+            torch.testing.assert_close(reloaded(past).logits, patched, atol=1e-5, rtol=1e-5)
+        assert torch.equal(model(past).logits, before_past)
+        assert json.dumps(model.config.rope_parameters, sort_keys=True) == shipped
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])

@@ -69,6 +69,22 @@ def ntk_alpha(rope_parameters: dict) -> float | None:
     return float(rope_parameters["alpha"]) if rope_parameters.get("alpha") else None
 
 
+def scales_statically(rope_parameters: dict) -> bool:
+    """Whether a layer type's rope parameters scale its frequencies once for every length (linear, yarn, llama3,
+    proportional, ctxext's static types): not plain RoPE, and not a type that follows the length (dynamic,
+    longrope, whose short and long sets switch at L). A remapping method keeps such frequencies (`patch`)."""
+    rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
+    return rope_type not in ("default", "longrope") and "dynamic" not in rope_type
+
+
+def module_frequencies(rotary: nn.Module, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention scaling) as the model's own rotary module holds them for a layer type (None: its one
+    set): `inv_freq` and `attention_scaling`, or `{layer_type}_inv_freq` and `{layer_type}_attention_scaling`."""
+    prefix = "" if layer_type is None else f"{layer_type}_"
+    inv_freq = getattr(rotary, f"{prefix}inv_freq")
+    return inv_freq.detach().float().clone(), float(getattr(rotary, f"{prefix}attention_scaling", 1.0))
+
+
 def shipped_base(rope_parameters: dict, dim: int) -> float:
     """The base a layer type's frequencies use as shipped: rope_theta, stretched by HunYuan's NTK alpha."""
     base = float(rope_parameters["rope_theta"])

@@ -33,6 +33,7 @@ from .families import (
     rope_parameters_of,
     rotary_dim,
     rotary_host,
+    scales_statically,
     value_head_dim,
 )
 from .rope_types import longrope_form, rope_parameters_for, why_no_longrope_form, with_mscales
@@ -69,7 +70,7 @@ def patch(
     only on the chosen layers that apply RoPE (never a NoPE layer); a remapping method also skips a sliding
     layer whose window is at most L. See `RopeLayout`.
     """
-    host, layout, chosen, spec, method_params, L, attention, layers, _, written = plan_patch(
+    host, layout, chosen, spec, method_params, L, attention, layers, _, written, shipped = plan_patch(
         model, method, factor, original_max_position_embeddings, logn, layer_types, query_temperature, **params
     )
     unpatch(model)
@@ -84,6 +85,7 @@ def patch(
         original=host.rotary_emb,
         angles=layout.angles,
         sections=layout.sections,
+        shipped=shipped,
     )
     scaled.saved_config = {
         "rope_parameters": copy.deepcopy(config.rope_parameters),
@@ -97,6 +99,10 @@ def patch(
     # types must keep L there for a saved checkpoint to behave the same after reloading.
     grows = any("dynamic" in values["rope_type"] for values in written.values())
     config.max_position_embeddings = L if grows else int(round(L * method_params.factor))
+    if shipped:  # the kept scaling still reaches as far as it did
+        config.max_position_embeddings = max(
+            config.max_position_embeddings, scaled.saved_config["max_position_embeddings"]
+        )
     if hasattr(config, "original_max_position_embeddings"):
         # Phi-3 keeps L outside its rope parameters too, and transformers' yarn, llama3 and longrope read that one
         # first (standardize_rope_params in modeling_rope_utils.py copies it over the rope parameters' own)
@@ -124,6 +130,7 @@ class PatchPlan(NamedTuple):
     layers: tuple  # the attention layers an attention-level method goes on
     native_query_temperature: float | None  # beta written for the family's own code to apply (Ministral 3)
     written: dict  # {layer type (None: the one set): the rope parameters the config records}
+    shipped: tuple  # the layer types whose shipped frequencies a remapping method keeps (`kept_shipped_frequencies`)
 
 
 def plan_patch(
@@ -167,8 +174,25 @@ def plan_patch(
         check_can_install(host, attention, int(round(L * method_params.factor)), layout, layers)
     if attention.remap is not None:
         check_remappable_layers(host, layers, spec.name)
-    written = rope_parameters_to_write(host, layout, chosen or (None,), spec, method_params, L, native_temperature)
-    return PatchPlan(host, layout, chosen, spec, method_params, L, attention, layers, native_temperature, written)
+    shipped = kept_shipped_frequencies(host, chosen or (None,), attention)
+    written = rope_parameters_to_write(
+        host, layout, chosen or (None,), spec, method_params, L, native_temperature, shipped
+    )
+    return PatchPlan(
+        host, layout, chosen, spec, method_params, L, attention, layers, native_temperature, written, shipped
+    )
+
+
+def kept_shipped_frequencies(host: nn.Module, keys: tuple, attention: AttentionSettings) -> tuple:
+    """The layer types (of `keys`) whose frequencies a remapping method keeps as the model shipped them: those a
+    static scaling sets (Llama 3.1's llama3, Gemma 3's linear on its global layers, a yarn). Remapping only moves
+    positions, so the model keeps computing exactly what it computed within L; the kept parameters are what the config
+    records. Frequencies that follow the length (dynamic, longrope) are not kept: there the method rotates with
+    plain RoPE at the base, as it does on a model that shipped none. Frequency methods always replace."""
+    if attention.remap is None:
+        return ()
+    unpatched = unpatched_rope_parameters(host)
+    return tuple(key for key in keys if scales_statically(layer_rope_parameters(unpatched, key)))
 
 
 # Ministral 3's query temperature, one of the rope_parameters keys that belong to the family (FAMILY_ROPE_KEYS)
@@ -176,7 +200,14 @@ NATIVE_QUERY_TEMPERATURE = "llama_4_scaling_beta"
 
 
 def rope_parameters_to_write(
-    host: nn.Module, layout, keys: tuple, spec, method_params, L: int, native_temperature: float | None
+    host: nn.Module,
+    layout,
+    keys: tuple,
+    spec,
+    method_params,
+    L: int,
+    native_temperature: float | None,
+    shipped: tuple = (),
 ) -> dict:
     """{layer type (None: the one set of frequencies): the rope parameters `patch` records for it}.
 
@@ -184,7 +215,8 @@ def rope_parameters_to_write(
     other scaled type than longrope (Phi-3, PhiMoE: `families.config_refusal`), the method as longrope with equal
     factor sets (`longrope_form`), its attention factor as `attention_factor` or, where the config needs them, as
     `short_mscale`/`long_mscale` too. A method no such form expresses is a one-line CtxextError: the checkpoint
-    would not save, or would not load as patched. Read from the unpatched model's rope parameters."""
+    would not save, or would not load as patched. The layer types in `shipped` keep the parameters they have (a
+    remapping method on shipped static scaling). Read from the unpatched model's rope parameters."""
     unpatched = unpatched_rope_parameters(host)
 
     def family_keys_kept(written: dict) -> dict:  # what the family's own code reads beside the rope type stays
@@ -197,7 +229,9 @@ def rope_parameters_to_write(
 
     def form(write) -> dict:
         return {
-            key: write(
+            key: copy.deepcopy(layer_rope_parameters(unpatched, key))
+            if key in shipped
+            else write(
                 spec,
                 method_params,
                 layout.rotary_dims[key],

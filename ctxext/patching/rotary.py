@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..methods import Method, MethodParams, compute_inv_freq
-from .families import SECTIONS
+from .families import SECTIONS, module_frequencies
 
 
 class ScaledRotaryEmbedding(nn.Module):
@@ -36,6 +36,10 @@ class ScaledRotaryEmbedding(nn.Module):
     rotary pair i turns by the positions of its section sections[i] times its scaled frequency, as the family does
     with its own. For text alone the sections are equal and this is plain RoPE.
 
+    `shipped` names the layer types whose frequencies stay the model's own (a remapping method on a model that
+    shipped a static scaling, e.g. Llama 3.1's llama3 or Gemma 3's linear: `patch`): those are answered by the
+    model's own module, whatever the positions, and `inv_freq` reads its frequencies.
+
     Mixed window (LongRoPE2): while `original_within` is a length N > 0, a forward whose positions all lie below
     N is answered by the model's own module, unscaled; see `original_rotary_within`.
     """
@@ -51,6 +55,7 @@ class ScaledRotaryEmbedding(nn.Module):
         original: nn.Module | None = None,
         angles: str = "halves",
         sections: tuple[int, ...] | None = None,
+        shipped: tuple = (),
     ):
         super().__init__()
         self.method = method
@@ -62,8 +67,12 @@ class ScaledRotaryEmbedding(nn.Module):
         self.dynamic = method.is_dynamic(params)
         # The module we replaced, kept so that `unpatch` can put it back (it follows .to() with the model).
         self.original = original
+        self.shipped = tuple(shipped)
         # float32 always: a model cast to bf16 must not round the frequencies.
-        self._static = {key: self.frequencies(None, key) for key in self.scaled}
+        self._static = {
+            key: module_frequencies(original, key) if key in self.shipped else self.frequencies(None, key)
+            for key in self.scaled
+        }
         # A dynamic method's last (length, inv_freq, attention scaling) per layer type: the dict is replaced whole,
         # never updated in place, so that threads sharing the model each read a consistent triple.
         self._dynamic_cache: dict = {}
@@ -115,6 +124,8 @@ class ScaledRotaryEmbedding(nn.Module):
         key = layer_type if layer_type in self.scaled else None
         if key not in self.scaled:  # a layer type this patch leaves alone
             return self.original(x, position_ids, layer_type)
+        if key in self.shipped:  # frequencies the model shipped, kept: its own module computes them
+            return self.original(x, position_ids) if layer_type is None else self.original(x, position_ids, layer_type)
         inv_freq, scaling = self._inv_freq_for(key, position_ids, x.device)
         freqs = angles_at(position_ids, inv_freq, self.sections)
         if self.angles == "complex":
@@ -141,9 +152,10 @@ class ScaledRotaryEmbedding(nn.Module):
     def extra_repr(self) -> str:
         types = "" if list(self.scaled) == [None] else f", layer_types={list(self.scaled)}"
         sections = "" if self.sections is None else f", sections={list(self.sections)}"
+        shipped = "" if not self.shipped else f", shipped frequencies kept={list(self.shipped)}"
         return (
             f"method={self.method.name}, params={self.params.to_dict()}, L={self.original_max_position_embeddings}"
-            f"{types}{sections}"
+            f"{types}{sections}{shipped}"
         )
 
 

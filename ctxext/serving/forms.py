@@ -157,6 +157,10 @@ def model_rope_form(model, format: str = "native") -> RopeForm:
     if not isinstance(scaled, ScaledRotaryEmbedding):
         rope_parameters = dict(host.config.rope_parameters)
         return RopeForm(rope_parameters, not rope_parameters["rope_type"].startswith("ctxext_"), "as loaded")
+    if scaled.shipped:  # a remapping method on shipped static scaling: the frequencies (and form) are the model's
+        rope_parameters = dict(host.config.rope_parameters)
+        native = not rope_parameters["rope_type"].startswith("ctxext_")
+        return RopeForm(rope_parameters, native, "the model's shipped scaling, which the remapping method keeps")
     form = rope_form(
         scaled.method,
         scaled.params,
