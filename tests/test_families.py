@@ -863,9 +863,25 @@ def shipped_model(family):
     return scaled
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def gemma3_with_linear_global_layers():
+    """The tiny gemma3_text model with Gemma 3's shipped form: linear x8 on the full-attention layers only."""
+    from transformers import AutoConfig
+
+    model, _ = build("gemma3_text")
+    values = model.config.to_dict()
+    full = values["rope_parameters"]["full_attention"]
+    linear = {"rope_type": "linear", "factor": 8.0, "original_max_position_embeddings": L}  # L as ctxext records it
+    values["rope_parameters"]["full_attention"] = {**full, **linear}
+    values["max_position_embeddings"] = 4 * L
+    scaled = AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values)).eval()
+    scaled.load_state_dict(model.state_dict())
+    return scaled
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text"])
 def test_a_remapping_method_keeps_the_static_scaling_the_model_shipped(family, tmp_path):
-    """Llama 3.1's llama3 x8 and a yarn x4 stay the frequencies a remapping method rotates with: within L, GALI leaves
+    """Llama 3.1's llama3 x8, a yarn x4 and Gemma 3's linear x8 on its global layers stay the frequencies a remapping
+    method rotates with: within L, GALI leaves
     the model's logits as they were; SelfExtend equals the per-cell reference turned by the model's own frequencies
     and attention factor; the config keeps the shipped rope parameters (ctxext_attention beside them), the checkpoint
     saved from Python and the one `ctxext patch` writes reload with the patched logits, and unpatch restores the
@@ -873,7 +889,7 @@ def test_a_remapping_method_keeps_the_static_scaling_the_model_shipped(family, t
     from ctxext.cli import main
     from tests.conftest import save_tiny_checkpoint
 
-    model = shipped_model(family)
+    model = gemma3_with_linear_global_layers() if family == "gemma3_text" else shipped_model(family)
     shipped = json.dumps(model.config.rope_parameters, sort_keys=True)
     assert_self_extend_matches_the_per_cell_reference(model, f"shipped_{family}")
     within, past = _tokens(L), _tokens(3 * L)
