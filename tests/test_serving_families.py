@@ -4,6 +4,7 @@ ctxext (or a family that reads it) applies."""
 
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -78,3 +79,49 @@ def test_a_gguf_cannot_carry_the_query_temperature(tmp_path, capsys):
     )
     assert code == 2 and len(err.strip().splitlines()) == 1 and "query temperature" in err, err
     assert not (tmp_path / "x.gguf").exists()
+
+
+@pytest.mark.parametrize(
+    ("family", "method", "level", "why"),
+    [
+        ("qwen3_5_text", "linear", "no", "multimodal RoPE (mrope_section) for the default and yarn types only"),
+        ("qwen3_5_text", "yarn", "exact", "reads rope type 'yarn'"),
+        ("deepseek_v3", "linear", "no", "serves every scaled rope type as DeepSeek's yarn"),
+        ("deepseek_v3", "yarn", "exact", "reads rope type 'yarn'"),
+    ],
+)
+def test_the_engines_family_code_decides_which_written_types_are_served(tmp_path, capsys, family, method, level, why):
+    """vLLM's and SGLang's get_rope builds multimodal RoPE for 'default' and 'yarn' only, and their DeepSeek code turns
+    every scaled type into DeepSeek's yarn (read from their source): a written type those paths change is not served
+    as written, while transformers reads it (its reload is the patched model)."""
+    out = patched(tmp_path, capsys, family, "--method", method, "--factor", "4")
+    rope = json.loads((out / "config.json").read_text())["rope_parameters"]
+    assert rope["rope_type"] == method
+    rows = levels(out)
+    assert rows["transformers"].level == "exact"
+    for engine in ("vllm", "sglang"):
+        assert rows[engine].level == level and why in rows[engine].how, rows[engine].how
+
+
+@pytest.mark.parametrize("family", ["ministral3", "qwen3_5_text"])
+def test_ctxext_patch_keeps_the_keys_the_familys_code_reads(tmp_path, capsys, family):
+    """Ministral 3's llama_4_scaling_beta (its query temperature: without it the model fails to run) and Qwen3.5's
+    mrope_section/mrope_interleaved stay in the config `ctxext patch` rewrites for serving, beside the method's form:
+    plain transformers reloads it with the logits of the model patched in memory (the oracle)."""
+    import ctxext
+
+    out = patched(tmp_path, capsys, family, "--method", "yarn", "--factor", "4")
+    model, _ = build(family)  # shared with other tests: unpatched again below
+    shipped = model.config.rope_parameters
+    written = json.loads((out / "config.json").read_text())["rope_parameters"]
+    family_keys = {"llama_4_scaling_beta", "mrope_section", "mrope_interleaved"} & set(shipped)
+    assert family_keys and {key: written[key] for key in family_keys} == {key: shipped[key] for key in family_keys}
+    tokens = torch.randint(3, 100, (1, 96), generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            ctxext.patch(model, "yarn", factor=4.0)
+            expected = model(tokens).logits
+            reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+            torch.testing.assert_close(reloaded(tokens).logits, expected, atol=1e-5, rtol=1e-5)
+    finally:
+        ctxext.unpatch(model)

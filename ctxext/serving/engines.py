@@ -9,7 +9,8 @@ model code builds it, started as `serving` says) against plain transformers' loa
 static frequency method at its defaults and other parameters, integer and float factors, longrope with short !=
 long factors, and dynamic NTK, on LLaMA and Qwen2; it fails when a row here says exact and the run does not (the
 table: docs/guides/serving.md). `ctxext export --check` runs the same comparison where vLLM or SGLang is installed.
-Not run: their attention-level rows (dual chunk attention is CUDA only) and the 'proportional' rows.
+Not run: their attention-level rows (dual chunk attention is CUDA only), the 'proportional' rows, and what their
+multimodal-RoPE and DeepSeek code does with a rope type (`_type_the_family_code_builds`, read from their source).
 """
 
 from __future__ import annotations
@@ -241,6 +242,9 @@ def _vllm_or_sglang(model: ServedModel, engine: str) -> Support:
         return _nested_by_layer_type(model, engine)
     rope = model.rope_parameters
     rope_type = rope.get("rope_type", "default")
+    rewritten = _type_the_family_code_builds(model, engine)
+    if rewritten is not None:
+        return rewritten
     if rope_type not in VLLM_SGLANG_TYPES:
         return Support(
             engine,
@@ -279,6 +283,47 @@ def _vllm_or_sglang(model: ServedModel, engine: str) -> Support:
         "exact",
         f"reads rope type '{rope_type}' with the keys written; serve with {serving(model, engine).flags()}",
     )
+
+
+# Read from the engines' source, not run (benchmarks/engine_parity.py runs the Llama and Qwen2 code only):
+# - get_rope (vLLM 0.33.0 vllm/model_executor/layers/rotary_embedding/__init__.py, SGLang 0.5.23
+#   sglang/srt/layers/rotary_embedding/factory.py) builds multimodal RoPE (mrope_section: Qwen2-VL, Qwen3.5, ...) for
+#   the 'default' and 'yarn' types only; any other type gets a one-position rotary, which the family's 3-row
+#   positions do not fit.
+# - their DeepSeek V2/V3 code (models/deepseek_v2.py in both) rewrites every rope type but 'default' to DeepSeek's yarn
+#   (vLLM: 'deepseek_llama_scaling' where attention_factor is 1.0) before get_rope, so only yarn is served as written.
+MROPE_TYPES = ("default", "yarn")
+DEEPSEEK_CODE = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+
+
+def _type_the_family_code_builds(model: ServedModel, engine: str) -> Support | None:
+    """A 'no' where the engine's code for this family builds another rope than the type written, else None."""
+    rope = model.rope_parameters
+    rope_type = rope.get("rope_type", "default")
+    if "mrope_section" in rope and rope_type not in MROPE_TYPES:
+        return Support(
+            engine,
+            "no",
+            f"its get_rope builds multimodal RoPE (mrope_section) for the {' and '.join(MROPE_TYPES)} types only, and "
+            f"'{rope_type}' as a one-position rotary (read from its source); {SERVED_BY_CTXEXT}",
+        )
+    if not set(model.config.get("architectures") or ()) & set(DEEPSEEK_CODE):
+        return None
+    if rope_type not in ("default", "yarn"):
+        return Support(
+            engine,
+            "no",
+            f"its DeepSeek code serves every scaled rope type as DeepSeek's yarn, so '{rope_type}' would run as yarn "
+            f"(read from its source); {SERVED_BY_CTXEXT}",
+        )
+    if engine == "vllm" and rope_type == "yarn" and rope.get("attention_factor") == 1.0:
+        return Support(
+            engine,
+            "no",
+            f"its DeepSeek code serves a yarn whose attention_factor is 1.0 as 'deepseek_llama_scaling', not yarn (read "
+            f"from its source); {SERVED_BY_CTXEXT}",
+        )
+    return None
 
 
 # Read from the engines' model code (vLLM 0.33.0 vllm/model_executor/models/gemma3.py: get_rope per layer from
@@ -547,7 +592,7 @@ def check_exportable(model: ServedModel, engine: str) -> None:
 
 def engine_rope(model: ServedModel, engine: str) -> tuple[dict, dict, str]:
     """The rope parameters `engine` reads for the method recorded in `model`, any extra config keys, and how."""
-    from .forms import rope_form
+    from .forms import rope_form, with_family_keys
 
     spec, params = model.method_and_params()
     as_written = _proportional_as_written(model, engine)
@@ -573,6 +618,7 @@ def engine_rope(model: ServedModel, engine: str) -> tuple[dict, dict, str]:
     form = rope_form(
         spec, params, model.rotary_dim, base, L, own_partial_rotary_factor(model.rope_parameters), "native"
     )
+    form = with_family_keys(form, model.rope_parameters)
     if engine == "sglang" and _equal_factor_sets(form.rope_parameters):
         return _longrope_switch_past(form, spec, params, model, L, base)
     if not form.native:

@@ -18,12 +18,14 @@ ctxext's own types. config.json then carries both spellings: `rope_parameters` (
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..errors import CtxextError
 from ..methods import Method, MethodParams, compute_inv_freq, rope_inv_freq
 from ..methods.frequency import yarn_mscale
 from ..methods.remapping import RemapParams
+from ..patching.families import FAMILY_ROPE_KEYS
 from ..patching.rope_types import equal_sets_longrope, rope_parameters_for, with_float_numbers
 
 FORMATS = ("native", "ctxext")
@@ -172,7 +174,15 @@ def model_rope_form(model, format: str = "native") -> RopeForm:
     )
     if config_refusal(host.config, form.rope_parameters) is not None:  # Phi-3, PhiMoE: what `patch` recorded
         return RopeForm(dict(host.config.rope_parameters), True, "the only form this family's config takes")
-    return form
+    return with_family_keys(form, host.config.rope_parameters)
+
+
+def with_family_keys(form: RopeForm, rope_parameters: dict) -> RopeForm:
+    """`form` with the keys the family's own code reads beside the rope type (FAMILY_ROPE_KEYS: Ministral 3's
+    llama_4_scaling_beta, Qwen3.5's mrope_section), copied from `rope_parameters`: a method's form never names them,
+    and the family's model fails to build (llama_4_scaling_beta) or reads other sections without them."""
+    kept = {key: rope_parameters[key] for key in FAMILY_ROPE_KEYS if key in rope_parameters}
+    return dataclasses.replace(form, rope_parameters={**form.rope_parameters, **kept}) if kept else form
 
 
 def write_config_for_serving(model, folder, format: str = "native") -> RopeForm:
