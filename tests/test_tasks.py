@@ -221,6 +221,32 @@ def test_each_length_reaches_the_task_while_the_task_index_is_shared(ruler_check
         assert max(doc["length"] for doc in docs) <= length
 
 
+def test_the_task_index_of_the_named_tasks_builds_what_lm_evals_whole_index_builds(ruler_checkpoint):
+    """Named tasks get an index of the folders that define them (RULER's), which builds the same prompts as lm-eval's
+    whole index; a group or a misspelt name gets the whole index (the did-you-mean needs it)."""
+    from ctxext.tasks.harness import (
+        TaskManagers,
+        TaskSpec,
+        _seed_like_simple_evaluate,
+        needle_samples_up_to,
+        task_metadata,
+    )
+
+    spec = TaskSpec("niah_single_1", "ruler")
+    narrow, whole = TaskManagers(["niah_single_1", "ruler_vt"]), TaskManagers()
+    assert [Path(folder).name for folder in narrow.folders] == ["ruler"] and whole.folders is None
+    assert TaskManagers(["ruler"]).folders is None and TaskManagers(["niah_singel_1"]).folders is None
+    assert len(narrow.any().all_tasks) < 100 < len(whole.any().all_tasks)
+
+    def build(managers):
+        manager = managers.get(task_metadata(spec, 1024, str(ruler_checkpoint)))
+        _seed_like_simple_evaluate()
+        with needle_samples_up_to(spec, 3):
+            return list(manager.load(["niah_single_1"])["tasks"]["niah_single_1"].eval_docs)
+
+    assert build(narrow) == build(whole)
+
+
 def test_a_limit_builds_only_the_first_needle_samples_of_lm_evals_500(ruler_checkpoint):
     """Under a limit, RULER's needle task builds only the samples the limit takes, and they are the first ones of
     lm-eval's own build of 500 (seeded as simple_evaluate seeds), prompt for prompt."""

@@ -28,7 +28,7 @@ def check_tasks(names: list[str], lengths: list[int]) -> list:
         raise CtxextError(
             f"--tasks needs lm-evaluation-harness, which is not installed; install it with: {INSTALL_HINT}"
         ) from None
-    specs = resolve_tasks(names, TaskManagers().any())
+    specs = resolve_tasks(names, TaskManagers(names).any())
     check_lengths(specs, sorted(lengths))
     return specs
 
@@ -88,7 +88,7 @@ def run_task_cells(plan, rows, model_loader, compute: bool, measured, report) ->
     from ..tasks.harness import TaskCellCache, TaskManagers, cell_scores, run_cells
 
     cache = TaskCellCache(plan.request.cache_dir / TASKS_DIR)
-    managers, processes = TaskManagers(), Processes()
+    managers, processes = TaskManagers([spec.name for spec in plan.task_specs]), Processes()
     key = common_key(plan, lm_eval.__version__)
 
     def run(cells, length, model, cached_only):

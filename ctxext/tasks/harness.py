@@ -60,25 +60,55 @@ class TaskSpec:
 
 class TaskManagers:
     """lm-eval TaskManagers, one per metadata, kept for the whole process. A TaskManager builds fresh tasks at
-    every load, so sharing one changes no result; indexing lm-eval's 14k task YAMLs takes 5-25 s here, so the
-    index is built once and each metadata gets a copy of the manager with its own task factory."""
+    every load, so sharing one changes no result; indexing lm-eval's 14k task YAMLs takes 14 s on an idle core here
+    (about a minute under load, in every `ctxext tasks` process), so the index is built once and each metadata gets a
+    copy of the manager with its own task factory.
 
-    _by_metadata: dict[str, object] = {}
+    Given the task `names` a run asks for, the index covers only the folders whose YAMLs define them (RULER's: well
+    under a second), found by a plain text scan for `task: NAME`; where a name is not found that way (a group, a
+    tag, a typo, which the did-you-mean needs the whole index for), lm-eval's whole index is built as before."""
+
+    _by_metadata: dict[tuple, object] = {}  # (index folders, or None for the whole index; metadata) -> manager
+
+    def __init__(self, names=()):
+        self.folders = _task_folders(tuple(names))
 
     def get(self, metadata: dict):
         from lm_eval.tasks import TaskManager
 
-        key = json.dumps(metadata, sort_keys=True)
+        key = (self.folders, json.dumps(metadata, sort_keys=True))
         if key not in self._by_metadata:
             _drop_metadata_hint()
-            base = next(iter(self._by_metadata.values()), None)
+            base = self._base()
             self._by_metadata[key] = (_with_metadata(base, metadata) if base is not None else None) or TaskManager(
-                metadata=metadata
+                metadata=metadata,
+                **({} if self.folders is None else {"include_path": list(self.folders), "include_defaults": False}),
             )
         return self._by_metadata[key]
 
+    def _base(self):
+        return next((manager for (folders, _), manager in self._by_metadata.items() if folders == self.folders), None)
+
     def any(self):
-        return next(iter(self._by_metadata.values())) if self._by_metadata else self.get({})
+        return self._base() or self.get({})
+
+
+@functools.cache
+def _task_folders(names: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The folders of lm-eval's task YAMLs that define every one of `names` as `task: NAME`, or None (a name not found
+    so: a group, a tag, a task of another package, a typo)."""
+    import re
+
+    if not names:
+        return None
+    root = Path(importlib.import_module("lm_eval.tasks").__file__).parent
+    pattern = re.compile(r"^task:\s*[\"']?([^\s\"'#]+)", re.MULTILINE)
+    found: dict[str, str] = {}
+    for path in root.rglob("*.yaml"):
+        for match in pattern.finditer(path.read_text(encoding="utf-8", errors="replace")):
+            if match.group(1) in names:
+                found.setdefault(match.group(1), str(path.parent))
+    return tuple(sorted(set(found.values()))) if set(found) == set(names) else None
 
 
 def _with_metadata(manager, metadata: dict):

@@ -129,7 +129,7 @@ def _prepare_tasks(request: TasksRequest, processes):
 
     lm_eval = import_lm_eval()
     check_model_source(request.model)  # before the task data: RULER sizes its prompts with the model's tokenizer
-    managers = TaskManagers()
+    managers = TaskManagers(request.tasks)
     specs = resolve_tasks(request.tasks, managers.any())
     check_lengths(specs, request.lengths)
 

@@ -34,7 +34,7 @@ def main() -> int:
         task_metadata,
     )
 
-    spec, managers = TaskSpec("niah_single_1", "ruler"), TaskManagers()
+    spec, managers = TaskSpec("niah_single_1", "ruler"), TaskManagers(["niah_single_1"])
     began = time.perf_counter()
     managers.any()
     print(f"lm-eval's task index: {time.perf_counter() - began:.1f} s", flush=True)
