@@ -14,8 +14,8 @@ import torch
 import ctxext
 from ctxext.checkpoint import write_patched_checkpoint
 from ctxext.config import load_method_config
-from ctxext.methods import get_method
-from ctxext.serving.forms import per_pair_factors, rope_form, with_both_spellings
+from ctxext.methods import get_method, per_pair_factors
+from ctxext.serving.forms import rope_form, with_both_spellings
 from tests.conftest import FAMILIES, save_tiny_checkpoint, tiny_model
 
 # (method, parameters, the native rope type the checkpoint must use). L = 64 for the tiny models.

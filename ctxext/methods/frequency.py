@@ -14,13 +14,22 @@ import torch
 
 from ..errors import CtxextError
 from ..validate import choice, whole_number
-from .registry import DynamicParams, Method, MethodParams, _check_number, param, register
+from .registry import DynamicParams, Method, MethodParams, _check_number, compute_inv_freq, param, register
 
 
 def rope_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
     """Plain RoPE: θ_i = base^(-2i/d), float32, computed the way transformers does."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
     return 1.0 / (base**exponents)
+
+
+def per_pair_factors(
+    method: Method, params: MethodParams, rotary_dim: int, base: float, original_max_position_embeddings: int
+) -> list[float]:
+    """theta_i / theta'_i for each rotary pair (pair 0, the highest frequency, first): what each pair's frequency
+    is divided by. longrope's factors and llama.cpp's `rope_freqs` tensor have this meaning."""
+    scaled, _ = compute_inv_freq(method, params, rotary_dim, base, original_max_position_embeddings)
+    return (rope_inv_freq(rotary_dim, base).double() / scaled.double()).tolist()
 
 
 def _divide(inv_freq: torch.Tensor, divisors: torch.Tensor) -> torch.Tensor:

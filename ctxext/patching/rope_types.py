@@ -16,7 +16,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .. import compat
 from ..errors import CtxextError
-from ..methods import METHODS, Method, MethodParams, compute_inv_freq
+from ..methods import METHODS, Method, MethodParams, compute_inv_freq, per_pair_factors
 from ..methods.frequency import proportional_fraction
 from ..methods.registry import method_for_rope_type
 from .families import FAMILY_ROPE_KEYS, ntk_alpha, rope_parameters_of, rotary_dim
@@ -160,8 +160,6 @@ def equal_sets_longrope(
 ) -> dict:
     """transformers' `longrope` parameters with short_factor = long_factor = theta_i / theta'_i per pair and the
     method's attention factor: its frequencies, whatever the length (no check that the method is static)."""
-    from ..serving.forms import per_pair_factors  # that module imports this one
-
     L = original_max_position_embeddings
     factors = per_pair_factors(method, params, rotary_dim, base, L)
     _, attention_factor = compute_inv_freq(method, params, rotary_dim, base, L)

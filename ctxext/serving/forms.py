@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..errors import CtxextError
-from ..methods import Method, MethodParams, compute_inv_freq, rope_inv_freq
+from ..methods import Method, MethodParams
 from ..methods.frequency import yarn_mscale
 from ..methods.remapping import RemapParams
 from ..patching.families import FAMILY_ROPE_KEYS
@@ -117,15 +117,6 @@ def _for_engines(rope_parameters: dict) -> dict:
     if out["rope_type"] == "dynamic" and "original_max_position_embeddings" in out:
         out["max_trained_positions"] = out["original_max_position_embeddings"]
     return out
-
-
-def per_pair_factors(
-    method: Method, params: MethodParams, rotary_dim: int, base: float, original_max_position_embeddings: int
-) -> list[float]:
-    """theta_i / theta'_i for each rotary pair (pair 0, the highest frequency, first): what each pair's frequency
-    is divided by. longrope's factors and llama.cpp's `rope_freqs` tensor have this meaning."""
-    scaled, _ = compute_inv_freq(method, params, rotary_dim, base, original_max_position_embeddings)
-    return (rope_inv_freq(rotary_dim, base).double() / scaled.double()).tolist()
 
 
 def with_both_spellings(config: dict, rope_parameters: dict) -> dict:

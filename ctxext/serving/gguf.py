@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CtxextError
-from ..methods import Method, MethodParams, get_method
+from ..methods import Method, MethodParams, get_method, per_pair_factors
 from ..methods.frequency import yarn_mscale
 from ..outputs import atomic_file
-from .forms import no_native_form, per_pair_factors
+from .forms import no_native_form
 
 # GGUF names (gguf.MODEL_ARCH_NAMES): LLaMA, Mistral and Mixtral files say "llama"
 ARCHITECTURES = (
