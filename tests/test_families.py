@@ -879,7 +879,7 @@ def gemma3_with_linear_global_layers():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text"])
-def test_a_remapping_method_keeps_the_static_scaling_the_model_shipped(family, tmp_path):
+def test_a_remapping_method_keeps_the_static_scaling_the_model_shipped(family, tmp_path, capsys):
     """Llama 3.1's llama3 x8, a yarn x4 and Gemma 3's linear x8 on its global layers stay the frequencies a remapping
     method rotates with: within L, GALI leaves
     the model's logits as they were; SelfExtend equals the per-cell reference turned by the model's own frequencies
@@ -908,6 +908,8 @@ def test_a_remapping_method_keeps_the_static_scaling_the_model_shipped(family, t
         assert (
             main(["patch", str(tmp_path / "in"), "--method", "gali", "--factor", "2", "-o", str(tmp_path / "cli")]) == 0
         )
+        told = capsys.readouterr().out  # the trained reach past L is named, with the flag that counts it
+        assert "gali keeps the shipped scaling" in told and f"--original-max-position-embeddings {4 * L}" in told, told
         for folder in ("saved", "cli"):  # the API's save_pretrained, and ctxext patch's rewrite for serving
             reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / folder, dtype=torch.float32).eval()
             assert json.dumps(reloaded.config.rope_parameters, sort_keys=True) == shipped, folder

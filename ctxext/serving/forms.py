@@ -143,17 +143,18 @@ def model_rope_form(model, format: str = "native") -> RopeForm:
 
     host = rotary_host(model)
     scaled = host.rotary_emb
+    kept = _kept_scaling(scaled) if isinstance(scaled, ScaledRotaryEmbedding) and scaled.shipped else ""
     if is_nested(host.config.rope_parameters):  # one entry per layer type (Gemma 3): transformers' own form
         nested = dict(host.config.rope_parameters)
         native = all(not values["rope_type"].startswith("ctxext_") for values in nested.values())
-        return RopeForm(nested, native, "nested by layer type, as transformers reads it")
+        return RopeForm(nested, native, "nested by layer type, as transformers reads it" + kept)
     if not isinstance(scaled, ScaledRotaryEmbedding):
         rope_parameters = dict(host.config.rope_parameters)
         return RopeForm(rope_parameters, not rope_parameters["rope_type"].startswith("ctxext_"), "as loaded")
     if scaled.shipped:  # a remapping method on shipped static scaling: the frequencies (and form) are the model's
         rope_parameters = dict(host.config.rope_parameters)
         native = not rope_parameters["rope_type"].startswith("ctxext_")
-        return RopeForm(rope_parameters, native, "the model's shipped scaling, which the remapping method keeps")
+        return RopeForm(rope_parameters, native, f"the model's shipped '{rope_parameters['rope_type']}' type" + kept)
     form = rope_form(
         scaled.method,
         scaled.params,
@@ -166,6 +167,18 @@ def model_rope_form(model, format: str = "native") -> RopeForm:
     if config_refusal(host.config, form.rope_parameters) is not None:  # Phi-3, PhiMoE: what `patch` recorded
         return RopeForm(dict(host.config.rope_parameters), True, "the only form this family's config takes")
     return with_family_keys(form, host.config.rope_parameters)
+
+
+def _kept_scaling(scaled) -> str:
+    """What a remapping method on shipped static scaling keeps, and how to count a longer trained reach than L."""
+    L, reach = scaled.original_max_position_embeddings, scaled.saved_config["max_position_embeddings"]
+    told = f"; {scaled.method.name} keeps the shipped scaling of {', '.join(str(k or 'every layer') for k in scaled.shipped)}"
+    if reach and reach > L:  # a long-context stage the recorded L does not count
+        told += (
+            f" and remaps past L = {L}: to count the {reach} tokens the scaling reaches as trained, patch with "
+            f"--original-max-position-embeddings {reach}"
+        )
+    return told
 
 
 def with_family_keys(form: RopeForm, rope_parameters: dict) -> RopeForm:
