@@ -89,3 +89,21 @@ def test_patch_refuses_from_the_config_before_any_weights_load(tmp_path, capsys)
         assert code == 2 and len(err.strip().splitlines()) == 1, err
         assert message in err and "weights" not in err and "safetensors" not in err, err
         assert not (tmp_path / "out").exists()
+
+
+def test_cli_says_which_methods_keep_a_shipped_scaling(tmp_path, capsys):
+    """On a model that ships llama3 x8, the remapping methods are listed as keeping it and the frequency methods not,
+    as `patch` does on the real model (the oracle: what its rotary module keeps)."""
+    from tests.test_families import shipped_model
+
+    model = shipped_model("llama")
+    model.config.save_pretrained(tmp_path / "llama3")
+    code, out, err = run_cli(capsys, "methods", "--model", tmp_path / "llama3")
+    assert code == 0, err
+    lines = {line.split()[0]: line for line in out.splitlines()[4:] if line.startswith("  ") and line.split()}
+    for method in ("self_extend", "gali", "yarn", "linear"):
+        ctxext.patch(model, method, 2.0)
+        kept = bool(ctxext.patching.rotary_host(model).rotary_emb.shipped)
+        ctxext.unpatch(model)
+        assert ("(keeps the shipped llama3 x8)" in lines[method]) == kept, lines[method]
+        assert kept == (method in ("self_extend", "gali"))

@@ -62,10 +62,12 @@ def _describe_model(model_name: str, layer_types, json_path) -> int:
     from pathlib import Path
 
     from ..loading import load_config
+    from ..methods import get_method
     from ..outputs import atomic_write_text
     from ..patching.applicable import applicable_methods, skeleton
     from ..patching.families import rope_layout
     from ..patching.patch import original_length
+    from ..patching.rope_types import remaps_positions
 
     model = skeleton(load_config(model_name))
     layout = rope_layout(model)
@@ -89,13 +91,29 @@ def _describe_model(model_name: str, layer_types, json_path) -> int:
             f"{window:>7} {dim:>10} {base:>10}  {row['shipped']}"
         )
     print(f"\nmethods on this model (--layer-types {layer_types or 'full'}):")
+    kept = _kept_by_remapping(model, layout, layer_types)
     for name, reason in verdicts.items():
-        print(f"  {name:<13} {'applies' if reason is None else 'no: ' + reason}")
+        applies = "applies" + (kept if kept and remaps_positions(get_method(name)) else "")
+        print(f"  {name:<13} {applies if reason is None else 'no: ' + reason}")
     if json_path:
         record = {"model": model_name, "original_max_position_embeddings": L, "layout": rows, "methods": verdicts}
         record.update(per_type_rotary=layout.per_type_rotary, angles=layout.angles, layer_types=layer_types or "full")
         atomic_write_text(Path(json_path), json.dumps(record, indent=2) + "\n")
     return 0
+
+
+def _kept_by_remapping(model, layout, layer_types) -> str:
+    """', keeps the shipped llama3 x8' where a remapping method would keep the chosen layer types' shipped static
+    scaling (`kept_shipped_frequencies`), else ''."""
+    from ..methods.attention import AttentionSettings
+    from ..patching.families import rotary_host
+    from ..patching.patch import kept_shipped_frequencies
+
+    keys = layout.select_types(layer_types) or (None,)
+    remapping = AttentionSettings(method="self_extend")
+    kept = kept_shipped_frequencies(rotary_host(model), keys, remapping)
+    scalings = sorted({_shipped(model.config, key or "full_attention", layout) for key in kept})
+    return f" (keeps the shipped {', '.join(scalings)})" if scalings else ""
 
 
 def _shipped(config, layer_type: str, layout) -> str:
