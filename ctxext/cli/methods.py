@@ -105,13 +105,10 @@ def _describe_model(model_name: str, layer_types, json_path) -> int:
 def _kept_by_remapping(model, layout, layer_types) -> str:
     """', keeps the shipped llama3 x8' where a remapping method would keep the chosen layer types' shipped static
     scaling (`kept_shipped_frequencies`), else ''."""
-    from ..methods.attention import AttentionSettings
     from ..patching.families import rotary_host
     from ..patching.patch import kept_shipped_frequencies
 
-    keys = layout.select_types(layer_types) or (None,)
-    remapping = AttentionSettings(method="self_extend")
-    kept = kept_shipped_frequencies(rotary_host(model), keys, remapping)
+    kept = kept_shipped_frequencies(rotary_host(model), layout.select_types(layer_types) or (None,))
     scalings = sorted({_shipped(model.config, key or "full_attention", layout) for key in kept})
     return f" (keeps the shipped {', '.join(scalings)})" if scalings else ""
 

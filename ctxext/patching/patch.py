@@ -174,7 +174,7 @@ def plan_patch(
         check_can_install(host, attention, int(round(L * method_params.factor)), layout, layers)
     if attention.remap is not None:
         check_remappable_layers(host, layers, spec.name)
-    shipped = kept_shipped_frequencies(host, chosen or (None,), attention)
+    shipped = kept_shipped_frequencies(host, chosen or (None,)) if attention.remap is not None else ()
     written = rope_parameters_to_write(
         host, layout, chosen or (None,), spec, method_params, L, native_temperature, shipped
     )
@@ -183,14 +183,12 @@ def plan_patch(
     )
 
 
-def kept_shipped_frequencies(host: nn.Module, keys: tuple, attention: AttentionSettings) -> tuple:
+def kept_shipped_frequencies(host: nn.Module, keys: tuple) -> tuple:
     """The layer types (of `keys`) whose frequencies a remapping method keeps as the model shipped them: those a
     static scaling sets (Llama 3.1's llama3, Gemma 3's linear on its global layers, a yarn). Remapping only moves
     positions, so the model keeps computing exactly what it computed within L; the kept parameters are what the config
     records. Frequencies that follow the length (dynamic, longrope) are not kept: there the method rotates with
     plain RoPE at the base, as it does on a model that shipped none. Frequency methods always replace."""
-    if attention.remap is None:
-        return ()
     unpatched = unpatched_rope_parameters(host)
     return tuple(key for key in keys if scales_statically(layer_rope_parameters(unpatched, key)))
 
