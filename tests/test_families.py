@@ -315,16 +315,25 @@ def assert_self_extend_matches_the_per_cell_reference(model, name: str) -> None:
 
 
 # ------------------------------------------------------------------ one rotary module per base (Granite SWA)
-def granite_swa_with(layer_rope_theta):
-    """The tiny granite_swa model rebuilt with a base per layer (0: NoPE), its weights kept."""
+def rebuilt_with(family: str, change, **from_config):
+    """The tiny model of `family` rebuilt from its config values after `change(values)` edits them in place, its
+    weights kept."""
     from transformers import AutoConfig
 
-    model, _ = build("granite_swa")
-    values = {**model.config.to_dict(), "layer_rope_theta": layer_rope_theta}
+    model, _ = build(family)
+    values = model.config.to_dict()
+    change(values)
     config = AutoConfig.for_model(values.pop("model_type"), **values)
-    rebuilt = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    rebuilt = AutoModelForCausalLM.from_config(config, **from_config).eval()
     rebuilt.load_state_dict(model.state_dict())
     return rebuilt
+
+
+def granite_swa_with(layer_rope_theta):
+    """The tiny granite_swa model rebuilt with a base per layer (0: NoPE), its weights kept."""
+    return rebuilt_with(
+        "granite_swa", lambda values: values.update(layer_rope_theta=layer_rope_theta), attn_implementation="eager"
+    )
 
 
 def test_granite_swa_nope_layer_stays_untouched_and_its_checkpoint_reloads(tmp_path):
@@ -851,31 +860,24 @@ def test_a_shipped_scaling_is_read_and_patching_again_scales_from_its_L_and_base
 
 def shipped_model(family):
     """The tiny model of `family` with SHIPPED's rope parameters and the tiny model's weights."""
-    from transformers import AutoConfig
-
     shipped, _ = SHIPPED[family]
-    model, _ = build(family)
-    values = model.config.to_dict()
-    values["rope_parameters"] = {**shipped, "rope_theta": float(values["rope_parameters"]["rope_theta"])}
-    values["max_position_embeddings"] = 4 * L
-    scaled = AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values)).eval()
-    scaled.load_state_dict(model.state_dict())
-    return scaled
+
+    def change(values):
+        values["rope_parameters"] = {**shipped, "rope_theta": float(values["rope_parameters"]["rope_theta"])}
+        values["max_position_embeddings"] = 4 * L
+
+    return rebuilt_with(family, change)
 
 
 def gemma3_with_linear_global_layers():
     """The tiny gemma3_text model with Gemma 3's shipped form: linear x8 on the full-attention layers only."""
-    from transformers import AutoConfig
 
-    model, _ = build("gemma3_text")
-    values = model.config.to_dict()
-    full = values["rope_parameters"]["full_attention"]
-    linear = {"rope_type": "linear", "factor": 8.0, "original_max_position_embeddings": L}  # L as ctxext records it
-    values["rope_parameters"]["full_attention"] = {**full, **linear}
-    values["max_position_embeddings"] = 4 * L
-    scaled = AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values)).eval()
-    scaled.load_state_dict(model.state_dict())
-    return scaled
+    def change(values):
+        linear = {"rope_type": "linear", "factor": 8.0, "original_max_position_embeddings": L}  # L as ctxext records it
+        values["rope_parameters"]["full_attention"] = {**values["rope_parameters"]["full_attention"], **linear}
+        values["max_position_embeddings"] = 4 * L
+
+    return rebuilt_with("gemma3_text", change)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text"])

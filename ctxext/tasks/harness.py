@@ -18,6 +18,7 @@ import importlib
 import io
 import json
 import logging
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -97,8 +98,6 @@ class TaskManagers:
 def _task_folders(names: tuple[str, ...]) -> tuple[str, ...] | None:
     """The folders of lm-eval's task YAMLs that define every one of `names` as `task: NAME`, or None (a name not found
     so: a group, a tag, a task of another package, a typo)."""
-    import re
-
     if not names:
         return None
     root = Path(importlib.import_module("lm_eval.tasks").__file__).parent
