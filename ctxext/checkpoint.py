@@ -28,6 +28,8 @@ class PatchedCheckpoint:
     applied: dict
     form: RopeForm  # how the rope parameters were written (native form or ctxext's type)
     tokenizer: bool = True  # False: the source had no tokenizer files, and none was written
+    model: str = ""  # what the source's rope record says: L0, C, the shipped scaling
+    context: str = ""  # what the patch does to the context, e.g. 'yarn x2 composes with the shipped llama3 x8: ...'
 
     @property
     def loads_in_plain_transformers(self) -> str:
@@ -68,7 +70,7 @@ def write_patched_checkpoint(
 
     protected = [source] if Path(source).exists() else []
     check_output_dir(output, protected, overwrite)
-    check_source(source, method_config)
+    plan = check_source(source, method_config)
 
     tokenizer = load_tokenizer(source, optional=True)  # patch only copies it: a checkpoint may have none
     if tokenizer is None and pair_selection is not None:
@@ -77,7 +79,7 @@ def write_patched_checkpoint(
             f"tokenizer files; add the base model's tokenizer files to it, or give the pairs as selected_pairs"
         )
     model = load_model(source, dtype="auto", device="cpu")
-    original_length = model.config.max_position_embeddings
+    original_length = plan.record.trained_context
     extra_record = dict(extra_record or {})
     if tokenizer is None:
         extra_record["tokenizer"] = NO_TOKENIZER
@@ -94,11 +96,13 @@ def write_patched_checkpoint(
         Path(output).resolve(),
         method_config.label,
         form.rope_parameters,
-        original_length,
+        plan.record.max_position_embeddings,
         model.config.max_position_embeddings,
         applied,
         form,
         tokenizer is not None,
+        plan.record.describe(),
+        plan.describe(),
     )
 
 
@@ -116,16 +120,17 @@ def checkpoint_record(source: str, method_config, model, applied: dict, format: 
     }
 
 
-def check_source(source: str, method_config) -> None:
+def check_source(source: str, method_config):
     """What the source's config alone refuses (an unsupported family, a layer type it does not have, a method its
     layout cannot take, a shape the method cannot take), before any weights load: `patch`'s own checks, asked of
-    a meta-device skeleton of the model."""
+    a meta-device skeleton of the model; and a result shorter than the model's trained context, unless asked for.
+    The plan (ctxext.patching.patch.PatchPlan), which says what the patch does to the model's context."""
     from .loading import load_config
     from .patching.applicable import skeleton
-    from .patching.patch import plan_patch
+    from .patching.patch import check_not_shorter, plan_patch
 
     mc = method_config
-    plan_patch(
+    plan = plan_patch(
         skeleton(load_config(source)),
         mc.method,
         mc.factor,
@@ -133,8 +138,12 @@ def check_source(source: str, method_config) -> None:
         mc.logn,
         mc.layer_types,
         mc.query_temperature,
+        replace_shipped=mc.replace_shipped,
+        target_length=mc.target_length,
         **mc.params,
     )
+    check_not_shorter(plan, mc.allow_shorter)
+    return plan
 
 
 def with_selected_pairs(model, tokenizer, method_config, pair_selection: tuple[str, int], original_length: int):

@@ -4,7 +4,10 @@ A method YAML is a flat mapping (see configs/methods/*.yaml):
 
     method: yarn
     factor: 4
-    original_max_position_embeddings: 4096   # optional; default: the model's max_position_embeddings
+    target_length: 262144                     # optional, instead of factor: the context to reach, in tokens
+    original_max_position_embeddings: 4096   # optional: count from this L and replace a shipped scaling
+    replace_shipped: true                     # optional: replace a shipped scaling, counting from L0
+    allow_shorter: true                       # optional: allow a context shorter than the model's trained one
     beta_fast: 32                             # any parameter of the method
     logn: true                                # optional: log-n query scaling on top (any method)
     layer_types: full                         # optional: which layer types to scale (full, all, or names)
@@ -26,7 +29,19 @@ import yaml
 from .errors import CtxextError, did_you_mean
 from .validate import boolean, whole_number
 
-TOP_LEVEL_KEYS = ("method", "factor", "original_max_position_embeddings", "logn", "layer_types", "query_temperature")
+TOP_LEVEL_KEYS = (
+    "method",
+    "factor",
+    "original_max_position_embeddings",
+    "logn",
+    "layer_types",
+    "query_temperature",
+    "replace_shipped",
+    "target_length",
+    "allow_shorter",
+)
+# The keys that say where the extension counts from (ctxext.patching.compose), passed to patch as they are.
+EXTENSION_KEYS = ("replace_shipped", "target_length", "allow_shorter")
 
 
 @dataclass
@@ -42,6 +57,12 @@ class MethodConfig:
     # names such as "full_attention,sliding_attention" (see ctxext.patching.families.RopeLayout)
     layer_types: str | None = None
     query_temperature: float | None = None  # beta of q *= 1 + beta ln(1 + floor(p / L)), on top of the method
+    # Where the extension counts from (ctxext.patching.compose): by default s times the model's trained context C,
+    # composed with a shipped scaling. `target_length` N gives s = N / C; `replace_shipped` counts from L0 and
+    # replaces the shipped scaling; `allow_shorter` lets a patch leave a context shorter than C.
+    replace_shipped: bool = False
+    target_length: int | None = None
+    allow_shorter: bool = False
 
     def validate(self) -> MethodConfig:
         """Raise a CtxextError for anything `patch` would reject, before any model is loaded."""
@@ -55,6 +76,13 @@ class MethodConfig:
         self.original_max_position_embeddings = whole_number(
             "original_max_position_embeddings", self.original_max_position_embeddings, allow_none=True
         )
+        boolean("replace_shipped", self.replace_shipped)
+        boolean("allow_shorter", self.allow_shorter)
+        if isinstance(self.target_length, str):  # '256k', as every length flag takes it
+            from .eval.options import parse_length
+
+            self.target_length = parse_length(self.target_length, "target_length")
+        self.target_length = whole_number("target_length", self.target_length, allow_none=True)
         if self.logn and self.original_max_position_embeddings is not None:
             check_original_length_for_logn(self.original_max_position_embeddings)
         if self.query_temperature is not None:
@@ -76,8 +104,14 @@ class MethodConfig:
             logn=self.logn,
             layer_types=self.layer_types,
             query_temperature=self.query_temperature,
+            **self.extension,
             **self.params,
         )
+
+    @property
+    def extension(self) -> dict:
+        """The keys that say where the extension counts from, as `patch` takes them (only those set)."""
+        return {key: getattr(self, key) for key in EXTENSION_KEYS if getattr(self, key) not in (None, False)}
 
     def to_dict(self) -> dict[str, Any]:
         """The flat YAML form (the same shape `from_mapping` reads)."""
@@ -90,7 +124,7 @@ class MethodConfig:
             out["layer_types"] = self.layer_types
         if self.query_temperature is not None:
             out["query_temperature"] = self.query_temperature
-        return {**out, **self.params}
+        return {**out, **self.extension, **self.params}
 
     @property
     def label(self) -> str:
@@ -103,6 +137,8 @@ class MethodConfig:
             name = f"{self.method} {params.describe()}".strip()
         else:
             name = self.method if self.method == "none" else f"{self.method} x{self.factor:g}"
+            if self.target_length is not None:
+                name = f"{self.method} to {self.target_length}"
         name = f"{name} +logn" if self.logn else name
         return name if self.query_temperature is None else f"{name} +qt{self.query_temperature:g}"
 
@@ -136,6 +172,9 @@ class MethodConfig:
             logn=values.pop("logn", False),
             layer_types=values.pop("layer_types", None),
             query_temperature=values.pop("query_temperature", None),
+            replace_shipped=values.pop("replace_shipped", False),
+            target_length=values.pop("target_length", None),
+            allow_shorter=values.pop("allow_shorter", False),
             params=values,
         )
         return config.validate()

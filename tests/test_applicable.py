@@ -92,8 +92,8 @@ def test_patch_refuses_from_the_config_before_any_weights_load(tmp_path, capsys)
 
 
 def test_cli_says_which_methods_keep_a_shipped_scaling(tmp_path, capsys):
-    """On a model that ships llama3 x8, the remapping methods are listed as keeping it and the frequency methods not,
-    as `patch` does on the real model (the oracle: what its rotary module keeps)."""
+    """On a model that ships llama3 x8, the remapping methods are listed as keeping it and the frequency methods as
+    composing with it, as `patch` does on the real model (the oracle: what its rotary module keeps or composes)."""
     from tests.test_families import shipped_model
 
     model = shipped_model("llama")
@@ -101,9 +101,12 @@ def test_cli_says_which_methods_keep_a_shipped_scaling(tmp_path, capsys):
     code, out, err = run_cli(capsys, "methods", "--model", tmp_path / "llama3")
     assert code == 0, err
     lines = {line.split()[0]: line for line in out.splitlines()[4:] if line.startswith("  ") and line.split()}
+    assert "L0 32, trained context C 128, shipped scaling: llama3 x8" in out, out
     for method in ("self_extend", "gali", "yarn", "linear"):
         ctxext.patch(model, method, 2.0)
-        kept = bool(ctxext.patching.rotary_host(model).rotary_emb.shipped)
+        rotary = ctxext.patching.rotary_host(model).rotary_emb
+        kept, composed = bool(rotary.shipped), bool(rotary.composed_keys)
         ctxext.unpatch(model)
-        assert ("(keeps the shipped llama3 x8)" in lines[method]) == kept, lines[method]
-        assert kept == (method in ("self_extend", "gali"))
+        assert ("(keeps the shipped llama3 x8 and remaps past C = 128)" in lines[method]) == kept, lines[method]
+        assert ("(composes with the shipped llama3 x8)" in lines[method]) == composed, lines[method]
+        assert kept == (method in ("self_extend", "gali")) and composed == (not kept)

@@ -73,12 +73,13 @@ def test_a_loaded_checkpoint_is_one_row_and_a_dynamic_one_is_computed_statelessl
     rows = method_rows(MethodSelection(), tiny_config("llama", rope_parameters=dynamic))
     assert [r.label for r in rows] == ["none", "as loaded (dynamic x4)"]
     assert rows[1].config.to_dict() == {"method": "dynamic_ntk", "factor": 4.0, "original_max_position_embeddings": 64}
-    assert rows[0].config.method == "none"  # plain RoPE patched over the scaled checkpoint
+    assert rows[0].config.method == "none" and rows[0].config.replace_shipped  # plain RoPE over the scaled checkpoint
     scaled = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0, "original_max_position_embeddings": 32}
     rows = method_rows(
         MethodSelection(methods=["yarn"], overrides={"factor": 4}), tiny_config("llama", rope_parameters=scaled)
     )
-    assert rows[1].config.original_max_position_embeddings == 32  # the checkpoint's recorded L
+    # no L forced: the method extends from the checkpoint's trained context and composes with its linear x2
+    assert rows[1].config.original_max_position_embeddings is None and not rows[1].config.replace_shipped
 
 
 def test_a_rows_check_runs_before_its_method_is_patched_in():

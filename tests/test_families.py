@@ -84,10 +84,11 @@ def status(model_type: str) -> tuple[str, str]:
 
 
 def records_yarn_as_longrope(model) -> bool:
-    """Whether `patch` would record yarn as longrope on `model` (asked of `plan_patch`, which changes nothing)."""
+    """Whether `patch` would record yarn as longrope on `model` (asked of `plan_patch`, which changes nothing), in
+    place of whatever the family ships: composed with a shipped scaling, every static method is longrope."""
     from ctxext.patching.patch import plan_patch
 
-    written = plan_patch(model, "yarn", 4.0, layer_types="all").written
+    written = plan_patch(model, "yarn", 4.0, layer_types="all", replace_shipped=True).written
     return all(values["rope_type"] == "longrope" for values in written.values())
 
 
@@ -824,7 +825,8 @@ SHIPPED = {
 
 
 @pytest.mark.parametrize("family", sorted(SHIPPED))
-def test_a_shipped_scaling_is_read_and_patching_again_scales_from_its_L_and_base(family, request):
+def test_a_shipped_scaling_is_read_and_replaced_when_asked_counting_from_its_L_and_base(family, request):
+    """The old behaviour, asked for with replace_shipped: the method replaces the shipped scaling, from L0."""
     expect_known_defect(request, "shipped", family)
     from transformers import AutoConfig
 
@@ -844,9 +846,9 @@ def test_a_shipped_scaling_is_read_and_patching_again_scales_from_its_L_and_base
         before = scaled(tokens).logits
         layout = rope_layout(scaled)  # reading it changes nothing
         assert torch.equal(before, scaled(tokens).logits)
-        assert ctxext.patching.original_length(scaled) == original
+        assert ctxext.patching.record.model_rope_record(scaled).original_length == original
         assert layout.bases[None] == base
-        ctxext.patch(scaled, "yarn", factor=8.0)
+        ctxext.patch(scaled, "yarn", factor=8.0, replace_shipped=True)
         inv_freq = ctxext.patching.rotary_host(scaled).rotary_emb.inv_freq
     # yarn x8 from L and the base (docs/METHODS.md): NTK-by-parts ramp between beta_fast 32 and beta_slow 1
     dim = layout.rotary_dims[None]
@@ -883,7 +885,7 @@ def gemma3_with_linear_global_layers():
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text"])
 def test_a_remapping_method_keeps_the_static_scaling_the_model_shipped(family, tmp_path, capsys):
     """Llama 3.1's llama3 x8, a yarn x4 and Gemma 3's linear x8 on its global layers stay the frequencies a remapping
-    method rotates with: within L, GALI leaves
+    method rotates with, and it remaps past the trained context C: within C, GALI leaves
     the model's logits as they were; SelfExtend equals the per-cell reference turned by the model's own frequencies
     and attention factor; the config keeps the shipped rope parameters (ctxext_attention beside them), the checkpoint
     saved from Python and the one `ctxext patch` writes reload with the patched logits, and unpatch restores the
@@ -893,15 +895,17 @@ def test_a_remapping_method_keeps_the_static_scaling_the_model_shipped(family, t
 
     model = gemma3_with_linear_global_layers() if family == "gemma3_text" else shipped_model(family)
     shipped = json.dumps(model.config.rope_parameters, sort_keys=True)
+    C = ctxext.patching.record.model_rope_record(model).trained_context  # 4L, or 8L where the linear x8 reaches it
+    assert (8 * L if family == "gemma3_text" else 4 * L) == C
     assert_self_extend_matches_the_per_cell_reference(model, f"shipped_{family}")
-    within, past = _tokens(L), _tokens(3 * L)
+    within, past = _tokens(C), _tokens(2 * C)
     with torch.no_grad():
         before, before_past = model(within).logits, model(past).logits
         ctxext.patch(model, "gali", factor=2.0)
-        torch.testing.assert_close(model(within).logits, before, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(model(within).logits, before, atol=1e-6, rtol=1e-6)  # GALI remaps past C only
         assert json.dumps(model.config.rope_parameters, sort_keys=True) == shipped
         assert model.config.ctxext_attention["method"] == "gali"
-        assert model.config.max_position_embeddings == 4 * L  # what it shipped, not L x 2: the scaling still reaches
+        assert model.config.max_position_embeddings == 2 * C  # twice what the model serves, not L x 2
         patched = model(past).logits
         assert not torch.allclose(patched, before_past, atol=1e-3)
         model.save_pretrained(tmp_path / "saved")
@@ -910,8 +914,8 @@ def test_a_remapping_method_keeps_the_static_scaling_the_model_shipped(family, t
         assert (
             main(["patch", str(tmp_path / "in"), "--method", "gali", "--factor", "2", "-o", str(tmp_path / "cli")]) == 0
         )
-        told = capsys.readouterr().out  # the trained reach past L is named, with the flag that counts it
-        assert "gali keeps the shipped scaling" in told and f"--original-max-position-embeddings {4 * L}" in told, told
+        told = capsys.readouterr().out  # what the patch keeps, and from where it remaps
+        assert "gali x2 keeps the shipped" in told and f"remaps past C = {C}: {C} -> {2 * C}" in told, told
         for folder in ("saved", "cli"):  # the API's save_pretrained, and ctxext patch's rewrite for serving
             reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / folder, dtype=torch.float32).eval()
             assert json.dumps(reloaded.config.rope_parameters, sort_keys=True) == shipped, folder
@@ -937,7 +941,7 @@ def test_mla_softmax_scale_follows_the_written_rope_parameters(tmp_path, family,
     tokens = _tokens()
     with torch.no_grad():
         before = model(tokens).logits
-        ctxext.patch(model, method, factor=8.0, **params)
+        ctxext.patch(model, method, factor=8.0, replace_shipped=True, **params)
         expected = attention.qk_head_dim**-0.5 * ((0.1 * m_all * math.log(8) + 1) ** 2 if m_all else 1.0)
         assert attention.scaling == pytest.approx(expected, rel=1e-12)
         patched = model(tokens).logits

@@ -94,16 +94,30 @@ def test_saved_checkpoint_reloads_with_identical_logits(tmp_path, mode, cases):
 
 
 @pytest.mark.parametrize("method", ["linear", "yarn", "ntk", "dynamic_ntk"])
-def test_patching_a_saved_scaled_checkpoint_again_scales_from_the_original_length(tmp_path, method):
-    """A checkpoint saved at x4 records L = 64 (rope_parameters), so patching it again at x2 means 64 -> 128,
-    with the frequencies of patching the original model at x2 (not 256 -> 512)."""
+def test_patching_a_saved_scaled_checkpoint_again_extends_it_or_replaces_its_scaling_when_asked(tmp_path, method):
+    """A checkpoint saved at x4 (L = 64 -> 256) patched again at x2 extends what it has: 256 -> 512. Linear and NTK,
+    whose rules go by pair index, compose exactly into x8 of the original model (the oracle: patching the original at
+    x8). Asked to replace the shipped scaling (the old behaviour), x2 counts from the recorded L = 64 again, with the
+    frequencies of patching the original model at x2. A dynamic method grows from L and replaces as before."""
     from transformers import AutoModelForCausalLM
 
     original = tiny_model("llama")  # L = 64
     ctxext.patch(original, method, factor=4.0).save_pretrained(tmp_path / "x4")
     assert original.config.rope_parameters["original_max_position_embeddings"] == 64
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "x4")
-    ctxext.patch(reloaded, method, factor=2.0)
+    if method != "dynamic_ntk":
+        ctxext.patch(reloaded, method, factor=2.0)
+        assert reloaded.config.max_position_embeddings == 512
+        if method in ("linear", "ntk"):
+            x8 = ctxext.patch(tiny_model("llama"), method, factor=8.0)
+            torch.testing.assert_close(
+                reloaded.model.rotary_emb.inv_freq, x8.model.rotary_emb.inv_freq, rtol=1e-6, atol=0
+            )
+        ctxext.unpatch(reloaded)
+        with pytest.warns(UserWarning, match="shorter than the 256 it has now"):  # 128 < 256, said
+            ctxext.patch(reloaded, method, factor=2.0, replace_shipped=True)
+    else:  # its config keeps L = 64 as max_position_embeddings: it grows from there, never shorter
+        ctxext.patch(reloaded, method, factor=2.0, replace_shipped=True)
     assert ctxext.applied_method(reloaded)["original_max_position_embeddings"] == 64
     reference = ctxext.patch(tiny_model("llama"), method, factor=2.0)
     assert reloaded.config.max_position_embeddings == reference.config.max_position_embeddings

@@ -11,7 +11,16 @@ from ..errors import CtxextError
 from ..eval.options import DEFAULT_LENGTHS, parse_depths, parse_lengths, parse_stride  # noqa: F401  (the commands' helpers)
 
 # The flags every method-taking command has; any other `--name value` is a method parameter.
-TOP_LEVEL_FLAGS = ("factor", "original_max_position_embeddings", "logn", "layer_types", "query_temperature")
+TOP_LEVEL_FLAGS = (
+    "factor",
+    "original_max_position_embeddings",
+    "logn",
+    "layer_types",
+    "query_temperature",
+    "replace_shipped",
+    "target_length",
+    "allow_shorter",
+)
 _LONG_FLAG = re.compile(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?:=(.*))?$", re.DOTALL)
 _NUMBER = re.compile(r"-\d|-\.\d")
 
@@ -56,7 +65,20 @@ def add_method_arguments(parser: Parser, multiple: bool = False) -> None:
     )
     group.add_argument("--config", metavar="YAML", help="method YAML, e.g. configs/methods/yarn.yaml")
     group.add_argument(
-        "--factor", type=parse_value, default=argparse.SUPPRESS, metavar="S", help="scale s = L'/L (>= 1), default 1"
+        "--factor",
+        type=parse_value,
+        default=argparse.SUPPRESS,
+        metavar="S",
+        help="scale s (>= 1, default 1): the new context is s times the context C the model has now (its "
+        "max_position_embeddings, or what a shipped yarn reaches: Llama 3.1 131072, Qwen with the card's yarn x4 "
+        "131072); a frequency method composes with a scaling the model shipped",
+    )
+    group.add_argument(
+        "--target-length",
+        dest="target_length",
+        default=argparse.SUPPRESS,
+        metavar="N",
+        help="the context to reach, in tokens (e.g. 262144 or 256k), instead of --factor: s = N / C",
     )
     group.add_argument(
         "--original-max-position-embeddings",
@@ -64,8 +86,22 @@ def add_method_arguments(parser: Parser, multiple: bool = False) -> None:
         type=parse_value,
         default=argparse.SUPPRESS,
         metavar="L",
-        help="the pre-training context L (default: the L a scaled checkpoint records in its "
-        "rope_parameters, else the model's max_position_embeddings)",
+        help="count from this L instead of the model's context C, replacing a scaling the model shipped",
+    )
+    group.add_argument(
+        "--replace-shipped",
+        dest="replace_shipped",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="replace the scaling the model shipped (Llama 3.1's llama3 x8, Qwen's yarn x4, ...) and count from its "
+        "pre-training length L0 (default: extend from C, composing with it)",
+    )
+    group.add_argument(
+        "--allow-shorter",
+        dest="allow_shorter",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="allow a result whose context is shorter than the model's C (refused otherwise)",
     )
     group.add_argument(
         "--logn",

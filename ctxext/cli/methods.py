@@ -62,24 +62,26 @@ def _describe_model(model_name: str, layer_types, json_path) -> int:
     from pathlib import Path
 
     from ..loading import load_config
-    from ..methods import get_method
     from ..outputs import atomic_write_text
     from ..patching.applicable import applicable_methods, skeleton
     from ..patching.families import rope_layout
-    from ..patching.patch import original_length
-    from ..patching.rope_types import remaps_positions
+    from ..patching.patch import plan_patch
+    from ..patching.record import model_rope_record
 
     model = skeleton(load_config(model_name))
     layout = rope_layout(model)
     layout.select_types(layer_types)  # a wrong --layer-types is refused before anything is printed
-    L = original_length(model)
+    record = model_rope_record(model)
     verdicts = applicable_methods(model, layer_types=layer_types)
     rotary = "one set of frequencies per layer type" if layout.per_type_rotary else "one set for every layer"
     print(
-        f"{model_name} ({layout.model_type}): L = {L}, {len(layout.layer_types)} layers; rotary: {rotary}, "
-        f"angles {layout.angles}"
+        f"{model_name} ({layout.model_type}): {len(layout.layer_types)} layers; rotary: {rotary}, angles {layout.angles}"
     )
-    rows = [{**row, "shipped": _shipped(model.config, row["layer_type"], layout)} for row in layout.describe()]
+    print(f"  {record.describe()}; --factor s counts from C")
+    rows = [
+        {**row, "shipped": _shipped(record, row["layer_type"] if layout.per_type_rotary else None)}
+        for row in layout.describe()
+    ]
     header = f"  {'layer type':<22} {'layers':>6} {'RoPE':>5} {'NoPE':>5} {'window':>7} {'rotary dim':>10} {'base':>10}"
     print(header + "  shipped scaling")
     for row in rows:
@@ -90,35 +92,30 @@ def _describe_model(model_name: str, layer_types, json_path) -> int:
             f"  {row['layer_type']:<22} {row['layers']:>6} {row['rope_layers']:>5} {len(row['nope_layers']):>5} "
             f"{window:>7} {dim:>10} {base:>10}  {row['shipped']}"
         )
-    print(f"\nmethods on this model (--layer-types {layer_types or 'full'}):")
-    kept = _kept_by_remapping(model, layout, layer_types)
+    print(f"\nmethods on this model at x2 (--layer-types {layer_types or 'full'}):")
+    what = {}
     for name, reason in verdicts.items():
-        applies = "applies" + (kept if kept and remaps_positions(get_method(name)) else "")
+        if reason is None:
+            plan = plan_patch(model, name, 2.0, layer_types=layer_types)
+            what[name] = plan.extension.how
+        applies = "applies" + (f" ({what[name]})" if what.get(name) else "")
         print(f"  {name:<13} {applies if reason is None else 'no: ' + reason}")
     if json_path:
-        record = {"model": model_name, "original_max_position_embeddings": L, "layout": rows, "methods": verdicts}
-        record.update(per_type_rotary=layout.per_type_rotary, angles=layout.angles, layer_types=layer_types or "full")
-        atomic_write_text(Path(json_path), json.dumps(record, indent=2) + "\n")
+        written = {
+            "model": model_name,
+            "original_max_position_embeddings": record.original_length,
+            "trained_context": record.trained_context,
+            "shipped_scaling": {str(key): text for key, text in record.shipped_scaling.items()},
+            "layout": rows,
+            "methods": verdicts,
+            "at_x2": what,
+        }
+        written.update(per_type_rotary=layout.per_type_rotary, angles=layout.angles, layer_types=layer_types or "full")
+        atomic_write_text(Path(json_path), json.dumps(written, indent=2) + "\n")
     return 0
 
 
-def _kept_by_remapping(model, layout, layer_types) -> str:
-    """', keeps the shipped llama3 x8' where a remapping method would keep the chosen layer types' shipped static
-    scaling (`kept_shipped_frequencies`), else ''."""
-    from ..patching.families import rotary_host
-    from ..patching.patch import kept_shipped_frequencies
-
-    kept = kept_shipped_frequencies(rotary_host(model), layout.select_types(layer_types) or (None,))
-    scalings = sorted({_shipped(model.config, key or "full_attention", layout) for key in kept})
-    return f" (keeps the shipped {', '.join(scalings)})" if scalings else ""
-
-
-def _shipped(config, layer_type: str, layout) -> str:
+def _shipped(record, layer_type) -> str:
     """The scaling a layer type's rope parameters ship with, e.g. 'yarn x4', or 'none'."""
-    from ..patching.families import rope_parameters_of
-
-    values = rope_parameters_of(config, layer_type if layout.per_type_rotary else None)
-    rope_type = values.get("rope_type", "default")
-    if rope_type == "default":
-        return "none"
-    return f"{rope_type} x{values['factor']:g}" if values.get("factor") else rope_type
+    rope = record.of(layer_type)
+    return "none" if rope.rope_type == "default" else rope.describe()

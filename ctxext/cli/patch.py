@@ -76,6 +76,8 @@ def run(args) -> int:
         args.model, method_config, args.output, args.overwrite, format=args.format, pair_selection=pair_selection
     )
     print(f"patched {args.model} with {written.label}")
+    print(f"  model: {written.model}")
+    print(f"  context: {written.context}")
     print(f"  written as: {written.form.how}")
     print(f"  rope_parameters: {_short(written.rope_parameters)}")
     print(f"  max_position_embeddings: {written.max_position_embeddings_before} -> {written.max_position_embeddings}")

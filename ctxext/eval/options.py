@@ -9,20 +9,34 @@ DEFAULT_LENGTHS = "2048,4096,8192,16384"
 BOS_CHOICES = ("auto", "yes", "no")
 
 
+def parse_length(text: str | int, flag: str = "--length") -> int:
+    """'16384' or '16k' -> 16384 (k = 1024 tokens), at least 2."""
+    part = str(text).strip().lower()
+    try:
+        value = int(part[:-1]) * 1024 if part.endswith("k") else int(part)
+    except ValueError:
+        raise CtxextError(f"{flag} must be a token count like 16384 or 16k; got '{text}'") from None
+    if value < 2:
+        raise CtxextError(f"{flag} must be at least 2 tokens, got {value}")
+    return value
+
+
 def parse_lengths(text: str) -> list[int]:
     """'2048,4096' or '2k,4k,16k' -> sorted distinct ints >= 2."""
+    if not all(part.strip() for part in str(text).split(",")):
+        raise CtxextError(
+            f"--lengths must be a comma-separated list of token counts like 2048,4096 or 2k,4k; got '{text}'"
+        )
     lengths = []
     for part in str(text).split(","):
-        part = part.strip().lower()
         try:
-            value = int(part[:-1]) * 1024 if part.endswith("k") else int(part)
-        except ValueError:
+            lengths.append(parse_length(part, "--lengths values"))
+        except CtxextError as error:
+            if "at least" in str(error):
+                raise
             raise CtxextError(
                 f"--lengths must be a comma-separated list of token counts like 2048,4096 or 2k,4k; got '{text}'"
             ) from None
-        if value < 2:
-            raise CtxextError(f"--lengths values must be at least 2 tokens, got {value}")
-        lengths.append(value)
     return sorted(set(lengths))
 
 

@@ -159,12 +159,10 @@ def as_loaded_row(model_config) -> EvalMethod:
 
 
 def mapping_row(mapping: dict, model_config, source: str | None = None) -> EvalMethod:
-    """One method mapping as a row; a scaled checkpoint's recorded L is the default original length."""
+    """One method mapping as a row; on a model that ships a scaling, the method extends from its trained context C
+    as `ctxext patch` does (ctxext.patching.compose)."""
     from ..config import MethodConfig
 
-    loaded_original = _rope_parameters(model_config).get("original_max_position_embeddings")
-    if loaded_original and "original_max_position_embeddings" not in mapping:
-        mapping = {**mapping, "original_max_position_embeddings": int(loaded_original)}
     config = MethodConfig.from_mapping(mapping, source=source)
     if config.method == "none" and _loaded_is_plain(model_config):
         return EvalMethod("none", None, dict(AS_LOADED))
@@ -177,7 +175,8 @@ def baseline_row(model_config) -> EvalMethod:
 
     if _loaded_is_plain(model_config):
         return EvalMethod("none", None, dict(AS_LOADED))
-    return EvalMethod("none", MethodConfig("none"), MethodConfig("none").to_dict())
+    plain = MethodConfig("none", replace_shipped=True, allow_shorter=True)  # the shipped scaling replaced by none
+    return EvalMethod("none", plain, plain.to_dict())
 
 
 def method_rows(selection: MethodSelection, model_config) -> list[EvalMethod]:

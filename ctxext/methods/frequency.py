@@ -32,6 +32,32 @@ def per_pair_factors(
     return (rope_inv_freq(rotary_dim, base).double() / scaled.double()).tolist()
 
 
+def composed_per_pair_factors(
+    method: Method,
+    params: MethodParams,
+    trained_inv_freq: torch.Tensor,
+    rotary_dim: int,
+    base: float,
+    trained_context: int,
+) -> tuple[list[float], float]:
+    """(theta_i / theta'_i per pair, attention factor): `method` composed with frequencies a model was trained
+    with at its context C (`trained_inv_freq`, e.g. Llama 3.1's llama3 x8 at 131072), for a static method.
+
+    The method's own rule is applied to each pair as the model knows it: a pair whose trained frequency is its plain
+    one divided by k_i makes C / k_i / lambda_i turns in C tokens, so pair i takes the divisor D_i the method gives
+    it on plain RoPE with L = C / k_i. For a rule by pair index (linear, NTK, ntk_fixed, ntk_mixed, theta) that is
+    the rule itself, whatever L; for a rule by wavelength (NTK-by-parts, YaRN) it is the rule on the trained
+    wavelengths against C. The result is k_i D_i against plain RoPE; the attention factor is the method's at C."""
+    plain = rope_inv_freq(rotary_dim, base).double()
+    shipped = plain / trained_inv_freq.double().cpu()  # k_i
+    divisors = []
+    for pair, k in enumerate(shipped.tolist()):
+        scaled, _ = compute_inv_freq(method, params, rotary_dim, base, trained_context / k)
+        divisors.append(float(plain[pair] / scaled[pair].double()))
+    _, attention_factor = compute_inv_freq(method, params, rotary_dim, base, trained_context)
+    return (shipped * torch.tensor(divisors, dtype=torch.float64)).tolist(), float(attention_factor)
+
+
 def _divide(inv_freq: torch.Tensor, divisors: torch.Tensor) -> torch.Tensor:
     return (inv_freq.double() / divisors.double()).to(torch.float32)
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import NamedTuple
 
+import torch
 from torch import nn
 
 from ..errors import CtxextError
-from ..methods import get_method
+from ..methods import Method, MethodParams, get_method
 from ..methods.attention import AttentionSettings, check_original_length_for_logn, check_query_temperature
 from ..methods.remapping import RemapParams
 from ..validate import boolean, whole_number
@@ -19,12 +21,13 @@ from .attention import (
     record_attention_in_config,
     sync_attention_with_config,
 )
+from .compose import Extension, composed_rope_parameters, extension, factor_for, trained_frequencies
 from .families import (
     FAMILY_ROPE_KEYS,
+    RopeLayout,
     attention_of,
     config_refusal,
     has_attention_sinks,
-    is_nested,
     latent_attention_scale,
     layer_rope_parameters,
     own_partial_rotary_factor,
@@ -33,9 +36,9 @@ from .families import (
     rope_parameters_of,
     rotary_dim,
     rotary_host,
-    scales_statically,
     value_head_dim,
 )
+from .record import RopeRecord, model_rope_record
 from .rope_types import longrope_form, rope_parameters_for, why_no_longrope_form, with_mscales
 from .rotary import ScaledRotaryEmbedding
 
@@ -48,13 +51,23 @@ def patch(
     logn: bool = False,
     layer_types: str | list | None = None,
     query_temperature: float | None = None,
+    replace_shipped: bool = False,
+    target_length: int | None = None,
+    allow_shorter: bool = False,
     **params,
 ) -> nn.Module:
-    """Replace the model's rotary embedding with `method` at scale `factor`; returns the same model.
+    """Apply `method` at scale `factor` to the model's rotary embedding (and attention, where the method needs it);
+    returns the same model.
 
-    `original_max_position_embeddings` (L) defaults to `original_length(model)`: the L a scaled checkpoint
-    recorded in its rope_parameters, else the model's `max_position_embeddings`. The config is
-    updated so that `save_pretrained` records the method: `rope_parameters` names it and
+    The extension counts from where the model is (ctxext.patching.compose): `factor` s means s times the trained
+    context C of the model's rope record (Llama 3.1: 131072, not its pre-training 8192), and `target_length` N says
+    the same in tokens (s = N / C). A static frequency method composes with a scaling the model shipped (it acts on
+    the frequencies the model was trained with at C); a remapping method keeps shipped static frequencies and
+    remaps past C. `replace_shipped=True`, or an explicit `original_max_position_embeddings` L, replaces the shipped
+    scaling and counts from L0 (or L) instead. A patch that would leave the model a shorter context than C warns
+    here (unless `allow_shorter=True`); `ctxext patch` refuses to write such a checkpoint.
+
+    The config is updated so that `save_pretrained` records the method: `rope_parameters` names it and
     `max_position_embeddings` becomes L*factor (dynamic methods keep L there, because transformers reads
     it as the length where scaling starts). Patching a patched model replaces the earlier patch. Where the family's
     config refuses that form (Phi-3, PhiMoE), a static method is written as longrope with equal factor sets, and
@@ -70,67 +83,105 @@ def patch(
     only on the chosen layers that apply RoPE (never a NoPE layer); a remapping method also skips a sliding
     layer whose window is at most L. See `RopeLayout`.
     """
-    host, layout, chosen, spec, method_params, L, attention, layers, _, written, shipped = plan_patch(
-        model, method, factor, original_max_position_embeddings, logn, layer_types, query_temperature, **params
+    plan = plan_patch(
+        model,
+        method,
+        factor,
+        original_max_position_embeddings,
+        logn,
+        layer_types,
+        query_temperature,
+        replace_shipped=replace_shipped,
+        target_length=target_length,
+        **params,
     )
+    try:
+        check_not_shorter(plan, allow_shorter)
+    except CtxextError as error:  # in memory it may be an experiment; `ctxext patch` refuses to write it
+        warnings.warn(str(error), stacklevel=2)
     unpatch(model)
+    host, layout, L = plan.host, plan.layout, plan.original_length
 
     config = host.config
-    keys = chosen or (None,)
+    keys = plan.chosen or (None,)
+    saved_config = {
+        "rope_parameters": copy.deepcopy(config.rope_parameters),
+        "max_position_embeddings": config.max_position_embeddings,
+        CONFIG_KEY: copy.deepcopy(getattr(config, CONFIG_KEY, None)),
+    }
+    config.rope_parameters = copy.deepcopy(with_written(config.rope_parameters, plan.written))
+    config.max_position_embeddings = plan.max_position_embeddings
+    if hasattr(config, "original_max_position_embeddings"):
+        # Phi-3 keeps L outside its rope parameters too, and transformers' yarn, llama3 and longrope read that one
+        # first (standardize_rope_params in modeling_rope_utils.py copies it over the rope parameters' own)
+        saved_config["original_max_position_embeddings"] = config.original_max_position_embeddings
+        config.original_max_position_embeddings = plan.record.original_length if plan.extension.composed else L
     scaled = ScaledRotaryEmbedding(
-        spec,
-        method_params,
+        plan.spec,
+        plan.params,
         {key: (layout.rotary_dims[key], layout.bases[key]) for key in keys},
         L,
         original=host.rotary_emb,
         angles=layout.angles,
         sections=layout.sections,
-        shipped=shipped,
+        shipped=plan.shipped,
+        composed=family_rotary(host.rotary_emb, config) if plan.composed else None,
+        composed_keys=plan.composed,
     )
-    scaled.saved_config = {
-        "rope_parameters": copy.deepcopy(config.rope_parameters),
-        "max_position_embeddings": config.max_position_embeddings,
-        CONFIG_KEY: copy.deepcopy(getattr(config, CONFIG_KEY, None)),
-    }
+    scaled.saved_config = saved_config
     scaled.to(next(host.parameters()).device)
-
-    config.rope_parameters = copy.deepcopy(with_written(config.rope_parameters, written))
-    # transformers' dynamic update only recomputes frequencies past max_position_embeddings, so dynamic
-    # types must keep L there for a saved checkpoint to behave the same after reloading.
-    grows = any("dynamic" in values["rope_type"] for values in written.values())
-    config.max_position_embeddings = L if grows else int(round(L * method_params.factor))
-    if shipped:  # the kept scaling still reaches as far as it did
-        config.max_position_embeddings = max(
-            config.max_position_embeddings, scaled.saved_config["max_position_embeddings"]
-        )
-    if hasattr(config, "original_max_position_embeddings"):
-        # Phi-3 keeps L outside its rope parameters too, and transformers' yarn, llama3 and longrope read that one
-        # first (standardize_rope_params in modeling_rope_utils.py copies it over the rope parameters' own)
-        scaled.saved_config["original_max_position_embeddings"] = config.original_max_position_embeddings
-        config.original_max_position_embeddings = L
     host.rotary_emb = scaled
     scaled.saved_config["per_base_rotaries"] = replace_per_base_rotaries(host, scaled)
     if layout.latent_attention:  # the softmax scale MLA attention computed from the rope parameters at build time
         scaled.saved_config["latent_attention_scales"] = rescale_latent_attention(host, config)
-    record_attention_in_config(config, attention, None if layers == layout.attention_layers() else layers)
-    install_attention(host, attention, layers=layers)
+    record_attention_in_config(
+        config, plan.attention, None if plan.layers == layout.attention_layers() else plan.layers
+    )
+    install_attention(host, plan.attention, layers=plan.layers)
     return model
+
+
+def family_rotary(original: nn.Module, config) -> nn.Module:
+    """A new rotary module of the model's own class built from `config` (the patched rope parameters): what a
+    reload of the saved checkpoint builds, so that a composed scaling runs in memory exactly as it will there."""
+    try:
+        with torch.device("cpu"):
+            return type(original)(config=copy.deepcopy(config))
+    except (TypeError, ValueError, KeyError) as error:
+        raise CtxextError(
+            f"{type(original).__name__} cannot be built from the composed rope parameters ({error}); use "
+            "--replace-shipped to replace the shipped scaling instead"
+        ) from None
 
 
 class PatchPlan(NamedTuple):
     """What `patch` will do, decided before anything changes."""
 
     host: nn.Module
-    layout: object  # families.RopeLayout
+    layout: RopeLayout
+    record: RopeRecord  # the model's rope as shipped, read once
+    extension: Extension  # where the method counts from, and what it does to the shipped scaling
     chosen: tuple | None  # the layer types whose frequencies are scaled (None: the one shared set)
-    spec: object  # methods.Method
-    params: object  # its MethodParams
-    original_length: int  # L
+    spec: Method
+    params: MethodParams
+    original_length: int  # L the method is given
     attention: AttentionSettings
     layers: tuple  # the attention layers an attention-level method goes on
     native_query_temperature: float | None  # beta written for the family's own code to apply (Ministral 3)
     written: dict  # {layer type (None: the one set): the rope parameters the config records}
-    shipped: tuple  # the layer types whose shipped frequencies a remapping method keeps (`kept_shipped_frequencies`)
+    shipped: tuple  # the layer types whose shipped frequencies stay as they are (`kept_shipped_frequencies`)
+    composed: tuple  # the layer types whose shipped scaling the method composes with (answered by the family's module)
+    max_position_embeddings: int  # what the config records after the patch
+
+    @property
+    def context_before(self) -> int:
+        return self.record.trained_context
+
+    def describe(self) -> str:
+        """One line on what the patch does to the model's context, e.g. 'yarn x2 composes with the shipped llama3
+        x8: 131072 -> 262144'."""
+        how = f" {self.extension.how}" if self.extension.how else f" counts from L = {self.original_length}"
+        return f"{self.spec.name} x{self.params.factor:g}{how}: {self.context_before} -> {self.max_position_embeddings}"
 
 
 def plan_patch(
@@ -141,25 +192,43 @@ def plan_patch(
     logn: bool = False,
     layer_types: str | list | None = None,
     query_temperature: float | None = None,
+    replace_shipped: bool = False,
+    target_length: int | None = None,
     **params,
 ) -> PatchPlan:
     """Everything `patch` decides before it changes anything, or the one-line CtxextError that refuses it.
     Reads the model's modules and config only, so it also answers for a model built on the meta device."""
     host = rotary_host(model)
     layout = rope_layout(model)
+    record = model_rope_record(model)
     chosen = layout.select_types(layer_types)
+    keys = chosen or (None,)
     spec = get_method(method)
-    method_params = spec.make_params(factor=factor, **params)
     boolean("logn", logn)
-    if original_max_position_embeddings is None:
-        original_max_position_embeddings = original_length(model)
+    boolean("replace_shipped", replace_shipped)
+    if original_max_position_embeddings is not None:
+        original_max_position_embeddings = whole_number(
+            "original_max_position_embeddings", original_max_position_embeddings
+        )
+    remaps = issubclass(spec.params_cls, RemapParams)
+    counts_from = original_max_position_embeddings or (
+        record.original_length if replace_shipped else record.trained_context
+    )
+    factor = factor_for(target_length, factor, counts_from)
+    method_params = spec.make_params(factor=factor, **params)
+    ext = extension(record, spec, method_params, keys, remaps, original_max_position_embeddings, replace_shipped)
+    if ext.composed and layout.latent_attention:
+        raise CtxextError(
+            f"{spec.name} does not compose with the shipped {record.full.describe()} of multi-head latent attention "
+            "(its softmax scale is built from the shipped yarn's factor); use --replace-shipped"
+        )
+    L = ext.original_length
     if logn:
-        check_original_length_for_logn(original_max_position_embeddings)
-    L = whole_number("original_max_position_embeddings", original_max_position_embeddings)
+        check_original_length_for_logn(L)
     # The query temperature goes where the family's own attention reads it (Ministral 3's llama_4_scaling_beta),
     # else into ctxext's attention wrapper.
     native = query_temperature is not None and any(
-        NATIVE_QUERY_TEMPERATURE in rope_parameters_of(host.config, key) for key in chosen or (None,)
+        NATIVE_QUERY_TEMPERATURE in record.of(key).parameters for key in keys
     )
     native_temperature = check_query_temperature(query_temperature) if native else None
     wrapped_temperature = None if native else query_temperature
@@ -174,23 +243,76 @@ def plan_patch(
         check_can_install(host, attention, int(round(L * method_params.factor)), layout, layers)
     if attention.remap is not None:
         check_remappable_layers(host, layers, spec.name)
-    shipped = kept_shipped_frequencies(host, chosen or (None,)) if attention.remap is not None else ()
+    shipped = kept_shipped_frequencies(record, keys) if attention.remap is not None else ()
+    composed_written = {
+        key: composed_rope_parameters(
+            record.of(key),
+            spec,
+            method_params,
+            trained_frequencies(_unpatched_rotary(host), record.of(key)),
+            record.trained_context,
+            record.original_length,
+            int(round(L * method_params.factor)),
+        )
+        for key in ext.composed
+    }
+    shipped += tuple(key for key, written in composed_written.items() if written is None)
+    composed_written = {key: written for key, written in composed_written.items() if written is not None}
     written = rope_parameters_to_write(
-        host, layout, chosen or (None,), spec, method_params, L, native_temperature, shipped
+        host, layout, keys, spec, method_params, L, native_temperature, shipped, composed_written
     )
+    # transformers' dynamic update only recomputes frequencies past max_position_embeddings, so dynamic
+    # types must keep L there for a saved checkpoint to behave the same after reloading.
+    grows = any("dynamic" in values["rope_type"] for values in written.values())
+    new_context = L if grows else int(round(L * method_params.factor))
+    if shipped:  # the kept scaling still reaches as far as it did
+        new_context = max(new_context, record.max_position_embeddings)
     return PatchPlan(
-        host, layout, chosen, spec, method_params, L, attention, layers, native_temperature, written, shipped
+        host,
+        layout,
+        record,
+        ext,
+        chosen,
+        spec,
+        method_params,
+        L,
+        attention,
+        layers,
+        native_temperature,
+        written,
+        shipped,
+        tuple(composed_written),
+        new_context,
     )
 
 
-def kept_shipped_frequencies(host: nn.Module, keys: tuple) -> tuple:
+def check_not_shorter(plan: PatchPlan, allow_shorter: bool = False) -> None:
+    """Refuse, in one line, a patch that leaves the model less context than the trained context C it has now (a
+    dynamic method, which grows with the length, never does), unless `allow_shorter`."""
+    boolean("allow_shorter", allow_shorter)
+    grows = any("dynamic" in values["rope_type"] for values in plan.written.values())
+    if grows or allow_shorter or plan.max_position_embeddings >= plan.record.trained_context:
+        return
+    raise CtxextError(
+        f"{plan.spec.name} x{plan.params.factor:g} from L = {plan.original_length} gives the model "
+        f"{plan.max_position_embeddings} tokens of context, shorter than the {plan.record.trained_context} it has "
+        f"now ({plan.record.describe()}); drop the explicit L / --replace-shipped to extend from there, or give "
+        "--allow-shorter to write it anyway"
+    )
+
+
+def _unpatched_rotary(host: nn.Module) -> nn.Module:
+    current = host.rotary_emb
+    return current.original if isinstance(current, ScaledRotaryEmbedding) else current
+
+
+def kept_shipped_frequencies(record: RopeRecord, keys: tuple) -> tuple:
     """The layer types (of `keys`) whose frequencies a remapping method keeps as the model shipped them: those a
     static scaling sets (Llama 3.1's llama3, Gemma 3's linear on its global layers, a yarn). Remapping only moves
     positions, so the model keeps computing exactly what it computed within L; the kept parameters are what the config
     records. Frequencies that follow the length (dynamic, longrope) are not kept: there the method rotates with
     plain RoPE at the base, as it does on a model that shipped none. Frequency methods always replace."""
-    unpatched = unpatched_rope_parameters(host)
-    return tuple(key for key in keys if scales_statically(layer_rope_parameters(unpatched, key)))
+    return tuple(key for key in keys if record.of(key).static)
 
 
 # Ministral 3's query temperature, one of the rope_parameters keys that belong to the family (FAMILY_ROPE_KEYS)
@@ -206,6 +328,7 @@ def rope_parameters_to_write(
     L: int,
     native_temperature: float | None,
     shipped: tuple = (),
+    composed: dict | None = None,
 ) -> dict:
     """{layer type (None: the one set of frequencies): the rope parameters `patch` records for it}.
 
@@ -214,8 +337,11 @@ def rope_parameters_to_write(
     factor sets (`longrope_form`), its attention factor as `attention_factor` or, where the config needs them, as
     `short_mscale`/`long_mscale` too. A method no such form expresses is a one-line CtxextError: the checkpoint
     would not save, or would not load as patched. The layer types in `shipped` keep the parameters they have (a
-    remapping method on shipped static scaling). Read from the unpatched model's rope parameters."""
+    remapping method on shipped static scaling); those in `composed` get the parameters given there (a frequency
+    method composed with a shipped scaling, ctxext.patching.compose), and where the config refuses them, the patch is
+    refused. Read from the unpatched model's rope parameters."""
     unpatched = unpatched_rope_parameters(host)
+    composed = composed or {}
 
     def family_keys_kept(written: dict) -> dict:  # what the family's own code reads beside the rope type stays
         for key, values in written.items():
@@ -229,6 +355,8 @@ def rope_parameters_to_write(
         return {
             key: copy.deepcopy(layer_rope_parameters(unpatched, key))
             if key in shipped
+            else copy.deepcopy(composed[key])
+            if key in composed
             else write(
                 spec,
                 method_params,
@@ -244,6 +372,11 @@ def rope_parameters_to_write(
     refusal = config_refusal(host.config, with_written(unpatched, written))
     if refusal is None:
         return written
+    if composed:
+        raise CtxextError(
+            f"{spec.name} composed with the shipped scaling cannot be recorded in this model's config ({refusal}); "
+            "use --replace-shipped to replace the shipped scaling instead"
+        )
     if isinstance(method_params, RemapParams):  # plain frequencies: the family's own 'default' type says so
         plain = get_method("none")
         written = family_keys_kept(form(lambda _, __, *rest: rope_parameters_for(plain, plain.make_params(), *rest)))
@@ -358,20 +491,9 @@ def check_shape(config, method_params, original_max_position_embeddings: int) ->
 
 
 def original_length(model: nn.Module) -> int | None:
-    """L, the length the model was pre-trained at: what a scaled checkpoint recorded as
-    `rope_parameters["original_max_position_embeddings"]`, else `max_position_embeddings`. An in-memory patch
-    is looked through, so patching again scales from the same L."""
-    host = rotary_host(model)
-    current = host.rotary_emb
-    if isinstance(current, ScaledRotaryEmbedding):
-        rope_parameters = current.saved_config["rope_parameters"] or {}
-        max_length = current.saved_config["max_position_embeddings"]
-    else:
-        rope_parameters = host.config.rope_parameters or {}
-        max_length = getattr(host.config, "max_position_embeddings", None)
-    if is_nested(rope_parameters):  # the full-attention layers' L: the one that extending the context moves
-        rope_parameters = rope_parameters.get("full_attention") or next(iter(rope_parameters.values())) or {}
-    return rope_parameters.get("original_max_position_embeddings") or max_length
+    """The length a patch counts from by default: the trained context C of the model's rope record (what the model
+    serves now; an in-memory patch is looked through, so patching again counts from the same C)."""
+    return model_rope_record(model).trained_context
 
 
 def unpatch(model: nn.Module) -> nn.Module:

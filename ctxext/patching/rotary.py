@@ -38,7 +38,9 @@ class ScaledRotaryEmbedding(nn.Module):
 
     `shipped` names the layer types whose frequencies stay the model's own (a remapping method on a model that
     shipped a static scaling, e.g. Llama 3.1's llama3 or Gemma 3's linear: `patch`): those are answered by the
-    model's own module, whatever the positions, and `inv_freq` reads its frequencies.
+    model's own module, whatever the positions, and `inv_freq` reads its frequencies. `composed_keys` names those
+    answered by `composed`, a rotary module of the model's own class built from the patched config (a frequency
+    method composed with a shipped scaling: ctxext.patching.compose), so that memory and a reload compute alike.
 
     Mixed window (LongRoPE2): while `original_within` is a length N > 0, a forward whose positions all lie below
     N is answered by the model's own module, unscaled; see `original_rotary_within`.
@@ -56,6 +58,8 @@ class ScaledRotaryEmbedding(nn.Module):
         angles: str = "halves",
         sections: tuple[int, ...] | None = None,
         shipped: tuple = (),
+        composed: nn.Module | None = None,
+        composed_keys: tuple = (),
     ):
         super().__init__()
         self.method = method
@@ -68,14 +72,20 @@ class ScaledRotaryEmbedding(nn.Module):
         # The module we replaced, kept so that `unpatch` can put it back (it follows .to() with the model).
         self.original = original
         self.shipped = tuple(shipped)
+        self.composed = composed
+        self.composed_keys = tuple(composed_keys)
         # float32 always: a model cast to bf16 must not round the frequencies.
-        self._static = {
-            key: module_frequencies(original, key) if key in self.shipped else self.frequencies(None, key)
-            for key in self.scaled
-        }
+        self._static = {key: self._own_frequencies(key) for key in self.scaled}
         # A dynamic method's last (length, inv_freq, attention scaling) per layer type: the dict is replaced whole,
         # never updated in place, so that threads sharing the model each read a consistent triple.
         self._dynamic_cache: dict = {}
+
+    def _own_frequencies(self, key) -> tuple[torch.Tensor, float]:
+        if key in self.shipped:
+            return module_frequencies(self.original, key)
+        if key in self.composed_keys:
+            return module_frequencies(self.composed, key)
+        return self.frequencies(None, key)
 
     @property
     def first_key(self):
@@ -126,6 +136,8 @@ class ScaledRotaryEmbedding(nn.Module):
             return self.original(x, position_ids, layer_type)
         if key in self.shipped:  # frequencies the model shipped, kept: its own module computes them
             return self.original(x, position_ids) if layer_type is None else self.original(x, position_ids, layer_type)
+        if key in self.composed_keys:  # a composition: the family's module built from the patched config
+            return self.composed(x, position_ids) if layer_type is None else self.composed(x, position_ids, layer_type)
         inv_freq, scaling = self._inv_freq_for(key, position_ids, x.device)
         freqs = angles_at(position_ids, inv_freq, self.sections)
         if self.angles == "complex":
@@ -153,6 +165,7 @@ class ScaledRotaryEmbedding(nn.Module):
         types = "" if list(self.scaled) == [None] else f", layer_types={list(self.scaled)}"
         sections = "" if self.sections is None else f", sections={list(self.sections)}"
         shipped = "" if not self.shipped else f", shipped frequencies kept={list(self.shipped)}"
+        shipped += "" if not self.composed_keys else f", composed with the shipped scaling={list(self.composed_keys)}"
         return (
             f"method={self.method.name}, params={self.params.to_dict()}, L={self.original_max_position_embeddings}"
             f"{types}{sections}{shipped}"

@@ -151,6 +151,13 @@ def model_rope_form(model, format: str = "native") -> RopeForm:
     if not isinstance(scaled, ScaledRotaryEmbedding):
         rope_parameters = dict(host.config.rope_parameters)
         return RopeForm(rope_parameters, not rope_parameters["rope_type"].startswith("ctxext_"), "as loaded")
+    if scaled.composed_keys:  # composed with a shipped scaling: `patch` recorded its native form (compose.py)
+        rope_parameters = dict(host.config.rope_parameters)
+        return RopeForm(
+            rope_parameters,
+            not rope_parameters["rope_type"].startswith("ctxext_"),
+            f"'{rope_parameters['rope_type']}': {scaled.method.name} composed with the model's shipped scaling",
+        )
     if scaled.shipped:  # a remapping method on shipped static scaling: the frequencies (and form) are the model's
         rope_parameters = dict(host.config.rope_parameters)
         native = not rope_parameters["rope_type"].startswith("ctxext_")

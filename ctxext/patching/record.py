@@ -1,0 +1,173 @@
+"""The model's rope record: what a checkpoint ships about its rotary position embedding, read once from its config.
+
+Most checkpoints users download already ship long-context scaling: Llama 3.1 (`llama3` x8 over 8192, served at
+131072), Qwen's card recipe (yarn x4 over 32768, `max_position_embeddings` left at 32768 or 40960), Gemma 3 (linear
+x8 on its full-attention layers only), gpt-oss (yarn x32 over 4096), Phi-3.5/Phi-4-mini (`longrope` with short and
+long factors over 4096). `rope_record(config)` turns a config into one `RopeRecord`: per layer type the rope
+parameters as shipped, their base and rotated width; the pre-training length L0; and the **trained context C**, the
+length the model serves now, from which every extension counts (`trained_context`). Every consumer (patch, compare,
+search, eval, checkpoint, the serving forms) reads these facts here instead of reading `rope_theta` or
+`rope_parameters` itself (tests/test_rope_record.py enforces it).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from ..errors import CtxextError
+from .families import (
+    FULL,
+    is_nested,
+    layer_rope_parameters,
+    own_partial_rotary_factor,
+    rotary_host,
+    scales_statically,
+    shipped_base,
+)
+from .rotary import ScaledRotaryEmbedding
+
+# Shipped types whose factor says how far the scaling reaches from L0 (factor x L0). `llama3` and `longrope` do
+# not: Llama 3.2 ships llama3 x32 over 8192 and serves 131072, Phi-3.5 derives its factor from
+# max_position_embeddings. vLLM derives its maximum length the same way (yarn: factor x original).
+REACH_BY_FACTOR = ("linear", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTypeRope:
+    """One layer type's rope as shipped (key None: the one set of frequencies every layer shares)."""
+
+    key: str | None
+    parameters: dict  # the rope parameters as the config has them (a copy)
+    base: float  # the base its frequencies use (HunYuan's NTK alpha applied)
+    rotary_dim: int  # channels rotated per head
+    partial_rotary_factor: float | None  # the share of each head rotated, where the model rotates part of it
+
+    @property
+    def rope_type(self) -> str:
+        return self.parameters.get("rope_type", self.parameters.get("type", "default"))
+
+    @property
+    def static(self) -> bool:
+        """Whether the shipped frequencies are scaled once for every length (linear, yarn, llama3, ...)."""
+        return scales_statically(self.parameters)
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the layer type ships a scaling a frequency method composes with: a static one, or longrope.
+        Not p-RoPE (`proportional`, Gemma 4, LFM): a layout of the head that leaves some pairs unrotated, which a
+        frequency method replaces as it replaces plain RoPE."""
+        return (self.static and self.rope_type != "proportional") or self.rope_type == "longrope"
+
+    def describe(self) -> str:
+        """'llama3 x8', 'yarn x4', 'longrope', 'default'."""
+        factor = self.parameters.get("factor")
+        return f"{self.rope_type} x{float(factor):g}" if factor and self.rope_type != "longrope" else self.rope_type
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeRecord:
+    """What a model ships about its RoPE, read once (`rope_record`). Plain data.
+
+    `types`: {layer type (None: the one set): LayerTypeRope}. `original_length` L0: the pre-training length (what
+    a scaled config records as original_max_position_embeddings, else max_position_embeddings).
+    `trained_context` C: the length the model serves now: `max_position_embeddings`, or, where a shipped linear or
+    yarn reaches farther (Qwen's card recipe leaves max_position_embeddings at 32768 under yarn x4), factor x L0.
+    """
+
+    model_type: str | None
+    types: dict
+    original_length: int
+    max_position_embeddings: int
+    trained_context: int
+
+    @property
+    def full(self) -> LayerTypeRope:
+        """The full-attention layers' rope (the one set where the config does not nest by layer type): the layers
+        whose context an extension moves."""
+        if None in self.types:
+            return self.types[None]
+        return self.types.get(FULL) or self.types[sorted(self.types)[0]]
+
+    @property
+    def base(self) -> float:
+        """The full-attention layers' base (Gemma 3: 1e6, not its sliding layers' 1e4)."""
+        return self.full.base
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.full.rotary_dim
+
+    def of(self, key: str | None) -> LayerTypeRope:
+        """The rope of a layer type (None: the full-attention layers')."""
+        if key is None or key not in self.types:
+            return self.full
+        return self.types[key]
+
+    @property
+    def shipped_scaling(self) -> dict:
+        """{layer type: 'llama3 x8'} for each layer type that ships a scaling (empty for plain RoPE)."""
+        return {key: rope.describe() for key, rope in self.types.items() if rope.rope_type != "default"}
+
+    def describe(self) -> str:
+        """One line: 'L0 8192, trained context C 131072, shipped: llama3 x8'."""
+        shipped = self.shipped_scaling
+        names = ", ".join(text if key is None else f"{text} on {key}" for key, text in shipped.items())
+        return (
+            f"L0 {self.original_length}, trained context C {self.trained_context}, "
+            f"shipped scaling: {names or 'none (plain RoPE)'}"
+        )
+
+
+def rope_record(config, saved: dict | None = None) -> RopeRecord:
+    """The record of a config (no weights needed). `saved`, what an in-memory patch saved of the config
+    (`rope_parameters`, `max_position_embeddings`, Phi-3's top-level `original_max_position_embeddings`), replaces
+    the config's own values: the record is of the model as shipped."""
+    saved = saved or {}
+    rope_parameters = saved.get("rope_parameters", getattr(config, "rope_parameters", None)) or {}
+    max_position_embeddings = saved.get("max_position_embeddings", getattr(config, "max_position_embeddings", None))
+    top_level_L0 = saved.get(
+        "original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None)
+    )
+    keys = sorted(rope_parameters) if is_nested(rope_parameters) else [None]
+    types = {}
+    for key in keys:
+        parameters = copy.deepcopy(layer_rope_parameters(rope_parameters, key))
+        if "rope_theta" not in parameters:
+            continue
+        dim = _rotary_dim(config, parameters)
+        types[key] = LayerTypeRope(
+            key, parameters, shipped_base(parameters, dim), dim, own_partial_rotary_factor(parameters, config)
+        )
+    if not types:
+        name = getattr(config, "model_type", None) or type(config).__name__
+        raise CtxextError(f"{name} has no rotary position embedding (RoPE): there is nothing for ctxext to scale")
+    record = RopeRecord(getattr(config, "model_type", None), types, 0, int(max_position_embeddings or 0), 0)
+    full = record.full.parameters
+    L0 = int(full.get("original_max_position_embeddings") or top_level_L0 or max_position_embeddings)
+    return dataclasses.replace(
+        record, original_length=L0, trained_context=trained_context(full, L0, int(max_position_embeddings or L0))
+    )
+
+
+def trained_context(parameters: dict, original_length: int, max_position_embeddings: int) -> int:
+    """C: max_position_embeddings, or factor x L0 where a shipped linear or yarn reaches farther."""
+    rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+    factor = parameters.get("factor")
+    if rope_type in REACH_BY_FACTOR and factor and "original_max_position_embeddings" in parameters:
+        return max(max_position_embeddings, int(round(float(factor) * original_length)))
+    return max_position_embeddings
+
+
+def _rotary_dim(config, parameters: dict) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return int(head_dim * (own_partial_rotary_factor(parameters, config) or 1.0))
+
+
+def model_rope_record(model) -> RopeRecord:
+    """The record of a loaded model as shipped: an in-memory patch is looked through."""
+    host = rotary_host(model)
+    current = host.rotary_emb
+    if isinstance(current, ScaledRotaryEmbedding):
+        return rope_record(host.config, current.saved_config)
+    return rope_record(host.config)

@@ -1,0 +1,249 @@
+"""Models as users have them: checkpoints that already ship long-context scaling are extended from the context they
+have (the trained context C of their rope record), a frequency method composing with the shipped scaling.
+
+Tiny models carry exactly the rope configurations of Llama 3.1/3.2, Qwen2.5/Qwen3 with the card's yarn x4, Gemma 3
+(linear x8 on its full-attention layers), gpt-oss (yarn x32, truncate false) and Phi-4-mini (longrope with short !=
+long factors and partial rotary), at L0 = 32 with their published ratios (131072 / 8192 = 16 for Llama, ...).
+The oracles: transformers' own rotary modules (the shipped model's frequencies, a reload of what ctxext writes) and
+YaRN's rule from docs/METHODS.md applied to the trained wavelengths.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+import ctxext
+from ctxext.cli import main
+from ctxext.patching.families import module_frequencies
+from ctxext.patching.patch import plan_patch
+from ctxext.patching.record import model_rope_record
+from tests.conftest import save_tiny_checkpoint
+from tests.family_models import build
+
+L0 = 32
+LLAMA3 = {
+    "rope_type": "llama3",
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": L0,
+}
+CARD_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L0}
+PHI4_PAIRS = 6  # head_dim 16 x partial_rotary_factor 0.75 = 12 rotated channels
+# name: (family, the full-attention layers' rope parameters, max_position_embeddings, the trained context C)
+SHAPES = {
+    "llama3.1": ("llama", {**LLAMA3, "factor": 8.0}, 16 * L0, 16 * L0),
+    "llama3.2": ("llama", {**LLAMA3, "factor": 32.0}, 16 * L0, 16 * L0),  # x32 over 8192, yet served at 131072
+    "qwen2.5-card": ("qwen2", CARD_YARN, L0, 4 * L0),  # the card leaves max_position_embeddings at 32768
+    "qwen3-card": ("qwen3", CARD_YARN, L0 * 5 // 4, 4 * L0),  # 40960 over 32768
+    "gemma3": ("gemma3_text", {"rope_type": "linear", "factor": 8.0}, 4 * L0, 4 * L0),  # 131072, no L0 recorded
+    "gpt-oss": (
+        "gpt_oss",
+        {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+        | {"original_max_position_embeddings": L0},
+        32 * L0,
+        32 * L0,
+    ),
+    "phi4-mini": (
+        "phi3",
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.05 * i for i in range(PHI4_PAIRS)],
+            "long_factor": [1.0 + 6.0 * i for i in range(PHI4_PAIRS)],
+            "original_max_position_embeddings": L0,
+            "partial_rotary_factor": 0.75,
+        },
+        32 * L0,
+        32 * L0,
+    ),
+}
+
+
+def shipped(name: str):
+    """The tiny model of the shape `name`, rebuilt with its shipped rope configuration (the weights kept)."""
+    family, rope, max_length, _ = SHAPES[name]
+    model, _ = build(family)
+    values = model.config.to_dict()
+    if family == "gemma3_text":  # Gemma 3: per layer type; the sliding layers keep their plain base
+        values["rope_parameters"]["full_attention"] = {**values["rope_parameters"]["full_attention"], **rope}
+    else:
+        values["rope_parameters"] = {**rope, "rope_theta": float(values["rope_parameters"]["rope_theta"])}
+    if family == "phi3":  # Phi-3 keeps L0 and the partial rotary factor at the top level too
+        values.update(original_max_position_embeddings=L0, partial_rotary_factor=0.75)
+    values["max_position_embeddings"] = max_length
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    rebuilt = AutoModelForCausalLM.from_config(config).eval()
+    rebuilt.load_state_dict(model.state_dict(), strict=False)
+    return rebuilt
+
+
+def full_key(model):
+    return "full_attention" if ctxext.patching.rope_layout(model).per_type_rotary else None
+
+
+def rotary_of(model):
+    return ctxext.patching.rotary_host(model).rotary_emb
+
+
+def cos_sin(rotary, key, positions):
+    x = torch.zeros(1, 1, 8)
+    ids = torch.as_tensor(positions)[None]
+    return rotary(x, ids) if key is None else rotary(x, ids, key)
+
+
+def trained_frequencies(model, key, C):
+    """What transformers' own rotary module of the unpatched model rotates with at C: its inv_freq and attention
+    scaling (for longrope, the long set, as transformers' longrope computes it for a sequence of C tokens)."""
+    rotary = rotary_of(model)
+    inv_freq, scaling = module_frequencies(rotary, key)
+    if model.config.rope_parameters.get("rope_type") == "longrope":
+        inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](model.config, "cpu", seq_len=C)
+    return inv_freq.double(), scaling
+
+
+def tokens(n: int) -> torch.Tensor:
+    return torch.randint(3, 100, (1, n), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_the_record_reads_the_trained_context(name):
+    family, rope, _, C = SHAPES[name]
+    record = model_rope_record(shipped(name))
+    assert record.trained_context == C and record.original_length == rope.get("original_max_position_embeddings", C)
+    assert record.full.rope_type == rope["rope_type"]
+    assert record.base == (1e6 if family == "gemma3_text" else shipped(name).config.rope_parameters["rope_theta"])
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_yarn_x2_writes_twice_the_trained_context_and_reloads_as_patched(name, tmp_path, capsys):
+    """`ctxext patch --method yarn --factor 2` writes max_position_embeddings 2C, in a native rope type that plain
+    transformers reloads with the rotation and logits of the model patched in memory."""
+    model = shipped(name)
+    C = SHAPES[name][3]
+    save_tiny_checkpoint(tmp_path / "in", model)
+    code = main(["patch", str(tmp_path / "in"), "--method", "yarn", "--factor", "2", "-o", str(tmp_path / "out")])
+    assert code == 0
+    told = capsys.readouterr().out
+    assert f"trained context C {C}" in told and "composes with the shipped" in told and f"{C} -> {2 * C}" in told
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 2 * C
+    key = full_key(model)
+    written = config["rope_parameters"][key] if key else config["rope_parameters"]
+    assert not written["rope_type"].startswith("ctxext_")
+    with torch.no_grad():
+        ctxext.patch(model, "yarn", factor=2.0)
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+        positions = [0, 1, C // 2, C - 1, C, 2 * C - 1]
+        for got, expected in zip(
+            cos_sin(rotary_of(reloaded), key, positions), cos_sin(rotary_of(model), key, positions)
+        ):
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(reloaded(tokens(64)).logits, model(tokens(64)).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "llama3.2", "qwen3-card", "gpt-oss", "phi4-mini", "gemma3"])
+def test_yarn_composes_with_the_shipped_scaling_by_its_own_rule(name):
+    """On the trained wavelengths against C (docs/METHODS.md, YaRN): a pair that turns more than beta_fast = 32 times
+    in C tokens keeps its trained frequency, one that turns less than beta_slow = 1 time is divided by s = 2, those
+    between lie between; the attention factor is the shipped one times 0.1 ln 2 + 1. Below C nothing else changes."""
+    model = shipped(name)
+    C, key = SHAPES[name][3], full_key(model)
+    trained, shipped_scaling = trained_frequencies(model, key, C)
+    ctxext.patch(model, "yarn", factor=2.0)
+    rotary = rotary_of(model)
+    assert rotary.composed_keys == (key,)
+    composed, scaling = module_frequencies(rotary.composed, key)
+    if model.config.rope_parameters.get("rope_type") == "longrope":  # the long set: past L0
+        composed, _ = ROPE_INIT_FUNCTIONS["longrope"](model.config, "cpu", seq_len=2 * C)
+    turns = C * trained / (2 * math.pi)
+    kept, divided = turns > 32, turns < 1
+    # both kinds of pair, where some pair can turn 32 times (at most C / 2 pi times: not in C = 128)
+    assert divided.any() and (kept.any() or C / (2 * math.pi) <= 32), turns
+    composed = composed.double()
+    torch.testing.assert_close(composed[kept], trained[kept], rtol=1e-6, atol=0)
+    torch.testing.assert_close(composed[divided], trained[divided] / 2, rtol=1e-6, atol=0)
+    between = ~kept & ~divided
+    assert bool((composed[between] <= trained[between] * (1 + 1e-6)).all())
+    assert bool((composed[between] >= trained[between] / 2 * (1 - 1e-6)).all())
+    assert scaling == pytest.approx(shipped_scaling * (0.1 * math.log(2) + 1), rel=1e-6)
+
+
+def test_a_composition_of_linear_with_linear_is_one_linear():
+    """Gemma 3's linear x8 on its global layers, extended by linear x2: exactly linear x16 there, the sliding layers'
+    own frequencies untouched (the oracle: transformers' linear type)."""
+    model = shipped("gemma3")
+    sliding_before = module_frequencies(rotary_of(model), "sliding_attention")
+    ctxext.patch(model, "linear", factor=2.0)
+    full = model.config.rope_parameters["full_attention"]
+    assert full["rope_type"] == "linear" and full["factor"] == 16.0
+    assert model.config.rope_parameters["sliding_attention"]["rope_type"] == "default"
+    sliding_after = cos_sin(rotary_of(model), "sliding_attention", [0, 5, 100])
+    expected = cos_sin(ctxext.patching.rotary_host(model).rotary_emb.original, "sliding_attention", [0, 5, 100])
+    assert all(torch.equal(a, b) for a, b in zip(sliding_after, expected))
+    assert sliding_before[1] == 1.0
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "qwen3-card", "gemma3"])
+def test_a_remapping_method_keeps_the_shipped_frequencies_and_remaps_past_C(name):
+    model = shipped(name)
+    C = SHAPES[name][3]
+    plan = plan_patch(model, "self_extend", 2.0)
+    assert plan.original_length == C and "remaps past C" in plan.describe()
+    ctxext.patch(model, "self_extend", factor=2.0)
+    assert ctxext.applied_method(model)["original_max_position_embeddings"] == C
+    assert model.config.max_position_embeddings == 2 * C
+    assert rotary_of(model).shipped == (full_key(model),)
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "qwen2.5-card"])
+def test_target_length_is_the_matching_factor(name, tmp_path):
+    model = shipped(name)
+    C = SHAPES[name][3]
+    save_tiny_checkpoint(tmp_path / "in", model)
+    target = f"{2 * C // 1024}k" if (2 * C) % 1024 == 0 else str(2 * C)
+    for folder, flags in (("factor", ["--factor", "2"]), ("target", ["--target-length", target])):
+        argv = ["patch", str(tmp_path / "in"), "--method", "yarn", *flags, "-o", str(tmp_path / folder)]
+        assert main(argv) == 0
+    configs = [json.loads((tmp_path / folder / "config.json").read_text()) for folder in ("factor", "target")]
+    assert configs[0]["rope_parameters"] == configs[1]["rope_parameters"]
+    assert configs[0]["max_position_embeddings"] == configs[1]["max_position_embeddings"] == 2 * C
+    with pytest.raises(ctxext.CtxextError, match="disagree"):
+        ctxext.patch(model, "yarn", factor=3.0, target_length=2 * C)
+
+
+def test_the_old_behaviour_is_reached_explicitly_and_a_shorter_checkpoint_is_refused(tmp_path, capsys):
+    """--replace-shipped replaces llama3 x8 and counts from L0: yarn x2 would leave 64 of the 512 tokens the model has,
+    which `ctxext patch` refuses in one line, exit 2, writing nothing, unless --allow-shorter; an explicit L counts
+    from there and says what it replaces."""
+    model = shipped("llama3.1")
+    save_tiny_checkpoint(tmp_path / "in", model)
+    capsys.readouterr()
+    source = str(tmp_path / "in")
+    refused = ["patch", source, "--method", "yarn", "--factor", "2", "--replace-shipped", "-o", str(tmp_path / "x")]
+    assert main(refused) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "shorter than the 512 it has now" in err and "--allow-shorter" in err, err
+    assert not (tmp_path / "x").exists()
+
+    assert main([*refused, "--allow-shorter"]) == 0
+    config = json.loads((tmp_path / "x" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 2 * L0
+    rope = config["rope_parameters"]
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 2.0, L0)
+    capsys.readouterr()
+
+    argv = ["patch", source, "--method", "yarn", "--factor", "32", "--original-max-position-embeddings", "64"]
+    assert main([*argv, "-o", str(tmp_path / "from64")]) == 0
+    assert "replaces the shipped llama3 x8, counting from L = 64: 512 -> 2048" in capsys.readouterr().out
+    rope = json.loads((tmp_path / "from64" / "config.json").read_text())["rope_parameters"]
+    assert (rope["rope_type"], rope["original_max_position_embeddings"]) == ("yarn", 64)
+
+
+def test_a_dynamic_method_does_not_compose_and_says_how_to_replace():
+    with pytest.raises(ctxext.CtxextError, match="does not compose with the shipped llama3 x8.*--replace-shipped"):
+        ctxext.patch(shipped("llama3.1"), "dynamic_ntk", factor=2.0)
