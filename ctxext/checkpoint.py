@@ -108,12 +108,14 @@ def write_patched_checkpoint(
 
 def checkpoint_record(source: str, method_config, model, applied: dict, format: str, form: RopeForm, extra: dict):
     """What ctxext.yaml records: the source, the method and its parameters, the lengths, how it was written."""
+    from .patching.patch import recorded_rope_parameters
+
     return {
         "source_model": source,
         "ctxext_version": __version__,
         **method_config.to_dict(),
         "original_max_position_embeddings": applied["original_max_position_embeddings"],
-        "rope_parameters": dict(model.config.rope_parameters),
+        "rope_parameters": recorded_rope_parameters(model),
         "max_position_embeddings": model.config.max_position_embeddings,
         "written_as": {"format": format, "rope_type": applied["rope_type"], "how": form.how},
         **extra,

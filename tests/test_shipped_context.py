@@ -247,3 +247,18 @@ def test_the_old_behaviour_is_reached_explicitly_and_a_shorter_checkpoint_is_ref
 def test_a_dynamic_method_does_not_compose_and_says_how_to_replace():
     with pytest.raises(ctxext.CtxextError, match="does not compose with the shipped llama3 x8.*--replace-shipped"):
         ctxext.patch(shipped("llama3.1"), "dynamic_ntk", factor=2.0)
+
+
+def test_a_remapping_method_on_all_layer_types_says_which_it_leaves_and_writes_them_as_shipped(tmp_path, capsys):
+    """Gemma 3's sliding layers (window 8 <= L) never see a distance to remap: under --layer-types all, self_extend
+    goes on the full-attention layers only, the sliding layers' rope parameters stay as shipped, and patch says so."""
+    model = shipped("gemma3")
+    sliding = json.dumps(model.config.rope_parameters["sliding_attention"], sort_keys=True)
+    save_tiny_checkpoint(tmp_path / "in", model)
+    argv = ["patch", str(tmp_path / "in"), "--method", "self_extend", "--layer-types", "all", "-o", str(tmp_path / "o")]
+    assert main([*argv, "--factor", "2"]) == 0
+    assert "sliding_attention left as shipped" in capsys.readouterr().out
+    written = json.loads((tmp_path / "o" / "config.json").read_text())["rope_parameters"]
+    assert json.dumps(written["sliding_attention"], sort_keys=True) == sliding
+    ctxext.patch(model, "self_extend", factor=2.0, layer_types="all")
+    assert ctxext.applied_method(model)["layer_types"] == ["full_attention"]

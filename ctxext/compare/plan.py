@@ -309,11 +309,6 @@ def check_request(request: CompareRequest) -> None:
         )
 
 
-def model_length(model_config) -> int:
-    rope = dict(getattr(model_config, "rope_parameters", None) or {})
-    return int(rope.get("original_max_position_embeddings") or model_config.max_position_embeddings)
-
-
 def check_lengths(lengths: list[int], L: int) -> None:
     low = [n for n in lengths if n <= L]
     if low:
@@ -367,8 +362,8 @@ def plan_compare(request: CompareRequest, measure=measured_flops) -> ComparePlan
     """The plan of a compare, or a one-line CtxextError; reads the config, tokenizer and documents, no weights."""
     from ..eval.setup import bos_choice
     from ..loading import check_model_source, load_config, load_tokenizer
-    from ..patching import rotary_dim
     from ..patching.families import check_supported
+    from ..patching.record import rope_record
     from ..runtime import Processes, inference_runtime
 
     check_request(request)
@@ -376,12 +371,10 @@ def plan_compare(request: CompareRequest, measure=measured_flops) -> ComparePlan
     check_model_source(request.model)
     model_config = load_config(request.model)
     check_supported(model_config, f"'{request.model}' (model type '{model_config.model_type}')")
-    L = model_length(model_config)
+    record = rope_record(model_config)
+    L, dim, base = record.trained_context, record.rotary_dim, record.base  # extensions count from C
     lengths = sorted(set(request.lengths))
     check_lengths(lengths, L)
-    dim = rotary_dim(model_config)
-    rope = dict(getattr(model_config, "rope_parameters", None) or {})
-    base = float(rope.get("rope_theta", getattr(model_config, "rope_theta", 10000.0)))
     methods, excluded = select_methods(request.methods, model_config, lengths, L, dim, base)
     task_specs = check_tasks(request.tasks, lengths) if request.tasks is not None else []
     tokenizer = load_tokenizer(request.model)

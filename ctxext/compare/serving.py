@@ -12,27 +12,35 @@ TARGETS = ("ctxext", "vllm", "sglang", "llama.cpp")
 TARGET_NAMES = {"ctxext": "ctxext runtime", "vllm": "vLLM", "sglang": "SGLang", "llama.cpp": "llama.cpp"}
 
 
-def engine_support(config: dict, model_config, L: int) -> dict[str, dict]:
-    """{engine: {"level": exact|approximate|no, "how": ...}} for the checkpoint `ctxext patch` writes for `config`
-    (a method mapping) on a model with `model_config`: the written rope form, the method's record, the family."""
+def compare_form(config: dict, model_config, L: int):
+    """The rope form (ctxext.serving.forms.RopeForm) `ctxext patch` writes for `config` (a method mapping) on a model
+    with `model_config`, counting from L, on the full-attention layers' base and rotated width (the rope record)."""
     from ..methods import get_method
-    from ..patching import rotary_dim
-    from ..patching.families import own_partial_rotary_factor
-    from ..serving.engines import ServedModel, engine_table
+    from ..patching.record import rope_record
     from ..serving.forms import rope_form
 
     spec = get_method(config["method"])
-    values = {k: v for k, v in config.items() if k not in ("method", "original_max_position_embeddings", "logn")}
-    params = spec.make_params(**values)
-    rope = dict(getattr(model_config, "rope_parameters", None) or {})
-    base = float(rope.get("rope_theta", getattr(model_config, "rope_theta", 10000.0)))
-    form = rope_form(spec, params, rotary_dim(model_config), base, L, own_partial_rotary_factor(rope), "native")
+    params = spec.make_params(**_method_values(config))
+    full = rope_record(model_config).full  # the full-attention layers: what an extension scales
+    return rope_form(spec, params, full.rotary_dim, full.base, L, full.partial_rotary_factor, "native")
+
+
+def _method_values(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k not in ("method", "original_max_position_embeddings", "logn")}
+
+
+def engine_support(config: dict, model_config, L: int) -> dict[str, dict]:
+    """{engine: {"level": exact|approximate|no, "how": ...}} for the checkpoint `ctxext patch` writes for `config`
+    (a method mapping) on a model with `model_config`: the written rope form, the method's record, the family."""
+    from ..serving.engines import ServedModel, engine_table
+
+    form = compare_form(config, model_config, L)
     record = {
-        **values,
-        "method": spec.name,
+        **_method_values(config),
+        "method": config["method"],
         "logn": bool(config.get("logn")),
         "original_max_position_embeddings": L,
-        "rope_parameters": {"rope_theta": base},
+        "rope_parameters": {"rope_theta": form.rope_parameters["rope_theta"]},
     }
     served = ServedModel(
         Path("."), "checkpoint", model_config.model_type, form.rope_parameters, None, record, model_config.to_dict()

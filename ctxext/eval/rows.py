@@ -131,11 +131,22 @@ def apply_overrides(mappings: list[dict], overrides: dict) -> None:
 
 # ------------------------------------------------------------------------------------------------- rows
 def _rope_parameters(model_config) -> dict:
-    return dict(getattr(model_config, "rope_parameters", None) or {})
+    """The full-attention layers' rope parameters as shipped (the model's rope record), {} for a model without RoPE."""
+    from ..patching.record import rope_record
+
+    try:
+        return dict(rope_record(model_config).full.parameters)
+    except CtxextError:  # no RoPE: evaluated as loaded
+        return {}
 
 
 def _loaded_is_plain(model_config) -> bool:
-    return _rope_parameters(model_config).get("rope_type", "default") == "default"
+    from ..patching.record import rope_record
+
+    try:
+        return not rope_record(model_config).shipped_scaling
+    except CtxextError:
+        return True
 
 
 def as_loaded_row(model_config) -> EvalMethod:

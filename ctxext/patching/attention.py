@@ -51,12 +51,11 @@ from ..errors import CtxextError
 from ..methods.attention import AttentionSettings, logn_scale, query_temperature_scale
 from ..validate import boolean
 from .families import attention_of, rope_layout, rotary_host
+from .refusals import AttentionRequest, first_refusal
 from .remap_kernel import BACKEND_CHOICES, QUERY_BLOCK, RegionPlan, attend_regions, key_padding
 
 CONFIG_KEY = "ctxext_attention"  # the config.json entry that records the settings
 PREFIX = "ctxext_"  # attention implementations registered by ctxext start with this
-# Implementations a remapping method can run under (flash ones are recognised by transformers' own test).
-REMAPPING_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
 
 _STATE = "_ctxext_attention"  # attribute on each patched attention module
 _CACHE_CHECK = "_ctxext_cache_check"  # attribute on the base model: the handle of its cache-refusing hook
@@ -156,85 +155,40 @@ def register_wrapper(inner: str) -> str:
     return name
 
 
-def check_implementation(inner: str, settings: AttentionSettings) -> None:
-    """A CtxextError, before any forward, where `settings` cannot run under the implementation `inner`.
-
-    log-n only scales queries, so any implementation serves it; a remapping method must read the model's mask
-    and hand its first region back, which ctxext does for eager, SDPA, flex_attention and FlashAttention.
-    """
-    if settings.remap is None:
-        return
-    if inner in REMAPPING_IMPLEMENTATIONS or is_flash_attention_requested(requested_attention_implementation=inner):
-        return
-    raise CtxextError(
-        f"{settings.method} cannot run under attn_implementation='{inner}'; load the model with "
-        f"one of {', '.join(REMAPPING_IMPLEMENTATIONS)} or a FlashAttention implementation"
+def attention_request(
+    host: nn.Module, settings: AttentionSettings, layout, layers: tuple, length: int | None = None
+) -> AttentionRequest:
+    """What the refusal rules (ctxext.patching.refusals) need to know of putting `settings` on `layers` of `host`:
+    read from its config and `layout` once. `length`: the context the model will run to (default: the config's
+    max_position_embeddings)."""
+    config = host.config
+    window = None if getattr(config, "use_sliding_window", True) is False else getattr(config, "sliding_window", None)
+    return AttentionRequest(
+        method=settings.method or "",
+        remaps=settings.remap is not None,
+        layout=layout,
+        layers=tuple(layers),
+        implementation=wrapped_implementation(compat.attention_implementation(config)),
+        length=length or getattr(config, "max_position_embeddings", None),
+        config_window=window,
+        config_extras=tuple(
+            name for name in ("attn_logit_softcapping", "attention_sinks") if getattr(config, name, None)
+        ),
     )
-
-
-def check_sliding_window(
-    config, settings: AttentionSettings, length: int | None = None, windows: list | None = None
-) -> None:
-    """A CtxextError at patch or load time where a sliding window shorter than the model's length (`length`,
-    default max_position_embeddings) would stop a remapping method mid-run (its regions need every key).
-    `windows`: the windows of the layers the method goes on (default: the config's one window)."""
-    if settings.remap is None or getattr(config, "use_sliding_window", True) is False:
-        return
-    if windows is None:
-        windows = [getattr(config, "sliding_window", None)]
-    length = length or getattr(config, "max_position_embeddings", None)
-    short = [window for window in windows if window is not None and length is not None and window < length]
-    if short:
-        raise CtxextError(
-            f"{settings.method} cannot run with sliding-window attention ({min(short)} tokens, shorter "
-            f"than the model's {length}); set sliding_window to null in config.json (or "
-            "config.sliding_window = None) first"
-        )
-
-
-def check_layout(settings: AttentionSettings, layout, layers: tuple[int, ...], config) -> None:
-    """What a model's rope layout refuses of an attention-level method, as one line: no layer to put it on, and
-    for a remapping method multi-head latent attention, interleaved rotary (Cohere) and attention that is more
-    than softmax(q.k) (logit soft-capping, attention sinks)."""
-    if not layers:
-        raise CtxextError(
-            f"{settings.method or 'log-n scaling'} has no layer to act on: every RoPE layer of this model is a "
-            "sliding-window layer that never sees past L (or NoPE)"
-        )
-    if settings.remap is None:
-        return
-    if layout.latent_attention:
-        raise CtxextError(
-            f"{settings.method} remaps positions in whole rotate-half heads; this model uses multi-head latent "
-            f"attention (MLA, {layout.model_type}: RoPE on a separate qk_rope_head_dim slice), which ctxext's "
-            "remapping methods do not support; use a frequency method (yarn is DeepSeek's own)"
-        )
-    if layout.angles != "halves":
-        raise CtxextError(
-            f"{settings.method} rotates rotate-half pairs; this model lays its rotary angles out "
-            f"{layout.angles} ({layout.model_type}), which ctxext's remapping methods do not support"
-        )
-    for name in ("attn_logit_softcapping", "attention_sinks"):
-        if getattr(config, name, None):
-            raise CtxextError(
-                f"{settings.method} does not implement {name} ({layout.model_type}); use a frequency method"
-            )
 
 
 def check_can_install(
     host: nn.Module, settings: AttentionSettings, length: int | None = None, layout=None, layers=None
 ) -> str:
-    """Refuse, before anything changes, what `settings` cannot run on `host`; the implementation to wrap."""
-    inner = wrapped_implementation(compat.attention_implementation(host.config))
-    check_implementation(inner, settings)
-    if layout is None:
-        check_sliding_window(host.config, settings, length)
-    else:
-        if not layers:  # every RoPE layer slides within L: the sliding-window reason, where it applies
-            check_sliding_window(host.config, settings, length)
-        check_layout(settings, layout, layers, host.config)
-        check_sliding_window(host.config, settings, length, [layout.windows[i] for i in layers])
-    return inner
+    """Refuse, before anything changes, what `settings` cannot run on `host` (the first of the ordered refusal
+    rules that matches, as one line); the implementation to wrap."""
+    layout = layout or rope_layout(host)
+    layers = layout.attention_layers() if layers is None else layers
+    request = attention_request(host, settings, layout, layers, length)
+    reason = first_refusal(request)
+    if reason is not None:
+        raise CtxextError(reason)
+    return request.implementation
 
 
 def _switch_implementation(host: nn.Module, name: str) -> None:
@@ -252,13 +206,14 @@ def install_attention(
     query_block: int = QUERY_BLOCK,
     kernel: str = "auto",
     layers: tuple[int, ...] | None = None,
+    layout=None,
 ) -> None:
     """Patch the attention layers `layers` of `host` (the base model; default: every RoPE layer) with
-    `settings`; None or inactive removes."""
+    `settings`; None or inactive removes. `layout`: the model's rope layout where the caller has read it."""
     remove_attention(host)
     if settings is None or not settings.active:
         return
-    layout = rope_layout(host)
+    layout = layout or rope_layout(host)
     layers = layout.attention_layers() if layers is None else layers
     inner = check_can_install(host, settings, None, layout, layers)
     modules = attention_modules(host, layers)

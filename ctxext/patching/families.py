@@ -170,6 +170,11 @@ class RopeLayout:
     bases: dict
     latent_attention: bool = False  # MLA (DeepSeek): RoPE on a separate qk_rope_head_dim slice of each head
     sections: tuple[int, ...] | None = None
+    # Per layer, read from its attention module once: its class name, whether it adds learned sinks to the softmax,
+    # and (v_head_dim, head_dim) where its values have another head size than its queries and keys (else None).
+    attention_classes: tuple[str | None, ...] = ()
+    sinks: tuple[bool, ...] = ()
+    value_head_dims: tuple[tuple[int, int] | None, ...] = ()
 
     @property
     def types(self) -> tuple[str, ...]:
@@ -551,7 +556,16 @@ def rope_layout(model: nn.Module) -> RopeLayout:
         bases=bases,
         latent_attention=bool(getattr(config, "qk_rope_head_dim", None)),
         sections=_probe_sections(rotary, angles) if multimodal else None,
+        attention_classes=tuple(None if module is None else type(module).__name__ for module in modules),
+        sinks=tuple(has_attention_sinks(module) for module in modules),
+        value_head_dims=tuple(_value_and_head_dims(module) for module in modules),
     )
+
+
+def _value_and_head_dims(module: nn.Module | None) -> tuple[int, int] | None:
+    """(v_head_dim, head_dim) of an attention module whose values have another head size (MiMo V2 Flash), else None."""
+    value = value_head_dim(module)
+    return None if value is None else (value, int(module.head_dim))
 
 
 def _window(module: nn.Module, config, layer_type: str) -> int | None:

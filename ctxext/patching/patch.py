@@ -27,7 +27,6 @@ from .families import (
     RopeLayout,
     attention_of,
     config_refusal,
-    has_attention_sinks,
     latent_attention_scale,
     layer_rope_parameters,
     own_partial_rotary_factor,
@@ -36,11 +35,10 @@ from .families import (
     rope_parameters_of,
     rotary_dim,
     rotary_host,
-    value_head_dim,
 )
-from .record import RopeRecord, model_rope_record
+from .record import RopeRecord, host_rope_record, model_rope_record
 from .rope_types import longrope_form, rope_parameters_for, why_no_longrope_form, with_mscales
-from .rotary import ScaledRotaryEmbedding
+from .rotary import PatchUndo, ScaledRotaryEmbedding
 
 
 def patch(
@@ -104,17 +102,17 @@ def patch(
 
     config = host.config
     keys = plan.chosen or (None,)
-    saved_config = {
-        "rope_parameters": copy.deepcopy(config.rope_parameters),
-        "max_position_embeddings": config.max_position_embeddings,
-        CONFIG_KEY: copy.deepcopy(getattr(config, CONFIG_KEY, None)),
-    }
+    undo = PatchUndo(
+        copy.deepcopy(config.rope_parameters),
+        config.max_position_embeddings,
+        copy.deepcopy(getattr(config, CONFIG_KEY, None)),
+    )
     config.rope_parameters = copy.deepcopy(with_written(config.rope_parameters, plan.written))
     config.max_position_embeddings = plan.max_position_embeddings
     if hasattr(config, "original_max_position_embeddings"):
         # Phi-3 keeps L outside its rope parameters too, and transformers' yarn, llama3 and longrope read that one
         # first (standardize_rope_params in modeling_rope_utils.py copies it over the rope parameters' own)
-        saved_config["original_max_position_embeddings"] = config.original_max_position_embeddings
+        undo.original_max_position_embeddings = config.original_max_position_embeddings
         config.original_max_position_embeddings = plan.record.original_length if plan.extension.composed else L
     scaled = ScaledRotaryEmbedding(
         plan.spec,
@@ -128,16 +126,16 @@ def patch(
         composed=family_rotary(host.rotary_emb, config) if plan.composed else None,
         composed_keys=plan.composed,
     )
-    scaled.saved_config = saved_config
+    scaled.undo = undo
     scaled.to(next(host.parameters()).device)
     host.rotary_emb = scaled
-    scaled.saved_config["per_base_rotaries"] = replace_per_base_rotaries(host, scaled)
+    undo.per_base_rotaries = replace_per_base_rotaries(host, scaled)
     if layout.latent_attention:  # the softmax scale MLA attention computed from the rope parameters at build time
-        scaled.saved_config["latent_attention_scales"] = rescale_latent_attention(host, config)
+        undo.latent_attention_scales = rescale_latent_attention(host, config)
     record_attention_in_config(
         config, plan.attention, None if plan.layers == layout.attention_layers() else plan.layers
     )
-    install_attention(host, plan.attention, layers=plan.layers)
+    install_attention(host, plan.attention, layers=plan.layers, layout=layout)
     return model
 
 
@@ -172,6 +170,7 @@ class PatchPlan(NamedTuple):
     shipped: tuple  # the layer types whose shipped frequencies stay as they are (`kept_shipped_frequencies`)
     composed: tuple  # the layer types whose shipped scaling the method composes with (answered by the family's module)
     max_position_embeddings: int  # what the config records after the patch
+    left_alone: tuple = ()  # chosen layer types a remapping method leaves as shipped: their layers slide within L
 
     @property
     def context_before(self) -> int:
@@ -181,7 +180,13 @@ class PatchPlan(NamedTuple):
         """One line on what the patch does to the model's context, e.g. 'yarn x2 composes with the shipped llama3
         x8: 131072 -> 262144'."""
         how = f" {self.extension.how}" if self.extension.how else f" counts from L = {self.original_length}"
-        return f"{self.spec.name} x{self.params.factor:g}{how}: {self.context_before} -> {self.max_position_embeddings}"
+        told = f"{self.spec.name} x{self.params.factor:g}{how}: {self.context_before} -> {self.max_position_embeddings}"
+        if self.left_alone:
+            told += (
+                f"; {', '.join(self.left_alone)} left as shipped (their layers slide within L = "
+                f"{self.original_length}, so they never see a distance to remap)"
+            )
+        return told
 
 
 def plan_patch(
@@ -199,8 +204,8 @@ def plan_patch(
     """Everything `patch` decides before it changes anything, or the one-line CtxextError that refuses it.
     Reads the model's modules and config only, so it also answers for a model built on the meta device."""
     host = rotary_host(model)
-    layout = rope_layout(model)
-    record = model_rope_record(model)
+    layout = rope_layout(host)
+    record = host_rope_record(host)
     chosen = layout.select_types(layer_types)
     keys = chosen or (None,)
     spec = get_method(method)
@@ -237,12 +242,14 @@ def plan_patch(
     # A remapping method changes (query, key) distances, which a sliding layer within L never has past L; log-n
     # alone scales queries by their own position, and stays on every RoPE layer of the chosen types.
     layers = layout.attention_layers(chosen, L if attention.remap is not None else None)
-    if attention.remap is not None:
-        check_remappable_angles(layout, spec.name)
-    if attention.active:
+    if attention.active:  # the ordered refusal rules (ctxext.patching.refusals)
         check_can_install(host, attention, int(round(L * method_params.factor)), layout, layers)
-    if attention.remap is not None:
-        check_remappable_layers(host, layers, spec.name)
+    left_alone = ()
+    if attention.remap is not None and chosen:  # a type whose every layer slides within L keeps what it shipped
+        remapped = {layout.layer_types[i] for i in layers}
+        left_alone = tuple(key for key in chosen if key not in remapped)
+        chosen = tuple(key for key in chosen if key in remapped)
+        keys = chosen
     shipped = kept_shipped_frequencies(record, keys) if attention.remap is not None else ()
     composed_written = {
         key: composed_rope_parameters(
@@ -283,6 +290,7 @@ def plan_patch(
         shipped,
         tuple(composed_written),
         new_context,
+        left_alone,
     )
 
 
@@ -399,7 +407,7 @@ def unpatched_rope_parameters(host: nn.Module) -> dict:
     """The config's rope parameters before any patch (an in-memory patch is looked through)."""
     current = host.rotary_emb
     if isinstance(current, ScaledRotaryEmbedding):
-        return current.saved_config["rope_parameters"] or {}
+        return current.undo.rope_parameters or {}
     return host.config.rope_parameters or {}
 
 
@@ -421,45 +429,6 @@ def rescale_latent_attention(host: nn.Module, config) -> list:
             changed.append((module, module.scaling))
             module.scaling = latent_attention_scale(config.rope_parameters, module.qk_head_dim)
     return changed
-
-
-def check_remappable_angles(layout, method: str) -> None:
-    """A remapping method rotates rotate-half pairs in its own attention; a model that carries its angles as complex
-    `freqs_cis` (Llama 4) rotates interleaved pairs by complex multiplication, which it does not: one line. MLA
-    (DeepSeek V2) is left to the attention's own refusal, which names the more basic reason. Nor does it remap
-    multimodal RoPE, whose pairs read 3 position sections (Qwen3.5): its distances are between one position per token.
-    """
-    if layout.sections is not None:
-        raise CtxextError(
-            f"{method} remaps one position per token; {layout.model_type} uses multimodal RoPE, whose rotary pairs "
-            "read 3 position sections (temporal, height, width), which ctxext's remapping methods do not remap; "
-            "use a frequency method"
-        )
-    if layout.angles == "complex" and not layout.latent_attention:
-        raise CtxextError(
-            f"{method} rotates rotate-half pairs; {layout.model_type} applies RoPE as complex multiplication of "
-            "interleaved channel pairs (its rotary module returns complex freqs_cis), which ctxext's remapping "
-            "methods do not support; use a frequency method"
-        )
-
-
-def check_remappable_layers(host: nn.Module, layers: tuple, method: str) -> None:
-    """What a remapping method, which forms softmax(q.k) v itself, cannot do on the layers it would go on, as one
-    line: learned attention sinks (Granite SWA's and gpt-oss' `sinks`, passed as `s_aux`: they would be dropped)
-    and values of another head size than queries and keys (MiMo V2 Flash's `v_head_dim`)."""
-    for index in layers:
-        module = attention_of(host.layers[index])
-        if has_attention_sinks(module):
-            raise CtxextError(
-                f"{method} does not implement attention sinks ({type(module).__name__}.sinks, layer {index}); use a "
-                "frequency method"
-            )
-        value_dim = value_head_dim(module)
-        if value_dim is not None:
-            raise CtxextError(
-                f"{method} needs values of the query/key head size; {type(module).__name__} has v_head_dim "
-                f"{value_dim} and head_dim {module.head_dim} (layer {index}); use a frequency method"
-            )
 
 
 def replace_per_base_rotaries(host: nn.Module, scaled: nn.Module) -> list:
@@ -502,14 +471,15 @@ def unpatch(model: nn.Module) -> nn.Module:
     scaled = host.rotary_emb
     if isinstance(scaled, ScaledRotaryEmbedding):
         host.rotary_emb = scaled.original
-        restore_per_base_rotaries(host, scaled.saved_config.get("per_base_rotaries", []))
-        host.config.rope_parameters = scaled.saved_config["rope_parameters"]
-        host.config.max_position_embeddings = scaled.saved_config["max_position_embeddings"]
-        if "original_max_position_embeddings" in scaled.saved_config:
-            host.config.original_max_position_embeddings = scaled.saved_config["original_max_position_embeddings"]
-        for module, scale in scaled.saved_config.get("latent_attention_scales", []):
+        undo = scaled.undo
+        restore_per_base_rotaries(host, undo.per_base_rotaries)
+        host.config.rope_parameters = undo.rope_parameters
+        host.config.max_position_embeddings = undo.max_position_embeddings
+        if undo.has_top_level_original_length:
+            host.config.original_max_position_embeddings = undo.original_max_position_embeddings
+        for module, scale in undo.latent_attention_scales:
             module.scaling = scale
-        saved_attention = scaled.saved_config.get(CONFIG_KEY)
+        saved_attention = undo.attention
         if saved_attention is not None:
             setattr(host.config, CONFIG_KEY, saved_attention)
         elif hasattr(host.config, CONFIG_KEY):
@@ -531,6 +501,11 @@ def applied_method(model: nn.Module) -> dict | None:
         "layer_types": [key for key in scaled.scaled if key is not None] or "all",
         "attention": copy.deepcopy(getattr(rotary_host(model).config, CONFIG_KEY, None)),  # log-n, ReRoPE
     }
+
+
+def recorded_rope_parameters(model: nn.Module) -> dict:
+    """The rope parameters the model's config records now: after a patch, what `save_pretrained` writes."""
+    return copy.deepcopy(dict(rotary_host(model).config.rope_parameters or {}))
 
 
 def host_rope_type(model: nn.Module) -> str:

@@ -166,8 +166,16 @@ def _rotary_dim(config, parameters: dict) -> int:
 
 def model_rope_record(model) -> RopeRecord:
     """The record of a loaded model as shipped: an in-memory patch is looked through."""
-    host = rotary_host(model)
+    return host_rope_record(rotary_host(model))
+
+
+def host_rope_record(host) -> RopeRecord:
+    """`model_rope_record` of the module that owns `rotary_emb` (families.rotary_host)."""
     current = host.rotary_emb
     if isinstance(current, ScaledRotaryEmbedding):
-        return rope_record(host.config, current.saved_config)
+        undo = current.undo
+        saved = {"rope_parameters": undo.rope_parameters, "max_position_embeddings": undo.max_position_embeddings}
+        if undo.has_top_level_original_length:
+            saved["original_max_position_embeddings"] = undo.original_max_position_embeddings
+        return rope_record(host.config, saved)
     return rope_record(host.config)

@@ -9,12 +9,33 @@ length.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from torch import nn
 
 from ..methods import Method, MethodParams, compute_inv_freq
 from .families import SECTIONS, module_frequencies
+
+_NONE = object()  # a config without the attribute (`PatchUndo.original_max_position_embeddings`)
+
+
+@dataclasses.dataclass
+class PatchUndo:
+    """What `patch` changed on a model, kept on its `ScaledRotaryEmbedding` so that `unpatch` puts it back bit for
+    bit: the config's rope parameters, lengths and attention record as they were, the per-base rotary modules it
+    replaced (Granite SWA) and the MLA softmax scales it rescaled ([(module, scale)])."""
+
+    rope_parameters: dict
+    max_position_embeddings: int
+    attention: dict | None  # the config's `ctxext_attention` before the patch
+    original_max_position_embeddings: object = _NONE  # Phi-3's top-level L, where its config has one
+    per_base_rotaries: list = dataclasses.field(default_factory=list)
+    latent_attention_scales: list = dataclasses.field(default_factory=list)
+
+    @property
+    def has_top_level_original_length(self) -> bool:
+        return self.original_max_position_embeddings is not _NONE
 
 
 class ScaledRotaryEmbedding(nn.Module):
@@ -47,6 +68,7 @@ class ScaledRotaryEmbedding(nn.Module):
     """
 
     original_within: int = 0  # 0: every forward is scaled
+    undo: PatchUndo | None = None  # set by `patch`
 
     def __init__(
         self,

@@ -141,19 +141,16 @@ def check_request(request: SearchRequest) -> None:
 
 
 def resolve_method(request: SearchRequest, model_config):
-    """(the MethodConfig every trial starts from, L): s = N / L unless the request gives the factor."""
+    """(the MethodConfig every trial starts from, L): s = N / L unless the request gives the factor. L is the
+    model's trained context C (ctxext.patching.record), unless the request names another."""
     from ..config import MethodConfig
+    from ..patching.record import rope_record
 
     mapping = dict(request.method)
-    rope = dict(getattr(model_config, "rope_parameters", None) or {})
-    L = (
-        mapping.get("original_max_position_embeddings")
-        or rope.get("original_max_position_embeddings")
-        or model_config.max_position_embeddings
-    )
+    L = mapping.get("original_max_position_embeddings") or rope_record(model_config).trained_context
     if request.length <= L:
         raise CtxextError(
-            f"--length {request.length} is not above the original length L = {L}: a search extends the context "
+            f"--length {request.length} is not above the model's context L = {L}: a search extends the context "
             "(to treat the model as shorter, give --original-max-position-embeddings)"
         )
     mapping.setdefault("factor", request.length / L)
@@ -261,7 +258,7 @@ def plan_search(request: SearchRequest) -> SearchPlan:
     from ..eval.setup import bos_choice
     from ..loading import load_config, load_tokenizer
     from ..methods import get_method
-    from ..patching import rotary_dim
+    from ..patching.record import rope_record
     from ..runtime import Processes, inference_runtime
     from .objective import method_config
 
@@ -271,9 +268,8 @@ def plan_search(request: SearchRequest) -> SearchPlan:
     model_config = load_config(request.model)
     config, L = resolve_method(request, model_config)
     spec = get_method(config.method)
-    dim = rotary_dim(model_config)
-    rope = dict(getattr(model_config, "rope_parameters", None) or {})
-    base = float(rope.get("rope_theta", getattr(model_config, "rope_theta", 10000.0)))
+    record = rope_record(model_config)
+    dim, base = record.rotary_dim, record.base  # the full-attention layers' (Gemma 3: 1e6, not its sliding 1e4)
     if spec.name == "longrope":
         longrope, space, start, fixed = longrope_space(request, config, dim, base, L)
     elif request.longrope.space != "cma":

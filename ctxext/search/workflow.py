@@ -131,7 +131,7 @@ def header(plan: SearchPlan, mode: str) -> str:
 
 def search_trials(plan: SearchPlan, model, store, progress=None) -> list[dict]:
     """This process's share of the trials: until the study has the requested number finished."""
-    from ..patching import rotary_dim
+    from ..patching.record import model_rope_record
     from .objective import Objective
     from .session import run_trials
 
@@ -147,8 +147,8 @@ def search_trials(plan: SearchPlan, model, store, progress=None) -> list[dict]:
         plan.bos_id,
         plan.passkey_trials,
     )
-    base = float(model.config.rope_parameters["rope_theta"])
-    return run_trials(settings, objective, store, plan.request.trials, rotary_dim(model.config), base, progress)
+    record = model_rope_record(model)
+    return run_trials(settings, objective, store, plan.request.trials, record.rotary_dim, record.base, progress)
 
 
 def run_with_workers(plan: SearchPlan, model, store) -> list[dict]:
@@ -262,7 +262,6 @@ def write_results(plan: SearchPlan, store, history, held_out: dict, checkpoint, 
 
 def _rope_base(model: str) -> float:
     from ..loading import load_config
+    from ..patching.record import rope_record
 
-    config = load_config(model)
-    rope = dict(getattr(config, "rope_parameters", None) or {})
-    return float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    return rope_record(load_config(model)).base

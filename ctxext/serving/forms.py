@@ -178,7 +178,7 @@ def model_rope_form(model, format: str = "native") -> RopeForm:
 
 def _kept_scaling(scaled) -> str:
     """What a remapping method on shipped static scaling keeps, and how to count a longer trained reach than L."""
-    L, reach = scaled.original_max_position_embeddings, scaled.saved_config["max_position_embeddings"]
+    L, reach = scaled.original_max_position_embeddings, scaled.undo.max_position_embeddings
     told = f"; {scaled.method.name} keeps the shipped scaling of {', '.join(str(k or 'every layer') for k in scaled.shipped)}"
     if reach and reach > L:  # a long-context stage the recorded L does not count
         told += (

@@ -566,6 +566,7 @@ MIXED_WINDOW_INFERENCE = (
 def save_results(setup: Setup, model) -> None:
     """adapter/ (standard PEFT) and merged/ (LoRA folded in; the config carries the rope parameters)."""
     from ..outputs import atomic_output_dir
+    from ..patching.patch import recorded_rope_parameters
     from ..serving.forms import write_config_for_serving
 
     runtime = setup.runtime
@@ -597,7 +598,7 @@ def save_results(setup: Setup, model) -> None:
         setup.tokenizer.save_pretrained(staging)
         record = {
             **method_record(setup),
-            "rope_parameters": dict(merged.config.rope_parameters),
+            "rope_parameters": recorded_rope_parameters(merged),
             "max_position_embeddings": merged.config.max_position_embeddings,
             "written_as": {"format": "native", "rope_type": form.rope_parameters["rope_type"], "how": form.how},
         }
