@@ -28,13 +28,11 @@ class Extension:
     """Where a patch counts from and what it does with the scaling the model shipped, decided once (`extension`).
 
     `original_length`: the L the method is given (C, or L0 where the shipped scaling is replaced or gives way to
-    plain RoPE). `composed`: the layer types whose shipped scaling a frequency method composes with. `replaced`:
-    those whose shipped scaling the method replaces (asked for). `how`: one line saying so, for the user."""
+    plain RoPE). `composed`: the layer types whose shipped scaling a frequency method composes with. `how`: one line
+    saying what happens to the shipped scaling, for the user ('' where the model ships none)."""
 
     original_length: int
-    factor: float
     composed: tuple = ()
-    replaced: tuple = ()
     how: str = ""
 
 
@@ -49,8 +47,8 @@ def extension(
 ) -> Extension:
     """The L and the shipped scaling's fate for `method` on the layer types `keys` (None: the one set).
 
-    Explicit L other than C (or `replace_shipped`, which means L0): the method counts from it and replaces whatever scaling it
-    names, as before. Otherwise a frequency method counts from C and composes with a shipped static or longrope
+    Explicit L other than C (or `replace_shipped`, which means L0): the method counts from it and replaces whatever
+    scaling it names, as before. Otherwise a frequency method counts from C and composes with a shipped static or longrope
     scaling; a remapping method keeps static shipped frequencies and remaps past C, but past L0 where the shipped
     frequencies follow the length (dynamic, longrope), which give way to plain RoPE, trained to L0 only."""
     if original_max_position_embeddings == record.trained_context:  # C given explicitly: the default
@@ -60,9 +58,11 @@ def extension(
     C, L0 = record.trained_context, record.original_length
     if original_max_position_embeddings is not None or replace_shipped:
         L = original_max_position_embeddings or L0
-        names = _names(shipped)
-        how = f"replaces the shipped {names}, counting from L = {L}" if shipped and not remaps else ""
-        return Extension(L, params.factor, (), tuple(shipped) if not remaps else (), how)
+        kept = {key: rope for key, rope in shipped.items() if rope.static}
+        how = f"replaces the shipped {_names(shipped)}, counting from L = {L}" if shipped else ""
+        if remaps:
+            how = f"keeps the shipped {_names(kept)} and remaps past L = {L}" if kept else ""
+        return Extension(L, (), how)
     if remaps:
         gives_way = [key for key, rope in shipped.items() if not rope.static]
         L = L0 if gives_way else C
@@ -70,16 +70,16 @@ def extension(
         how = f"keeps the shipped {_names(kept)} and remaps past C = {C}" if kept else ""
         if gives_way:
             how = f"rotates with plain RoPE in place of the shipped {_names(shipped)} and remaps past L0 = {L0}"
-        return Extension(L, params.factor, (), (), how)
-    if not scaled:
-        return Extension(C, params.factor)
+        return Extension(L, (), how)
+    if not scaled:  # plain RoPE, or p-RoPE's layout of the head
+        return Extension(C, (), f"replaces the shipped {_names(shipped)}" if shipped else "")
     if method.is_dynamic(params):
         raise CtxextError(
             f"{method.name} follows the length from plain RoPE and does not compose with the shipped "
             f"{_names(scaled)}; use a static method, or --replace-shipped to replace the shipped scaling "
             f"(counting from L0 = {L0})"
         )
-    return Extension(C, params.factor, tuple(scaled), (), f"composes with the shipped {_names(scaled)}")
+    return Extension(C, tuple(scaled), f"composes with the shipped {_names(scaled)}")
 
 
 def _names(shipped: dict) -> str:

@@ -216,12 +216,9 @@ def plan_patch(
             "original_max_position_embeddings", original_max_position_embeddings
         )
     remaps = issubclass(spec.params_cls, RemapParams)
-    counts_from = original_max_position_embeddings or (
-        record.original_length if replace_shipped else record.trained_context
-    )
-    factor = factor_for(target_length, factor, counts_from)
-    method_params = spec.make_params(factor=factor, **params)
-    ext = extension(record, spec, method_params, keys, remaps, original_max_position_embeddings, replace_shipped)
+    given = spec.make_params(factor=1.0 if target_length is not None else factor, **params)
+    ext = extension(record, spec, given, keys, remaps, original_max_position_embeddings, replace_shipped)
+    method_params = spec.make_params(factor=factor_for(target_length, factor, ext.original_length), **params)
     if ext.composed and layout.latent_attention:
         raise CtxextError(
             f"{spec.name} does not compose with the shipped {record.full.describe()} of multi-head latent attention "
