@@ -6,21 +6,12 @@ from __future__ import annotations
 import argparse
 import re
 
-from ..config import parse_value
+from ..config import TOP_LEVEL_KEYS, parse_value
 from ..errors import CtxextError
 from ..eval.options import DEFAULT_LENGTHS, parse_depths, parse_lengths, parse_stride  # noqa: F401  (the commands' helpers)
 
 # The flags every method-taking command has; any other `--name value` is a method parameter.
-TOP_LEVEL_FLAGS = (
-    "factor",
-    "original_max_position_embeddings",
-    "logn",
-    "layer_types",
-    "query_temperature",
-    "replace_shipped",
-    "target_length",
-    "allow_shorter",
-)
+TOP_LEVEL_FLAGS = tuple(key for key in TOP_LEVEL_KEYS if key != "method")
 _LONG_FLAG = re.compile(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?:=(.*))?$", re.DOTALL)
 _NUMBER = re.compile(r"-\d|-\.\d")
 
