@@ -67,19 +67,30 @@ def run(args) -> int:
         print(f"  {row.engine:<{width}}  {row.level:<11}  {row.how}")
         if args.check:
             print(f"  {'':<{width}}  {'':<11}  checked: {row.checked}")
+    lengths = _print_lengths(model) if args.check else []
     if args.json:
         from pathlib import Path
 
         from ..outputs import atomic_write_text
 
-        atomic_write_text(
-            Path(args.json),
-            json.dumps(
-                {"model": str(model.path), "method": model.method, "engines": [asdict(r) for r in rows]}, indent=2
-            )
-            + "\n",
-        )
+        report = {"model": str(model.path), "method": model.method, "engines": [asdict(r) for r in rows]}
+        atomic_write_text(Path(args.json), json.dumps({**report, "lengths": lengths}, indent=2) + "\n")
     return 1 if failed else 0
+
+
+def _print_lengths(model) -> list[dict]:
+    """Print the 'lengths' table of a checkpoint (the length each engine derives from its config.json, and what to
+    pass to serve N = its max_position_embeddings); its rows, as dicts."""
+    from dataclasses import asdict
+
+    from ..serving.lengths import engine_lengths, table_lines
+
+    target = int(model.config.get("max_position_embeddings") or 0)
+    if model.kind != "checkpoint" or target < 1:
+        return []
+    print(f"lengths (N = max_position_embeddings = {target}):")
+    print("\n".join(table_lines(model.config, target)))
+    return [asdict(row) for row in engine_lengths(model.config, target)]
 
 
 def _run_checks(model, rows, n_tokens) -> bool:

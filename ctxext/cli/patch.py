@@ -87,7 +87,32 @@ def run(args) -> int:
     if not written.tokenizer:
         print(f"  tokenizer: none in {args.model} (no tokenizer files), none written")
     print(f"  saved to {written.output}")
+    _print_serving(written)
     return 0
+
+
+def _print_serving(written) -> None:
+    """How to start vLLM, SGLang and llama.cpp on the written checkpoint for its max_position_embeddings
+    (ctxext.serving.lengths: only the flags each engine needs)."""
+    from ..serving.engines import read_served_model, served_length
+    from ..serving.lengths import serve_lines
+
+    model = read_served_model(written.output)
+    target = int(model.config["max_position_embeddings"])
+    reason = (
+        "its rope type needs `import ctxext`"
+        if not written.form.native
+        else "its attention runs with ctxext only"
+        if written.applied["attention"]
+        else "max_position_embeddings stays L"
+        if served_length(model) != target
+        else None
+    )
+    if reason:
+        print(f"  serve: `ctxext export {written.output}` prints how ({reason})")
+        return
+    print(f"  serve {target} tokens:")
+    print("\n".join(serve_lines(model.config, target, written.output)))
 
 
 def _patch_gguf(args, method_config) -> int:
