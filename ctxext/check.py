@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 
 from .errors import CtxextError
+from .patching.families import module_frequencies
+from .patching.record import rope_record
 
 AGREEMENT_L = 64
 AGREEMENT_TOKENS = 160
@@ -207,9 +209,8 @@ def per_cell_attention(module, query, key, value, attention_mask, **kwargs):
 
         n_scale = logn_scale(positions[-q_len:], settings.original_max_position_embeddings).double()
         q = q * n_scale.to(q.device)[None, None, :, None]
-    prefix = "" if layer_type is None else f"{layer_type}_"  # per-type rotary (Gemma 3) keeps a set per type
-    inv_freq = getattr(rotary, f"{prefix}inv_freq").double().cpu()
-    factor = float(getattr(rotary, f"{prefix}attention_scaling", 1.0))
+    inv_freq, factor = module_frequencies(rotary, layer_type)  # per-type rotary (Gemma 3): the set it applies
+    inv_freq = inv_freq.double().cpu()
 
     def turn(x, at):  # rotate-half RoPE at float64 positions `at` ((n,) or (n, pairs)), times the attention factor
         angles = (at.double() if at.dim() == 2 else at.double()[:, None]) * inv_freq
@@ -245,10 +246,8 @@ def _rotary_layer_type(host, module) -> str | None:
     """The layer type to ask `host.rotary_emb` for, where it keeps one set of frequencies per type; else None."""
     import inspect
 
-    from .patching.families import is_nested
-
     per_type = "layer_type" in inspect.signature(host.rotary_emb.forward).parameters
-    if not (per_type and is_nested(host.config.rope_parameters)):
+    if not per_type or None in rope_record(host.config).types:
         return None
     return host.config.layer_types[module.layer_idx]
 
@@ -563,7 +562,7 @@ def run_check(options: CheckOptions, progress=None) -> CheckResult:
     if tick:
         tick.close()
     described = {k: getattr(shape, k, None) for k in DEFAULT_SHAPE if k != "rope_theta"}
-    described["rope_theta"] = (getattr(shape, "rope_parameters", None) or {}).get("rope_theta")
+    described["rope_theta"] = rope_record(shape).base  # the full-attention layers' (Gemma 3: 1e6, not 1e4)
     return CheckResult(
         str(device),
         machine_description(),

@@ -108,7 +108,7 @@ def write_patched_checkpoint(
 
 def checkpoint_record(source: str, method_config, model, applied: dict, format: str, form: RopeForm, extra: dict):
     """What ctxext.yaml records: the source, the method and its parameters, the lengths, how it was written."""
-    from .patching.patch import recorded_rope_parameters
+    from .patching.patch import recorded_rope_parameters, shipped_rope
 
     return {
         "source_model": source,
@@ -118,6 +118,7 @@ def checkpoint_record(source: str, method_config, model, applied: dict, format: 
         "rope_parameters": recorded_rope_parameters(model),
         "max_position_embeddings": model.config.max_position_embeddings,
         "written_as": {"format": format, "rope_type": applied["rope_type"], "how": form.how},
+        "source_rope": shipped_rope(model),  # the rope the method was applied to (composed with, or replaced)
         **extra,
     }
 

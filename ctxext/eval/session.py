@@ -30,6 +30,7 @@ class EvalSession:
         from ..runtime import Processes, cpu_processes
 
         processes = processes or Processes(cpu=cpu_processes(options.device))
+        check_methods_apply(name, selection)
         model, tokenizer, runtime = load_model_and_tokenizer(name, options, processes)
         methods = [dataclasses.replace(m, kept_keys=options.kept_keys) for m in method_rows(selection, model.config)]
         bos_id, bos_info = bos_choice(options.bos, tokenizer)
@@ -65,6 +66,47 @@ class EvalSession:
             "short_docs": short_docs,
             "protocol": "ctxext sliding-window perplexity v1",
         }
+
+
+def check_methods_apply(name: str, selection: MethodSelection) -> None:
+    """Refuse, in the one line `patch` would (prefixed with the row's label), a method the model cannot take: a
+    layer type it does not have, a method its layout or its shape cannot take. Asked of the model's config alone, on
+    a meta-device skeleton (ctxext.patching.applicable), before any weights load or any cell is computed, as
+    `ctxext patch` asks before it writes anything (ctxext.checkpoint.check_source)."""
+    from ..errors import CtxextError
+    from ..loading import load_config
+    from ..patching.applicable import skeleton
+
+    config = load_config(name)
+    rows = [row for row in method_rows(selection, config) if row.config is not None]
+    if not rows:  # the model as loaded: nothing is patched in (a model without RoPE is evaluated so)
+        return
+    model = skeleton(config)
+    for row in rows:
+        try:
+            plan_method(model, row.config)
+        except CtxextError as error:
+            raise CtxextError(f"{row.label}: {error}") from None
+
+
+def plan_method(model, method_config):
+    """`plan_patch` of a MethodConfig on `model`: what `patch` decides before it changes anything, or its one-line
+    refusal (a shorter context is not refused here: `patch` only warns of it)."""
+    from ..patching.patch import plan_patch
+
+    mc = method_config
+    return plan_patch(
+        model,
+        mc.method,
+        mc.factor,
+        mc.original_max_position_embeddings,
+        mc.logn,
+        mc.layer_types,
+        mc.query_temperature,
+        replace_shipped=mc.replace_shipped,
+        target_length=mc.target_length,
+        **mc.params,
+    )
 
 
 def model_identity(name: str, model) -> dict:

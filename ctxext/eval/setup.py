@@ -107,12 +107,26 @@ def model_description(name: str, model, runtime: dict) -> dict:
         "max_position_embeddings": getattr(config, "max_position_embeddings", None),
         "original_max_position_embeddings": original_length(model),
         "rotary_dim": _rotary_dim(config),
-        "rope_parameters": dict(getattr(config, "rope_parameters", None) or {}),
+        "rope_parameters": rope_parameters(config),
         "dtype": str(runtime["dtype"]).removeprefix("torch."),
         "dtype_reason": runtime["dtype_reason"],
         "device": str(runtime["device"]),
         "attn_implementation": runtime["attn_implementation"],
     }
+
+
+def rope_parameters(config) -> dict:
+    """The config's rope parameters as its rope record reads them (one dict, or one per layer type: Gemma 3); {}
+    for a model without RoPE (evaluated as loaded)."""
+    from ..patching.record import rope_record
+
+    try:
+        record = rope_record(config)
+    except CtxextError:
+        return {}
+    if None in record.types:
+        return record.types[None].parameters
+    return {key: rope.parameters for key, rope in record.types.items()}
 
 
 def _rotary_dim(config) -> int | None:

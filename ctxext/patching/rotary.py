@@ -178,10 +178,22 @@ class ScaledRotaryEmbedding(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
+            applied = self._applied_attribute(name)
+            if applied is not None:
+                return applied
             original = self._modules.get("original")
             if original is None:
                 raise
             return getattr(original, name)
+
+    def _applied_attribute(self, name: str):
+        """`{layer_type}_inv_freq` / `{layer_type}_attention_scaling` of a layer type this module scales: what its
+        forward applies (not the unpatched module's, which the other attributes fall through to); else None."""
+        static = self.__dict__.get("_static", {})
+        for suffix, index in (("_inv_freq", 0), ("_attention_scaling", 1)):
+            if name.endswith(suffix) and name[: -len(suffix)] in static:
+                return static[name[: -len(suffix)]][index]
+        return None
 
     def extra_repr(self) -> str:
         types = "" if list(self.scaled) == [None] else f", layer_types={list(self.scaled)}"

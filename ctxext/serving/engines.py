@@ -594,6 +594,12 @@ def engine_rope(model: ServedModel, engine: str) -> tuple[dict, dict, str]:
     """The rope parameters `engine` reads for the method recorded in `model`, any extra config keys, and how."""
     from .forms import rope_form, with_family_keys
 
+    if model.nested:  # one rope form per layer type (Gemma 3): the written config.json is what the engine reads
+        raise CtxextError(
+            f"{model.path} records rope parameters nested by layer type ({model.family}), which `export --engine` "
+            f"would flatten into one; serve the checkpoint as written (`ctxext export {model.path} --check` says "
+            f"whether {engine} reads it exactly)"
+        )
     spec, params = model.method_and_params()
     as_written = _proportional_as_written(model, engine)
     if as_written is not None:

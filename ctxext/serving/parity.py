@@ -12,15 +12,18 @@ frequency shows at any length (a dynamic method's growth past L is not exercised
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import subprocess
 import sys
 import tempfile
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import CtxextError, first_line
+from ..patching.record import LayerTypeRope, RopeRecord, rope_record
 from .engines import ServedModel
 
 # fp32 logits agree to float32 rounding of the frequencies (ctxext and transformers order the float32 operations
@@ -48,21 +51,94 @@ def _random_ids(vocab_size: int, n_tokens: int):
 
 
 def _method_config(model: ServedModel):
-    from ..config import load_method_config
+    """The method as `ctxext patch` applied it: its parameters, L, and the layer types and extension it was asked
+    for (ctxext.yaml's `layer_types`, `replace_shipped`, `target_length`)."""
+    from ..config import EXTENSION_KEYS, load_method_config
 
     spec, params = model.method_and_params()
     values = {k: v for k, v in params.to_dict().items() if v is not None and k not in spec.forced}
     L = model.record["original_max_position_embeddings"]
+    asked = {k: model.record[k] for k in ("layer_types", *EXTENSION_KEYS) if model.record.get(k) not in (None, False)}
     return load_method_config(
-        None, {"method": spec.name, **values, "logn": model.logn, "original_max_position_embeddings": L}
+        None, {"method": spec.name, **values, **asked, "logn": model.logn, "original_max_position_embeddings": L}
     )
 
 
-def _unscaled(config, model: ServedModel) -> None:
-    """Put the config back to plain RoPE at the source's base and L, for `ctxext.patch` to apply the method."""
-    base = model.record.get("rope_theta") or model.record["rope_parameters"]["rope_theta"]
-    config.rope_parameters = {"rope_type": "default", "rope_theta": float(base)}
+def _unscaled(config, model: ServedModel) -> str:
+    """Put the config back to the source's rope for `ctxext.patch` to apply the method; what the reference is.
+
+    The source's rope as shipped where its config is readable here (`source_rope`): a scaling it shipped (Gemma 3's
+    linear x8) is what the method composed with. Else plain RoPE at L, each layer type at its recorded base (Gemma
+    3: the sliding layers' 1e4, the full layers' 1e6)."""
+    source = source_rope(config, model)
+    if source is not None:
+        config.rope_parameters = rope_parameters_of(source, lambda rope: copy.deepcopy(rope.parameters))
+        config.max_position_embeddings = source.max_position_embeddings
+        if hasattr(config, "original_max_position_embeddings"):  # Phi-3's top-level L0
+            config.original_max_position_embeddings = source.original_length
+        return f"the source's rope as shipped ({source.describe()})"
+    config.rope_parameters = rope_parameters_of(recorded_rope(config, model), plain_rope)
     config.max_position_embeddings = int(model.record["original_max_position_embeddings"])
+    return "plain RoPE at the recorded bases (neither ctxext.yaml nor the source's config says how it shipped)"
+
+
+def source_rope(config, model: ServedModel) -> RopeRecord | None:
+    """The rope record of the source as shipped: what ctxext.yaml recorded of it (`source_rope`), else its config
+    where it is on this machine (a local checkpoint, or the hub cache: nothing is downloaded) and of the same
+    family; else None."""
+    import transformers
+    from huggingface_hub import try_to_load_from_cache
+
+    if model.record.get("source_rope"):
+        return rope_record(config, model.record["source_rope"])
+    source = model.record.get("source_model")
+    if not source:  # a GGUF's record, or a checkpoint written without its source's name
+        return None
+    folder = Path(str(source)).expanduser()
+    if not (folder / "config.json").is_file():
+        try:
+            cached = try_to_load_from_cache(str(source), "config.json")
+        except ValueError:  # not a hub id either
+            cached = None
+        if not isinstance(cached, str):
+            return None
+        folder = Path(cached).parent
+    try:
+        shipped = transformers.AutoConfig.from_pretrained(folder)
+        record = rope_record(shipped)
+    except (OSError, ValueError, KeyError, CtxextError):
+        return None
+    return record if shipped.model_type == config.model_type else None
+
+
+def recorded_rope(config, model: ServedModel) -> RopeRecord:
+    """The rope record of what ctxext patched: ctxext.yaml's `rope_parameters` (each layer type with its own base),
+    or, for a GGUF (whose record keeps one `rope_theta`, the base before a base change), the config's own with that
+    base on the full-attention layers."""
+    saved = model.record.get("rope_parameters")
+    if saved is None:
+        loaded = rope_record(config)
+        base = float(model.record["rope_theta"])
+        saved = rope_parameters_of(
+            loaded, lambda rope: {**rope.parameters, "rope_theta": base} if rope is loaded.full else rope.parameters
+        )
+    return rope_record(config, {"rope_parameters": saved})
+
+
+def rope_parameters_of(record: RopeRecord, parameters: Callable[[LayerTypeRope], dict]) -> dict:
+    """Rope parameters in the record's shape, `parameters(rope)` for each layer type: one flat dict, or one per
+    layer type (Gemma 3)."""
+    if None in record.types:
+        return parameters(record.types[None])
+    return {key: parameters(rope) for key, rope in record.types.items()}
+
+
+def plain_rope(rope: LayerTypeRope) -> dict:
+    """Plain RoPE at a layer type's base, rotating the share of each head it rotates."""
+    values = {"rope_type": "default", "rope_theta": float(rope.base)}
+    if "partial_rotary_factor" in rope.parameters:
+        values["partial_rotary_factor"] = rope.parameters["partial_rotary_factor"]
+    return values
 
 
 def transformers_parity(model: ServedModel, n_tokens: int) -> tuple[bool, str]:
@@ -92,7 +168,7 @@ def transformers_parity(model: ServedModel, n_tokens: int) -> tuple[bool, str]:
         if "ctxext not imported" not in result.stdout:
             return False, "the subprocess imported ctxext; the check is void"
         plain = torch.load(Path(scratch) / "logits.pt", weights_only=True)
-    _unscaled(config, model)
+    against = _unscaled(config, model)
     reference = AutoModelForCausalLM.from_pretrained(model.path, config=config, dtype=torch.float32).eval()
     with torch.no_grad():
         unpatched = reference(ids).logits
@@ -103,7 +179,7 @@ def transformers_parity(model: ServedModel, n_tokens: int) -> tuple[bool, str]:
     absolute, relative = LOGIT_TOLERANCE
     return difference <= absolute + relative * change, (
         f"plain transformers (subprocess, no ctxext) vs ctxext.patch: max |logit diff| {difference:.1e} over "
-        f"{n_tokens} tokens in fp32 (the method itself moves logits by up to {change:.2g})"
+        f"{n_tokens} tokens in fp32 (the method itself moves logits by up to {change:.2g}); reference: {against}"
     )
 
 
