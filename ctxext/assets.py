@@ -152,11 +152,15 @@ def smollm2_checkpoint() -> Path:
     target = cache_dir() / "smollm2-135m-instruct"
     if target.is_dir():
         return target
-    gguf_file = smollm2_gguf()
+    return converted_checkpoint(smollm2_gguf(), target)
+
+
+def converted_checkpoint(gguf_file: Path, target: Path) -> Path:
+    """`target`, a plain transformers checkpoint converted from `gguf_file` (atomically, saying how long it took)."""
     with _building(target) as scratch:
-        print(f"ctxext: converting {SMOLLM2_GGUF} to safetensors (about a minute) ...", flush=True)
+        print(f"ctxext: converting {gguf_file.name} to safetensors (about a minute) ...", flush=True)
         start = time.perf_counter()
-        _convert_gguf(gguf_file.parent, SMOLLM2_GGUF, scratch)
+        _convert_gguf(gguf_file.parent, gguf_file.name, scratch)
         print(f"ctxext: converted in {time.perf_counter() - start:.0f} s", flush=True)
     return target
 

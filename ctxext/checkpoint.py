@@ -130,22 +130,10 @@ def check_source(source: str, method_config):
     The plan (ctxext.patching.patch.PatchPlan), which says what the patch does to the model's context."""
     from .loading import load_config
     from .patching.applicable import skeleton
-    from .patching.patch import check_not_shorter, plan_patch
+    from .patching.patch import check_not_shorter
 
-    mc = method_config
-    plan = plan_patch(
-        skeleton(load_config(source)),
-        mc.method,
-        mc.factor,
-        mc.original_max_position_embeddings,
-        mc.logn,
-        mc.layer_types,
-        mc.query_temperature,
-        replace_shipped=mc.replace_shipped,
-        target_length=mc.target_length,
-        **mc.params,
-    )
-    check_not_shorter(plan, mc.allow_shorter)
+    plan = method_config.plan(skeleton(load_config(source)))
+    check_not_shorter(plan, method_config.allow_shorter)
     return plan
 
 

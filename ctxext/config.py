@@ -108,6 +108,24 @@ class MethodConfig:
             **self.params,
         )
 
+    def plan(self, model):
+        """What `patch` would decide for this config on `model` (ctxext.patching.patch.PatchPlan), changing nothing,
+        or its one-line refusal; a shorter context is not refused here (`check_not_shorter` is the caller's)."""
+        from .patching.patch import plan_patch
+
+        return plan_patch(
+            model,
+            self.method,
+            self.factor,
+            self.original_max_position_embeddings,
+            self.logn,
+            self.layer_types,
+            self.query_temperature,
+            replace_shipped=self.replace_shipped,
+            target_length=self.target_length,
+            **self.params,
+        )
+
     @property
     def extension(self) -> dict:
         """The keys that say where the extension counts from, as `patch` takes them (only those set)."""

