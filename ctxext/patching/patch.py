@@ -243,32 +243,15 @@ def plan_patch(
         check_can_install(host, attention, int(round(L * method_params.factor)), layout, layers)
     left_alone = ()
     if attention.remap is not None and chosen:  # a type whose every layer slides within L keeps what it shipped
-        remapped = {layout.layer_types[i] for i in layers}
-        left_alone = tuple(key for key in chosen if key not in remapped)
-        chosen = tuple(key for key in chosen if key in remapped)
+        chosen, left_alone = _split_by_remapped_layers(chosen, layout, layers)
         keys = chosen
     shipped = kept_shipped_frequencies(record, keys) if attention.remap is not None else ()
-    composed_written = {
-        key: composed_rope_parameters(
-            record.of(key),
-            spec,
-            method_params,
-            trained_frequencies(_unpatched_rotary(host), record.of(key)),
-            record.trained_context,
-            record.original_length,
-            int(round(L * method_params.factor)),
-        )
-        for key in ext.composed
-    }
-    shipped += tuple(key for key, written in composed_written.items() if written is None)
-    composed_written = {key: written for key, written in composed_written.items() if written is not None}
+    composed_written = _composed_rope_parameters(host, record, ext.composed, spec, method_params, L)
+    shipped += tuple(key for key in ext.composed if key not in composed_written)  # composing changed nothing
     written = rope_parameters_to_write(
         host, layout, keys, spec, method_params, L, native_temperature, shipped, composed_written
     )
-    # transformers' dynamic update only recomputes frequencies past max_position_embeddings, so dynamic
-    # types must keep L there for a saved checkpoint to behave the same after reloading.
-    grows = any("dynamic" in values["rope_type"] for values in written.values())
-    new_context = L if grows else int(round(L * method_params.factor))
+    new_context = L if follows_length(written) else int(round(L * method_params.factor))
     if shipped:  # the kept scaling still reaches as far as it did
         new_context = max(new_context, record.max_position_embeddings)
     return PatchPlan(
@@ -291,12 +274,42 @@ def plan_patch(
     )
 
 
+def _split_by_remapped_layers(chosen: tuple, layout: RopeLayout, layers: tuple) -> tuple[tuple, tuple]:
+    """(the chosen layer types with a layer a remapping method goes on, the chosen types it leaves as shipped)."""
+    remapped = {layout.layer_types[i] for i in layers}
+    return tuple(key for key in chosen if key in remapped), tuple(key for key in chosen if key not in remapped)
+
+
+def _composed_rope_parameters(host: nn.Module, record: RopeRecord, keys: tuple, spec, method_params, L: int) -> dict:
+    """{layer type: the rope parameters of the method composed with its shipped scaling} for `keys`
+    (ctxext.patching.compose), leaving out a type where composing changes nothing (method none)."""
+    written = {
+        key: composed_rope_parameters(
+            record.of(key),
+            spec,
+            method_params,
+            trained_frequencies(_unpatched_rotary(host), record.of(key)),
+            record.trained_context,
+            record.original_length,
+            int(round(L * method_params.factor)),
+        )
+        for key in keys
+    }
+    return {key: values for key, values in written.items() if values is not None}
+
+
+def follows_length(written: dict) -> bool:
+    """Whether the written rope parameters follow the length (a dynamic type). transformers' dynamic update only
+    recomputes frequencies past max_position_embeddings, so such a patch keeps L there, and never shortens the
+    context it reaches."""
+    return any("dynamic" in values["rope_type"] for values in written.values())
+
+
 def check_not_shorter(plan: PatchPlan, allow_shorter: bool = False) -> None:
     """Refuse, in one line, a patch that leaves the model less context than the trained context C it has now (a
     dynamic method, which grows with the length, never does), unless `allow_shorter`."""
     boolean("allow_shorter", allow_shorter)
-    grows = any("dynamic" in values["rope_type"] for values in plan.written.values())
-    if grows or allow_shorter or plan.max_position_embeddings >= plan.record.trained_context:
+    if follows_length(plan.written) or allow_shorter or plan.max_position_embeddings >= plan.record.trained_context:
         return
     raise CtxextError(
         f"{plan.spec.name} x{plan.params.factor:g} from L = {plan.original_length} gives the model "
