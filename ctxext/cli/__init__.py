@@ -53,6 +53,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "ctxext.cli.check",
         "check that the attention-level methods run exactly here, under every attention implementation",
     ),
+    "serve": (
+        "ctxext.cli.serve",
+        "serve a patched checkpoint over an OpenAI-compatible API (transformers serve, with ctxext's methods)",
+    ),
 }
 
 

@@ -1,0 +1,135 @@
+"""`ctxext serve`: a patched checkpoint behind transformers' own OpenAI-compatible server, ctxext in the process.
+
+transformers 5 ships `transformers serve` (FastAPI + uvicorn: /v1/chat/completions, /v1/completions, streaming).
+It loads a checkpoint with plain `from_pretrained`; with ctxext imported first, ctxext's rope types and load hook
+are registered, so a checkpoint `ctxext patch` wrote comes up with its method installed, attention-level methods
+(self_extend, dual_chunk, gali, rerope, dpe, logn, ...) included. Everything here is checked before the weights
+load: the serving packages, the checkpoint, its method record (a model is built on the meta device from the
+config, which runs the same hook) and the port.
+
+Continuous batching (transformers' paged cache) swaps the attention implementation for its paged kernels, which
+ctxext's attention wrapper does not run under: it is offered for checkpoints whose method only changes the
+rotary frequencies, and refused, with the reason, for attention-level methods, which are served one request at a
+time.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.utils.import_utils import is_serve_available
+
+from . import patching  # noqa: F401  (registers ctxext's rope types and load hook before any model loads)
+from .errors import CtxextError
+from .loading import check_model_source, describe_failure, load_config
+from .patching.attention import CONFIG_KEY
+from .runtime import resolve_device, resolve_dtype
+
+SERVE_INSTALL = "pip install 'ctxext[serve]'"  # transformers' serving extra: fastapi, uvicorn, openai, pydantic
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """What `ctxext serve` will start: the checkpoint, where, and how."""
+
+    model: str
+    host: str
+    port: int
+    device: str
+    dtype: str
+    attention_method: str | None  # the attention-level method the checkpoint records, if any
+    continuous_batching: bool
+
+    def describe(self) -> str:
+        method = self.attention_method or "rotary frequencies only"
+        batching = "continuous batching" if self.continuous_batching else "one request at a time"
+        return (
+            f"serving {self.model} ({method}; {self.device}, {self.dtype}; {batching}) "
+            f"at http://{self.host}:{self.port}/v1"
+        )
+
+
+def check_serving_packages() -> None:
+    """transformers' server needs fastapi, uvicorn, pydantic and openai: say so before anything loads."""
+    if not is_serve_available():
+        raise CtxextError(
+            f"ctxext serve needs transformers' serving packages (fastapi, uvicorn, openai): {SERVE_INSTALL}"
+        )
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail at once, not after the weights load, when `host:port` cannot be listened on."""
+    if not 0 < port < 65536:
+        raise CtxextError(f"--port must be between 1 and 65535, got {port}")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            reason = "already in use" if error.errno == errno.EADDRINUSE else error.strerror
+            raise CtxextError(f"cannot listen on {host}:{port}: {reason}; choose another --port") from error
+
+
+def recorded_attention_method(model: str) -> str | None:
+    """The attention-level method the checkpoint records, after checking that its whole record builds.
+
+    A model is built from the config on the meta device (no weights, no memory): transformers validates the rope
+    parameters and ctxext's load hook installs the recorded attention method, so an unknown rope type or method
+    record fails here, as one line, rather than inside the server.
+    """
+    config = load_config(model)
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config)
+    except (CtxextError, ValueError, KeyError, TypeError) as error:
+        raise CtxextError(f"'{model}' records a method ctxext cannot install: {describe_failure(error)}") from error
+    record = getattr(config, CONFIG_KEY, None) or {}
+    return record.get("method")
+
+
+def plan_serve(
+    model: str, host: str, port: int, device: str, dtype: str, continuous_batching: bool = False
+) -> ServePlan:
+    """Every check `ctxext serve` makes before loading weights, and the settings it will serve with."""
+    check_serving_packages()
+    check_model_source(model)
+    method = recorded_attention_method(model)
+    if continuous_batching and method:
+        raise CtxextError(
+            f"--continuous-batching runs transformers' paged attention kernels, which do not run ctxext's "
+            f"'{method}' attention; serve it without --continuous-batching (one request at a time)"
+        )
+    check_port_free(host, port)
+    chosen = resolve_device(device)
+    return ServePlan(
+        model=model,
+        host=host,
+        port=port,
+        device=str(chosen),
+        dtype=DTYPE_NAMES[resolve_dtype(dtype, chosen)],
+        attention_method=method,
+        continuous_batching=continuous_batching,
+    )
+
+
+def start_server(plan: ServePlan, blocking: bool = True):
+    """transformers' `Serve` with the checkpoint preloaded; `blocking` False returns it running in a thread
+    (stop it with `.kill_server()`)."""
+    from transformers.cli.serve import Serve  # noqa: PLC0415  (imports fastapi and uvicorn: the serve extra)
+
+    try:
+        return Serve(
+            force_model=plan.model,
+            continuous_batching=plan.continuous_batching,
+            device=plan.device,
+            dtype=plan.dtype,
+            host=plan.host,
+            port=plan.port,
+            non_blocking=not blocking,
+        )
+    except (OSError, ValueError, KeyError, RuntimeError) as error:
+        raise CtxextError(f"could not serve '{plan.model}': {describe_failure(error)}") from error

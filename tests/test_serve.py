@@ -1,0 +1,130 @@
+"""`ctxext serve`: transformers' OpenAI-compatible server with ctxext's method in the serving process.
+
+The oracle is the patched checkpoint itself: loaded with plain `from_pretrained` after `import ctxext`, its greedy
+continuation is what the server must answer, through the real `openai` client (completion, chat completion,
+streaming). The prompt is chosen so that the unpatched model answers differently, so a server that lost the
+method fails. Bad input is one line and exit code 2, before any weights load.
+"""
+
+import json
+import shutil
+import socket
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ctxext.cli import main
+from tests.conftest import save_tiny_checkpoint, tiny_model
+
+openai = pytest.importorskip("openai", reason="the serve extra: pip install 'ctxext[serve]'")
+
+# self_extend with a window well inside the tiny model's L = 64: a 120-token prompt is remapped, and for this
+# prompt (seed 1) the greedy answers of the patched and the plain model differ.
+PROMPT = " ".join(f"w{(i * 17) % 256}" for i in range(120))
+NEW_TOKENS = 8
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    source = save_tiny_checkpoint(root / "plain", tiny_model("llama", seed=1))
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(source)
+    patched = root / "self_extend"
+    args = ["patch", source, "--method", "self_extend", "--factor", "2", "--window", "16", "-o", patched]
+    assert main([str(a) for a in args]) == 0
+    return source, patched
+
+
+def greedy_answer(path) -> str:
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1] :])
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints):
+    from ctxext.serve import plan_serve, start_server
+
+    _, patched = checkpoints
+    plan = plan_serve(str(patched), "localhost", free_port(), "cpu", "fp32")
+    running = start_server(plan, blocking=False)
+    client = openai.OpenAI(base_url=f"http://localhost:{plan.port}/v1", api_key="none", max_retries=20)
+    yield client, str(patched)
+    running.kill_server()
+
+
+def test_the_prompt_tells_the_patched_model_from_the_plain_one(checkpoints):
+    source, patched = checkpoints
+    assert greedy_answer(patched) != greedy_answer(source)
+
+
+def test_completion_is_the_patched_models_greedy_answer(server, checkpoints):
+    client, model = server
+    reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0)
+    assert reply.choices[0].text == greedy_answer(checkpoints[1])
+
+
+def test_chat_completion_and_streaming_give_the_same_answer(server, checkpoints):
+    client, model = server
+    expected = greedy_answer(checkpoints[1])
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=NEW_TOKENS, temperature=0
+    )
+    assert chat.choices[0].message.content == expected
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream) == expected
+
+
+def serve_cli(capsys, *argv) -> tuple[int, str]:
+    code = main(["serve", *map(str, argv)])
+    return code, capsys.readouterr().err
+
+
+def test_a_missing_checkpoint_is_one_line(tmp_path, capsys):
+    code, err = serve_cli(capsys, tmp_path / "nowhere", "--port", free_port())
+    assert code == 2 and err.count("\n") == 1 and "does not exist" in err
+
+
+def test_a_port_in_use_is_one_line_before_loading(checkpoints, capsys):
+    with socket.socket() as taken:
+        taken.bind(("localhost", 0))
+        taken.listen()
+        code, err = serve_cli(capsys, checkpoints[1], "--port", taken.getsockname()[1])
+    assert code == 2 and err.count("\n") == 1 and "already in use" in err
+
+
+def unknown_attention_method(config: dict) -> None:
+    config["ctxext_attention"]["method"] = "no_such_method"
+
+
+def unknown_rope_type(config: dict) -> None:
+    for key in ("rope_parameters", "rope_scaling"):  # ctxext writes both spellings
+        config[key]["rope_type"] = "ctxext_no_such_method"
+
+
+@pytest.mark.parametrize("break_record", [unknown_attention_method, unknown_rope_type])
+def test_an_unknown_method_record_is_one_line(break_record, checkpoints, tmp_path, capsys):
+    broken = shutil.copytree(checkpoints[1], tmp_path / "broken")
+    config = json.loads((broken / "config.json").read_text())
+    break_record(config)
+    (broken / "config.json").write_text(json.dumps(config))
+    code, err = serve_cli(capsys, broken, "--port", free_port())
+    assert code == 2 and err.count("\n") == 1 and "no_such_method" in err
+
+
+def test_continuous_batching_is_refused_for_an_attention_level_method(checkpoints, capsys):
+    code, err = serve_cli(capsys, checkpoints[1], "--port", free_port(), "--continuous-batching")
+    assert code == 2 and err.count("\n") == 1 and "self_extend" in err
