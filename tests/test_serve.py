@@ -128,3 +128,19 @@ def test_an_unknown_method_record_is_one_line(break_record, checkpoints, tmp_pat
 def test_continuous_batching_is_refused_for_an_attention_level_method(checkpoints, capsys):
     code, err = serve_cli(capsys, checkpoints[1], "--port", free_port(), "--continuous-batching")
     assert code == 2 and err.count("\n") == 1 and "self_extend" in err
+
+
+def test_continuous_batching_serves_a_frequency_method(checkpoints, tmp_path):
+    """yarn only changes the rotary frequencies: transformers' paged cache serves it, with the same answer."""
+    from ctxext.serve import plan_serve, start_server
+
+    yarn = tmp_path / "yarn"
+    assert main(["patch", str(checkpoints[0]), "--method", "yarn", "--factor", "2", "-o", str(yarn)]) == 0
+    plan = plan_serve(str(yarn), "localhost", free_port(), "cpu", "fp32", continuous_batching=True)
+    running = start_server(plan, blocking=False)
+    try:
+        client = openai.OpenAI(base_url=f"http://localhost:{plan.port}/v1", api_key="none", max_retries=20)
+        reply = client.completions.create(model=str(yarn), prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0)
+    finally:
+        running.kill_server()
+    assert reply.choices[0].text == greedy_answer(yarn)
