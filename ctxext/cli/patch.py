@@ -108,6 +108,9 @@ def _print_serving(written) -> None:
         if served_length(model) != target
         else None
     )
+    if not written.form.native or written.applied["attention"]:  # no other engine serves it
+        print(f"  serve: ctxext serve {written.output}  ({reason}; other engines: `ctxext export` says which)")
+        return
     if reason:
         print(f"  serve: `ctxext export {written.output}` prints how ({reason})")
         return
