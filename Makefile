@@ -1,6 +1,7 @@
 # The two commands: `make demo` (the offline end-to-end demo) and `make test` (ruff, then the test suite; its slow
 # tier, real processes and real-model end-to-end oracles, is `make test-slow`, which CI runs second).
 # Both create or reuse .venv, installing torch first so that pip never pulls a multi-GB CUDA build by accident.
+# The default tier's budget: 8 minutes on 2 CPU cores from a fresh clone (the docs quote this line; a test checks).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

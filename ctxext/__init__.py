@@ -1,4 +1,4 @@
-"""ctxext: extend the context window of LLaMA, Mistral, Qwen2 and Qwen3 models.
+"""ctxext: extend the context window of Hugging Face RoPE models (LLaMA, Mistral, Qwen, Gemma, Phi and the others).
 
     import ctxext
     ctxext.patch(model, "yarn", factor=4)

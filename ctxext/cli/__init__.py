@@ -66,8 +66,8 @@ def build_parser(command: str | None = None) -> tuple[Parser, Parser | None]:
 
     parser = Parser(
         prog="ctxext",
-        description="Extend the context window of LLaMA, Mistral, Qwen2 and Qwen3 "
-        "models with RoPE scaling: patch a checkpoint, evaluate it, fine-tune it.",
+        description="Extend the context window of Hugging Face RoPE models: see what a model has, compare the "
+        "methods on it, patch a checkpoint, evaluate it, fine-tune it, serve it.",
     )
     parser.add_argument("--version", action="version", version=f"ctxext {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
