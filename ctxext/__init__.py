@@ -10,6 +10,8 @@ transformers as soon as transformers is imported (see registration.py), so check
 with plain `from_pretrained`.
 """
 
+import importlib
+
 from .errors import CtxextError
 
 __version__ = "0.1.0"
@@ -27,8 +29,6 @@ _LAZY = {
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'ctxext' has no attribute '{name}'")
-    import importlib
-
     value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value

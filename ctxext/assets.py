@@ -30,6 +30,10 @@ import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path, PurePosixPath
 
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from .errors import CtxextError, did_you_mean
 from .outputs import new_directory_beside
 
@@ -166,10 +170,6 @@ def converted_checkpoint(gguf_file: Path, target: Path) -> Path:
 
 
 def _convert_gguf(gguf_dir: Path, gguf_name: str, out: Path) -> None:
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:

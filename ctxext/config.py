@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from .errors import CtxextError, did_you_mean
+from .eval.options import parse_length
 from .validate import boolean, whole_number
 
 TOP_LEVEL_KEYS = (
@@ -66,8 +67,8 @@ class MethodConfig:
 
     def validate(self) -> MethodConfig:
         """Raise a CtxextError for anything `patch` would reject, before any model is loaded."""
-        from .methods import get_method
-        from .methods.attention import check_original_length_for_logn, check_query_temperature
+        from .methods import get_method  # noqa: PLC0415 -- torch stays out of --help
+        from .methods.attention import check_original_length_for_logn, check_query_temperature  # noqa: PLC0415 -- torch stays out of --help
 
         spec = get_method(self.method)
         spec.make_params(factor=self.factor, **self.params)
@@ -79,8 +80,6 @@ class MethodConfig:
         boolean("replace_shipped", self.replace_shipped)
         boolean("allow_shorter", self.allow_shorter)
         if isinstance(self.target_length, str):  # '256k', as every length flag takes it
-            from .eval.options import parse_length
-
             self.target_length = parse_length(self.target_length, "target_length")
         self.target_length = whole_number("target_length", self.target_length, allow_none=True)
         if self.logn and self.original_max_position_embeddings is not None:
@@ -94,7 +93,7 @@ class MethodConfig:
         return self
 
     def apply(self, model):
-        from .patching import patch
+        from .patching import patch  # noqa: PLC0415 -- torch stays out of --help
 
         return patch(
             model,
@@ -111,7 +110,7 @@ class MethodConfig:
     def plan(self, model):
         """What `patch` would decide for this config on `model` (ctxext.patching.patch.PatchPlan), changing nothing,
         or its one-line refusal; a shorter context is not refused here (`check_not_shorter` is the caller's)."""
-        from .patching.patch import plan_patch
+        from .patching.patch import plan_patch  # noqa: PLC0415 -- torch stays out of --help
 
         return plan_patch(
             model,
@@ -147,8 +146,8 @@ class MethodConfig:
     @property
     def label(self) -> str:
         """A short name for tables and plots, e.g. 'yarn x4', 'ntk_mixed x4 +logn', 'rerope w512', 'self_extend G4 w1024'."""
-        from .methods import get_method
-        from .methods.remapping import RemapParams
+        from .methods import get_method  # noqa: PLC0415 -- torch stays out of --help
+        from .methods.remapping import RemapParams  # noqa: PLC0415 -- torch stays out of --help
 
         params = get_method(self.method).make_params(factor=self.factor, **self.params)
         if isinstance(params, RemapParams):  # no scale: name the settings, e.g. the window
@@ -176,7 +175,7 @@ class MethodConfig:
         method = values.pop("method", "none")
         if not isinstance(method, str):
             raise CtxextError(f"'method' must be a method name, got {method!r}")
-        from .methods import get_method
+        from .methods import get_method  # noqa: PLC0415 -- torch stays out of --help
 
         spec = get_method(method)
         allowed = list(TOP_LEVEL_KEYS) + [f.name for f in dataclasses.fields(spec.params_cls) if f.name != "factor"]

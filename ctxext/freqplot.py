@@ -9,6 +9,7 @@ import torch
 
 from .config import MethodConfig
 from .methods import compute_inv_freq, get_method, rope_inv_freq
+from .outputs import new_figure, save_figure
 
 
 def frequency_ratios(
@@ -25,8 +26,6 @@ def frequency_ratios(
 def plot_frequency_ratios(
     configs: list[MethodConfig], rotary_dim: int, base: float, original_length: int, path, seq_len: int | None = None
 ) -> None:
-    from .outputs import new_figure, save_figure
-
     pairs = torch.arange(rotary_dim // 2)
     wavelengths = 2 * math.pi / rope_inv_freq(rotary_dim, base).double()
     fig = new_figure(figsize=(8, 4.8))

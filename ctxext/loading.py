@@ -13,6 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as transformers_logging
 
 from .errors import CtxextError, first_line
 
@@ -57,8 +60,6 @@ def check_model_source(name_or_path: str) -> None:
 
 def load_config(name_or_path: str):
     """The model's config alone (cheap): lets commands reject unsupported models before loading weights."""
-    from transformers import AutoConfig
-
     check_model_source(name_or_path)
     try:
         return AutoConfig.from_pretrained(name_or_path)
@@ -75,10 +76,6 @@ def load_model(
 ):
     """A causal LM from a local directory or a hub id, as a clear CtxextError when it cannot be loaded.
     `progress` False: without transformers' own bars (loading weights, downloads), as --no-progress promises."""
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as transformers_logging
-
     check_model_source(name_or_path)
     bars_were_on = transformers_logging.is_progress_bar_enabled()
     if not progress:
@@ -122,8 +119,6 @@ def load_tokenizer(name_or_path: str, optional: bool = False):
     `optional` (what `ctxext patch` asks, which only copies it): None for a local directory with no tokenizer
     files at all (a training checkpoint: weights and config.json); a tokenizer that is there but broken, or a
     hub id's, still fails as one line. Commands that turn text into tokens (eval, passkey) leave it False."""
-    from transformers import AutoTokenizer
-
     path = Path(name_or_path).expanduser()
     if optional and path.is_dir() and not has_tokenizer_files(path):
         return None

@@ -15,12 +15,22 @@ import contextlib
 import hashlib
 import json
 import os
+import platform
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import torch
+from matplotlib.figure import Figure
+from safetensors import safe_open
+
+from . import __version__
 from .errors import CtxextError
+from .runtime import machine_description
 
 MARKER = ".ctxext-output"  # in every directory ctxext wrote whole; what --overwrite may replace
 FIGURE_DPI = 120  # every plot ctxext writes
@@ -62,8 +72,6 @@ def save_figure(fig, path: str | Path, dpi: int = FIGURE_DPI) -> None:
 
 def new_figure(**kwargs):
     """A figure that needs no GUI and leaves pyplot's backend alone (it may be a notebook's inline one)."""
-    from matplotlib.figure import Figure
-
     return Figure(**kwargs)
 
 
@@ -187,9 +195,6 @@ def content_fingerprint(checkpoint: str | Path) -> str:
     """A local checkpoint named by what it computes: its config (less the keys that name the transformers release
     that wrote it) and every tensor's name, dtype, shape and bytes. The same model converted by another release,
     on another machine or at another path has the same fingerprint; file sizes and times play no part."""
-    import torch
-    from safetensors import safe_open
-
     path = Path(checkpoint)
     config = {k: v for k, v in json.loads((path / "config.json").read_text()).items() if k not in WRITER_KEYS}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
@@ -204,16 +209,6 @@ def content_fingerprint(checkpoint: str | Path) -> str:
 
 def provenance() -> dict:
     """Library versions, machine, device and time: enough to tell where a number came from."""
-    import platform
-    import sys
-    from datetime import datetime, timezone
-    from importlib.metadata import PackageNotFoundError, version
-
-    import torch
-
-    from . import __version__
-    from .runtime import machine_description
-
     info = {"ctxext": __version__, "torch": torch.__version__}
     for package in ("transformers", "accelerate", "datasets"):
         with contextlib.suppress(PackageNotFoundError):

@@ -13,7 +13,11 @@ import platform
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list, gather_object, parse_flag_from_env
+from transformers.utils import is_flash_attn_2_available
 
+from .compat import reset_accelerate_state
 from .errors import CtxextError, first_line
 
 DTYPES = {
@@ -114,11 +118,8 @@ def attention_implementation(requested: str, device: torch.device, half_precisio
     """'auto': flash_attention_2 on a GPU in bf16/fp16 where it is installed, else sdpa."""
     if requested != "auto":
         return requested
-    if device.type == "cuda" and half_precision:
-        from transformers.utils import is_flash_attn_2_available
-
-        if is_flash_attn_2_available():
-            return "flash_attention_2"
+    if device.type == "cuda" and half_precision and is_flash_attn_2_available():
+        return "flash_attention_2"
     return "sdpa"
 
 
@@ -157,8 +158,6 @@ class Processes:
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if launched == 1 and not always:
             return
-        from accelerate import PartialState
-
         self.state = PartialState(cpu=(not torch.cuda.is_available()) if cpu is None else cpu)
         self.rank, self.world_size = self.state.process_index, self.state.num_processes
         if launched > self.world_size:
@@ -168,8 +167,6 @@ class Processes:
                 "`accelerate launch --multi_gpu --num_processes N` (torchrun; ctxext joins with gloo)"
             )
         if self.world_size == 1:
-            from .compat import reset_accelerate_state
-
             reset_accelerate_state()
 
     @property
@@ -192,15 +189,11 @@ class Processes:
         """Every process's items, concatenated in rank order (on every process)."""
         if self.world_size == 1:
             return list(items)
-        from accelerate.utils import gather_object
-
         return gather_object(list(items))
 
 
 def launched_sharded() -> bool:
     """Whether `accelerate launch` asked for FSDP or DeepSpeed (it says so in the environment)."""
-    from accelerate.utils import parse_flag_from_env
-
     return parse_flag_from_env("ACCELERATE_USE_FSDP") or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
 
 
@@ -224,8 +217,6 @@ def on_main_first(processes: Processes, fn) -> None:
                 else f"the main process failed: {type(caught).__name__}: {first_line(caught)}"
             ]
     if processes.world_size > 1:
-        from accelerate.utils import broadcast_object_list
-
         broadcast_object_list(failure)
     if error is not None:
         raise error

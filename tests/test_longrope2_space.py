@@ -232,7 +232,7 @@ def test_a_cma_search_records_the_settings_of_before_the_spaces(tiny_source, tmp
 
 @pytest.mark.slow  # `make test-slow`: CI's second step
 def test_the_critical_search_finds_a_planted_vector_and_resumes_exactly(tmp_path):
-    from ctxext.search.longrope import critical_search
+    from ctxext.search.loop import critical_search
     from ctxext.search.store import TrialStore
 
     space = critical_space(64, 1e5, 2.0, 8192, knots=4)

@@ -18,7 +18,16 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
+from ..config import MethodConfig
 from ..errors import CtxextError
+from ..eval.data import Document, tokens_fingerprint
+from ..eval.passkey import plan_trials, run_passkey
+from ..eval.perplexity import sliding_window_nll, text_tokens_per_window
+from ..outputs import CellCache
+from ..search.loop import InvalidParams
+from ..search.objective import checked_method, score_perplexity
 
 ONE_WINDOW = "one window"
 PASSKEY_SEED = 0  # the table's keys; the needle objective of the searches uses other keys (seed 1)
@@ -48,8 +57,6 @@ def passkey_key(config: dict | None, length: int, trials) -> dict:
 def peak_memory(device):
     """Yields a dict that gets `peak_memory_bytes` (above what was in use before) and `memory_kind`: CUDA's
     allocator peak on a GPU; on a CPU the resident set, sampled every 2 ms (allocations between samples are missed)."""
-    import torch
-
     found = {}
     if getattr(device, "type", str(device)) == "cuda":
         torch.cuda.synchronize(device)
@@ -89,8 +96,6 @@ class Cells:
     """Finds or computes cells on one model. `compute=False` (report-only) finds only; a missing cell is None."""
 
     def __init__(self, folder, context: dict, model_loader, tokenizer, bos_id, machine: str, compute: bool = True):
-        from ..outputs import CellCache
-
         self.cache = CellCache(folder, context)
         self.model_loader = model_loader
         self.tokenizer = tokenizer
@@ -116,9 +121,6 @@ class Cells:
     def perplexity(self, label: str, config: dict | None, document, length: int, native_L: int | None = None):
         """One window over the document's first tokens for a window of `length` (a row), or the unpatched model in
         L-token windows with stride L/2 over the same tokens (native_L=L)."""
-        from ..eval.data import tokens_fingerprint
-        from ..eval.perplexity import sliding_window_nll, text_tokens_per_window
-
         ids = document.ids[: text_tokens_per_window(length, self.bos_id)]
         protocol = native_protocol(native_L) if native_L else ONE_WINDOW
         key = perplexity_key(config, document.name, length, tokens_fingerprint([ids]), protocol)
@@ -138,10 +140,6 @@ class Cells:
         return self._store(key, value, f"{label} @ {length} on {document.name}: {math.exp(nll / tokens):.3f}")
 
     def passkey(self, label: str, config: dict, length: int, depths: list[float], keys_per_depth: int):
-        from ..config import MethodConfig
-        from ..eval.passkey import plan_trials, run_passkey
-        from ..search.objective import checked_method
-
         trials = plan_trials([length], list(depths), keys_per_depth, seed=PASSKEY_SEED)
         key = passkey_key(config, length, trials)
         found = self.cache.get(key)
@@ -161,11 +159,6 @@ class Cells:
 
 
 def score_one_window(model, config: dict, name: str, ids, length: int, bos_id):
-    from ..config import MethodConfig
-    from ..eval.data import Document
-    from ..search.loop import InvalidParams
-    from ..search.objective import score_perplexity
-
     try:
         scored = score_perplexity(model, MethodConfig.from_mapping(config), [Document(name, ids)], length, None, bos_id)
     except InvalidParams as error:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..errors import CtxextError
 from .request import NEEDS_FINE_TUNING, PRESETS, CompareRequest, format_seconds, parse_write_best
+from .searches import search_start
 from .tasks import check_tasks
 
 NONE = "none"  # the unpatched model at each length: a row of every table (and the cost reference)
@@ -57,14 +58,6 @@ def default_config(method: str, length: int, L: int) -> dict | None:
     if method == "theta":
         return None  # 'new_base' is required: the search starts where NTK-aware puts it
     return {"method": method, "factor": length / L}
-
-
-def search_start(method: str, length: int, L: int, rotary_dim: int, base: float) -> dict:
-    """The method mapping a search starts from: its defaults, or for theta the NTK-aware base b * s^(d/(d-2))."""
-    mapping = {"method": method, "factor": length / L}
-    if method == "theta":
-        mapping["new_base"] = base * (length / L) ** (rotary_dim / (rotary_dim - 2))
-    return mapping
 
 
 def is_searchable(method: str) -> bool:

@@ -25,6 +25,10 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from accelerate.utils import broadcast_object_list
+
+from ..runtime import on_main_first
+
 SYNC_DIR = ".processes"  # under the cache folder: one folder per launched compare, removed when it finishes
 POLL_SECONDS = 0.2
 
@@ -52,8 +56,6 @@ def broadcast(value, processes):
     """The main process's `value`, on every process."""
     if processes.world_size == 1:
         return value
-    from accelerate.utils import broadcast_object_list
-
     box = [value if processes.is_main else None]
     broadcast_object_list(box)
     return box[0]
@@ -79,8 +81,6 @@ class MainOnly:
         (`ctxext.runtime.on_main_first`: the main process raises it, the others a CtxextError with its message)."""
         if self.processes.world_size == 1:
             return fn()
-        from ..runtime import on_main_first
-
         self.steps += 1
         done = self.folder / f"{self.steps}.done"
         value = [None]

@@ -1,5 +1,5 @@
 """What `ctxext compare` is asked (typed options, no argparse), and the option parsers it needs: budgets and the
-method selection (names and presets). Importing this module is cheap (no torch)."""
+method selection (names and presets)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..errors import CtxextError, did_you_mean
 from ..eval.setup import DataOptions, RuntimeOptions
+from ..methods import METHODS
 
 DEFAULT_OBJECTIVE = "ppl+needle-ppl"  # keeps retrieval: a perplexity search alone can cost the needle
 DEFAULT_TRIALS = 8  # trials of the last rung of successive halving, without --budget
@@ -119,8 +120,6 @@ def parse_methods(text: str | list[str] | None) -> list[str] | None:
 
 
 def check_method_or_preset(name: str) -> str:
-    from ..methods import METHODS
-
     if name in METHODS or name in PRESETS:
         return name
     known = [*METHODS, *PRESETS]

@@ -26,6 +26,12 @@ from pathlib import Path
 
 from ..errors import CtxextError
 from ..eval.setup import DataOptions, RuntimeOptions
+from ..outputs import write_json
+from ..search.loop import best_trial
+from ..search.plan import SearchRequest
+from ..search.space import collapse_elements
+from ..search.store import read_trials
+from ..search.workflow import run_search
 
 HOLD_ENV = "CTXEXT_COMPARE_HOLD_IN_SEARCH"  # tests only: "N:FILE", held (to be killed) in a search's N-th forward
 SEARCH_SEEDS = {"ppl": 0}  # the needle objectives use seed 1: other keys than the table's passkey (seed 0)
@@ -57,6 +63,14 @@ def fit_trials(target: int, done: dict[str, int], cost: dict[str, float], second
     return best
 
 
+def search_start(method: str, length: int, L: int, rotary_dim: int, base: float) -> dict:
+    """The method mapping a search starts from: its defaults, or for theta the NTK-aware base b * s^(d/(d-2))."""
+    mapping = {"method": method, "factor": length / L}
+    if method == "theta":
+        mapping["new_base"] = base * (length / L) ** (rotary_dim / (rotary_dim - 2))
+    return mapping
+
+
 def search_folder(root: Path, method: str, length: int, objective: str, screen: bool) -> Path:
     """searches/METHOD-LENGTH[-OBJECTIVE][-screen] (the names of scripts/compare_methods.py's searches)."""
     name = f"{method}-{length}" + ("" if objective == "ppl" else f"-{objective}") + ("-screen" if screen else "")
@@ -71,8 +85,6 @@ def model_file(folder: Path) -> Path:
 def adopt_search(folder: Path, model: str, fingerprint: str) -> None:
     """Let a kept search resume where the model sits at another path (another checkout, cache or machine): its
     recorded model path is rewritten, but only when the model is the same one (the fingerprint recorded beside it)."""
-    from ..outputs import write_json
-
     settings = json.loads((folder / "search.json").read_text())
     if settings["model"] == str(model):
         return
@@ -86,15 +98,11 @@ def adopt_search(folder: Path, model: str, fingerprint: str) -> None:
 
 
 def read_history(folder: Path) -> list[dict]:
-    from ..search.store import read_trials
-
     trials = folder / "trials.jsonl"
     return read_trials(trials) if trials.is_file() else []
 
 
 def best_of(history: list[dict]) -> dict | None:
-    from ..search.loop import best_trial
-
     return best_trial(history)
 
 
@@ -111,8 +119,6 @@ def search_pending(folder: Path, wanted: int) -> str | None:
 
 def searched_config(folder: Path) -> tuple[dict | None, dict | None]:
     """(the best trial's method mapping, what the report says of the search) of a kept search; (None, None) if none."""
-    from ..search.space import collapse_elements
-
     history = read_history(folder)
     best = best_of(history)
     if best is None:
@@ -189,9 +195,6 @@ class StudyRunner:
         return data  # a dataset: the calibration documents are its first long-enough ones (checked after planning)
 
     def request(self, method: str, length: int, trials: int, screen: bool, objective: str | None = None):
-        from ..search.plan import SearchRequest
-        from .plan import search_start
-
         plan = self.plan
         documents = plan.calibration[:1] if screen else plan.calibration
         objective = objective or plan.request.objective
@@ -226,9 +229,6 @@ class StudyRunner:
 
     def run(self, method: str, length: int, trials: int, screen: bool = False, objective: str | None = None) -> list:
         """The study's trials after running it to `trials` (or as kept, report-only)."""
-        from ..outputs import write_json
-        from ..search.workflow import run_search
-
         folder = self.folder(method, length, screen, objective)
         history = read_history(folder)
         if len(history) >= trials or not self.compute:

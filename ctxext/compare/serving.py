@@ -7,6 +7,10 @@ import shlex
 from pathlib import Path
 
 from ..errors import CtxextError
+from ..methods import get_method
+from ..patching.record import rope_record
+from ..serving.engines import ServedModel, engine_table
+from ..serving.forms import rope_form
 
 TARGETS = ("ctxext", "vllm", "sglang", "llama.cpp")
 TARGET_NAMES = {"ctxext": "ctxext runtime", "vllm": "vLLM", "sglang": "SGLang", "llama.cpp": "llama.cpp"}
@@ -15,10 +19,6 @@ TARGET_NAMES = {"ctxext": "ctxext runtime", "vllm": "vLLM", "sglang": "SGLang", 
 def compare_form(config: dict, model_config, L: int):
     """The rope form (ctxext.serving.forms.RopeForm) `ctxext patch` writes for `config` (a method mapping) on a model
     with `model_config`, counting from L, on the full-attention layers' base and rotated width (the rope record)."""
-    from ..methods import get_method
-    from ..patching.record import rope_record
-    from ..serving.forms import rope_form
-
     spec = get_method(config["method"])
     params = spec.make_params(**_method_values(config))
     full = rope_record(model_config).full  # the full-attention layers: what an extension scales
@@ -32,8 +32,6 @@ def _method_values(config: dict) -> dict:
 def engine_support(config: dict, model_config, L: int) -> dict[str, dict]:
     """{engine: {"level": exact|approximate|no, "how": ...}} for the checkpoint `ctxext patch` writes for `config`
     (a method mapping) on a model with `model_config`: the written rope form, the method's record, the family."""
-    from ..serving.engines import ServedModel, engine_table
-
     form = compare_form(config, model_config, L)
     record = {
         **_method_values(config),

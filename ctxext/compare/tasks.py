@@ -2,7 +2,7 @@
 the cells of `ctxext tasks` (`ctxext.tasks.harness`: lm_eval.simple_evaluate on HFLM over the patched model, the
 length in the task's metadata, each cell cached as soon as it is done). A row runs with its configuration at that
 length, so a searched row runs with what its search found there. The cells are kept in CACHE/tasks: the same
-command resumes, and --report-only reads them. Importing this module is cheap (no torch, no lm-eval)."""
+command resumes, and --report-only reads them. lm-eval (the `tasks` extra) is imported only where a cell runs."""
 
 from __future__ import annotations
 
@@ -10,6 +10,21 @@ import dataclasses
 from pathlib import Path
 
 from ..errors import CtxextError
+from ..eval.rows import mapping_row
+from ..eval.session import tokenizer_identity
+from ..runtime import Processes
+from ..tasks.harness import (
+    INSTALL_HINT,
+    TaskCellCache,
+    TaskManagers,
+    cell_scores,
+    check_lengths,
+    import_lm_eval,
+    plan_cells,
+    resolve_tasks,
+    run_cells,
+)
+from ..tasks.workflow import parse_task_names
 
 TASKS_DIR = "tasks"  # under the cache folder, beside cells/ and searches/
 BATCH_SIZE = 1
@@ -18,9 +33,6 @@ BATCH_SIZE = 1
 def check_tasks(names: list[str], lengths: list[int]) -> list:
     """The TaskSpecs of --tasks, checked before any weights load: lm-eval installed, every name known to it, and
     lengths its data builders take (RULER: 1024 tokens or more)."""
-    from ..tasks.harness import INSTALL_HINT, TaskManagers, check_lengths, import_lm_eval, resolve_tasks
-    from ..tasks.workflow import parse_task_names
-
     names = parse_task_names(",".join(names))
     try:
         import_lm_eval()
@@ -40,15 +52,11 @@ def tokenizer_name(model: str) -> str:
 
 def row_method(label: str, config: dict, model_config):
     """The row's configuration at one length as the EvalMethod the task cells patch in, under the row's label."""
-    from ..eval.rows import mapping_row
-
     return dataclasses.replace(mapping_row(config, model_config), label=label)
 
 
 def common_key(plan, lm_eval_version: str) -> dict:
     """What every task cell of this compare depends on besides its row's configuration, task and length."""
-    from ..eval.session import tokenizer_identity
-
     device = plan.runtime["device"]
     return {
         "model": plan.fingerprint,
@@ -65,8 +73,6 @@ def common_key(plan, lm_eval_version: str) -> dict:
 
 def row_cells(plan, rows, skip: dict) -> list[tuple[str, int, list]]:
     """(label, length, the harness cells) for every row with a configuration at a length, rows in `skip` left out."""
-    from ..tasks.harness import plan_cells
-
     planned = []
     for row in rows:
         for length in plan.lengths:
@@ -82,10 +88,7 @@ def run_task_cells(plan, rows, model_loader, compute: bool, measured, report) ->
     """Find (and, when `compute`, run) every row's task cells at every length into `measured.tasks[(label,
     length)]` (score rows: task, metric, value, samples); a cell not found is listed in `measured.missing`. The model
     is loaded only when a cell has to run."""
-    import lm_eval
-
-    from ..runtime import Processes
-    from ..tasks.harness import TaskCellCache, TaskManagers, cell_scores, run_cells
+    import lm_eval  # noqa: PLC0415 -- optional: tasks
 
     cache = TaskCellCache(plan.request.cache_dir / TASKS_DIR)
     managers, processes = TaskManagers([spec.name for spec in plan.task_specs]), Processes()

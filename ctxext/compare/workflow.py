@@ -13,14 +13,27 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
+from .. import loading
+from ..checkpoint import write_patched_checkpoint
+from ..config import MethodConfig
 from ..errors import CtxextError
+from ..runtime import Processes, machine_description
+from .cells import Cells
+from .page import write_page
 from .plan import NONE, ComparePlan, default_config, plan_compare
+from .processes import MainOnly, alone, my_share
+from .report import report_results, write_report
 from .request import BUDGET_TRIALS_CAP, DEFAULT_TRIALS, CompareRequest
+from .searches import StudyRunner, read_history, search_pending, searched_config, successive_halving
+from .tasks import run_task_cells
 
 
 @dataclass
@@ -79,11 +92,6 @@ class Session:
     """One compare: the plan, the model (loaded on first need), the cells, the searches and the rows so far."""
 
     def __init__(self, plan: ComparePlan, log: Callable[[str], None]):
-        from ..runtime import Processes, machine_description
-        from .cells import Cells
-        from .processes import MainOnly
-        from .searches import StudyRunner
-
         self.processes = plan.processes or Processes()
         self.plan, self.say = plan, log
         self.log = log if self.processes.is_main else (lambda line: None)  # the other processes: their cells only
@@ -107,11 +115,9 @@ class Session:
 
     def load_model(self):
         if self.model is None:
-            from ..loading import load_model
-
             runtime = self.plan.runtime
             self.log(f"loading {self.request.model} ({self.plan.dtype_label} on {runtime['device']})")
-            self.model = load_model(
+            self.model = loading.load_model(
                 self.request.model,
                 dtype=runtime["dtype"],
                 device=runtime["device"],
@@ -133,8 +139,6 @@ class Session:
     def searched_rows(self) -> list[Row]:
         if self.request.full_searches:
             return self.full_search_rows()
-        from .searches import searched_config
-
         plan, rows = self.plan, []
         for method in plan.methods:
             searched_at = [n for n in plan.lengths if any(method in r["methods"] for r in self.halving_at(n))]
@@ -156,8 +160,6 @@ class Session:
     def full_search_rows(self) -> list[Row]:
         """One row per method and --full-search kind that covers it: the first kind's rows are 'METHOD (searched)',
         the others' 'METHOD (searched, OBJECTIVE)'; a length whose search is not done has no configuration yet."""
-        from .searches import search_pending, searched_config
-
         plan, rows = self.plan, []
         for method in plan.searchable:
             for index, kind in enumerate(self.request.full_searches):
@@ -230,8 +232,6 @@ class Session:
         """This process's share of a stage's cells (ctxext.compare.processes.my_share), into the cache only. The
         order does not depend on failures, so every process takes the same one; a cell that fails is left to the
         main process, which computes it again as it measures and records why."""
-        from .processes import alone, my_share
-
         processes = self.processes
         mine = my_share(list(self.cell_jobs(rows, with_native, failed={})), processes.rank, processes.world_size)
         progress = self.progress_of(len(mine) if processes.is_main else 0, f"{what} (this process's share)")
@@ -278,8 +278,6 @@ class Session:
     # ------------------------------------------------------------------------------------- budget
     def spent_seconds(self) -> float:
         """Seconds recorded in the cells and trials this compare uses (so a resumed run decides the same)."""
-        from .searches import read_history
-
         m = self.measured
         cells = [*m.perplexity.values(), *m.native.values(), *m.passkey.values()]
         seconds = math.fsum(c.get("seconds", 0.0) for c in cells)
@@ -306,10 +304,6 @@ class Session:
     def run_progress(self, total: int, what: str):
         if not self.request.runtime.progress:
             return None
-        import sys
-
-        from tqdm.auto import tqdm
-
         return tqdm(total=total, unit="cell", desc=what, dynamic_ncols=True, file=sys.stderr)
 
     def stage_cells(self, rows: list[Row], with_native: bool, what: str) -> None:
@@ -340,8 +334,6 @@ class Session:
 
     def stage_tasks(self, rows: list[Row]) -> None:
         """--tasks: every row's lm-eval task cells at every length (found, or computed unless report-only)."""
-        from .tasks import run_task_cells
-
         if self.plan.task_specs:
             run_task_cells(self.plan, rows, self.load_model, self.compute, self.measured, self.log)
 
@@ -364,8 +356,6 @@ class Session:
         self.halving = self.main_only.run(searched)
 
     def run_searches(self) -> None:
-        from .searches import successive_halving
-
         request, plan = self.request, self.plan
         if request.full_searches:
             self.stage_full_searches()
@@ -385,8 +375,6 @@ class Session:
 
 def run_compare(request: CompareRequest, log: Callable[[str], None] | None = None) -> CompareResult:
     """Plan, compute what is missing, rank, recommend and write the report of `request`."""
-    from .report import write_report
-
     say = log or (lambda line: None)
     plan = plan_compare(request)  # every check that needs no weights: bad input fails here, nothing written
     session = Session(plan, say)  # under several processes, once every one of them has planned
@@ -417,9 +405,6 @@ def run_compare(request: CompareRequest, log: Callable[[str], None] | None = Non
 
 def write_outputs(session: Session, rows: list[Row], final: bool = True) -> dict:
     """The report in OUTPUT (when given) and the one-page layout at --page (when asked); results.json's record."""
-    from .page import write_page
-    from .report import report_results, write_report
-
     if session.request.page is not None:
         write_page(session, rows, Path(session.request.page), final=final)
     if session.request.output is None:
@@ -439,9 +424,6 @@ def header(plan: ComparePlan) -> str:
 
 def write_best(session: Session, results: dict) -> Path:
     """The recommended row for --write-best's target, written as a checkpoint (the code of `ctxext patch`)."""
-    from ..checkpoint import write_patched_checkpoint
-    from ..config import MethodConfig
-
     target, folder = session.plan.write_best
     chosen = results["recommendations"].get(target)
     if chosen is None:

@@ -12,8 +12,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import datasets
 import torch
 
+from .. import assets
 from ..errors import CtxextError, did_you_mean, first_line
 
 
@@ -128,8 +130,6 @@ def shakespeare_documents(spec: str | None) -> Iterator[tuple[str, str]]:
     Otherwise a comma-separated list of documents, each one text stem or several joined by '+', e.g.
     "hamlet_gut+richard_iii_gut,othello_gut" (Hamlet followed by Richard III is the docs/METHODS.md stream).
     """
-    from .. import assets
-
     if not spec:
         folder = assets.shakespeare_dir()
         # The *_gut_f files are First Folio duplicates of the *_gut ones.
@@ -149,8 +149,6 @@ def load_hf_dataset(name: str, split: str | None, config: str | None, streaming:
 
     Returns (dataset, source description, text field default, whether rows are one stream).
     """
-    import datasets
-
     path = Path(name).expanduser()
     try:
         if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import CtxextError
+from ..runtime import Processes
 from .perplexity import evaluation_mode
 
 TASK = (
@@ -129,8 +130,6 @@ def run_passkey(
     model: nn.Module, tokenizer, trials: list[Trial], methods, bos_token_id: int | None, processes=None, progress=None
 ) -> list[dict]:
     """One record per (method, trial): key, depth, length, prompt tokens, output, correct. Same on every process."""
-    from ..runtime import Processes
-
     processes = processes or Processes()
     prompts = {}
     records = []

@@ -8,9 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CtxextError
-from ..outputs import provenance
+from ..outputs import atomic_output_dir, atomic_write_text, check_output_dir, provenance, write_json
 from .options import DEFAULT_LENGTHS, parse_lengths
+from .passkey import NEW_TOKENS, accuracy_rows, plan_trials, run_passkey
+from .report import passkey_table, plot_passkey_heatmap, write_csv
 from .rows import MethodSelection
+from .session import EvalSession
 from .setup import Invocation, RuntimeOptions
 
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -39,8 +42,6 @@ class PasskeyRequest:
         self.methods.mappings()  # bad method flags fail before anything is loaded
         protected = [self.model] if Path(self.model).exists() else []
         if self.output is not None:
-            from ..outputs import check_output_dir
-
             check_output_dir(self.output, protected, self.overwrite)
         return protected
 
@@ -60,8 +61,6 @@ class PasskeyResult:
 
 
 def passkey_protocol(request: PasskeyRequest, bos: dict) -> dict:
-    from .passkey import NEW_TOKENS
-
     return {
         "name": "passkey retrieval (Landmark / YaRN format), ctxext docs/METHODS.md",
         "decoding": f"greedy, {NEW_TOKENS} new tokens",
@@ -77,10 +76,6 @@ def passkey_protocol(request: PasskeyRequest, bos: dict) -> dict:
 def evaluate_passkey(request: PasskeyRequest, report=None) -> PasskeyResult:
     """Passkey accuracy of every method per length and depth; writes request.output (when given) on the main
     process. `report(line)` is told what runs."""
-    from .passkey import accuracy_rows, plan_trials, run_passkey
-    from .report import passkey_table
-    from .session import EvalSession
-
     started = time.perf_counter()
     protected = request.check()
     session = EvalSession.open(request.model, request.methods, request.runtime)
@@ -124,9 +119,6 @@ def evaluate_passkey(request: PasskeyRequest, report=None) -> PasskeyResult:
 
 
 def write_passkey_outputs(result: PasskeyResult, request: PasskeyRequest, protected: list[str]) -> None:
-    from ..outputs import atomic_output_dir, atomic_write_text, write_json
-    from .report import plot_passkey_heatmap, write_csv
-
     labels = result.labels
     with atomic_output_dir(request.output, protected, request.overwrite) as staging:
         write_json(staging / "results.json", result.payload, allow_nan=True)

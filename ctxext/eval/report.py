@@ -7,6 +7,8 @@ import csv
 import math
 from pathlib import Path
 
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
 from ..outputs import atomic_file, new_figure, save_figure
 
 
@@ -82,7 +84,6 @@ def plot_perplexity(
         ax.text(original_length, ax.get_ylim()[1], " original context L", va="top", fontsize=8, color="grey")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
     # Plain numbers on the log axis: perplexities rarely span a decade, so decade ticks alone would say little.
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0)))

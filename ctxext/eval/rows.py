@@ -4,7 +4,7 @@
 loaded checkpoint means the same thing everywhere: a dynamic rope type is computed statelessly (each forward at
 its own length, see `ctxext.patching.rope_types.stateless_method_for`), a scaled checkpoint's recorded
 pre-training length is the L every method scales from, and `none` on a plain checkpoint is the model as loaded.
-No torch at import: the command line validates the flags with `MethodSelection.mappings` before any model loads.
+The command line validates the flags with `MethodSelection.mappings` before any model loads.
 """
 
 from __future__ import annotations
@@ -13,7 +13,14 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..config import TOP_LEVEL_KEYS, MethodConfig, read_yaml_mapping
 from ..errors import CtxextError, did_you_mean
+from ..methods import METHODS, get_method
+from ..methods.remapping import DpeParams, RemapParams
+from ..patching import rotary_host, unpatch
+from ..patching.attention import installed_settings, set_attention_tuning
+from ..patching.record import rope_record
+from ..patching.rope_types import stateless_method_for
 
 AS_LOADED = {"method": "none", "as_loaded": True}
 
@@ -34,9 +41,6 @@ class EvalMethod:
     kept_keys: bool = field(default=True, compare=False)
 
     def apply(self, model) -> None:
-        from ..patching import rotary_host, unpatch
-        from ..patching.attention import installed_settings, set_attention_tuning
-
         if self.config is None:
             unpatch(model)
         else:
@@ -47,8 +51,6 @@ class EvalMethod:
             set_attention_tuning(model, keep_keys=False)
 
     def remove(self, model) -> None:
-        from ..patching import unpatch
-
         unpatch(model)
 
 
@@ -70,8 +72,6 @@ class MethodSelection:
     def mappings(self) -> list[dict] | None:
         """One validated flat mapping per method asked for (None: none asked for); an unknown method or key
         fails here, before any model is loaded."""
-        from ..config import MethodConfig
-
         base, entries = self._config_entries()
         if entries is None:
             if self.methods:
@@ -90,8 +90,6 @@ class MethodSelection:
 
     def _config_entries(self) -> tuple[dict, list[dict] | None]:
         """(keys shared by every method, the sweep's entries or None) from the YAML, if any."""
-        from ..config import read_yaml_mapping
-
         if self.config is None:
             return {}, None
         data = read_yaml_mapping(self.config)
@@ -110,9 +108,6 @@ class MethodSelection:
 
 def apply_overrides(mappings: list[dict], overrides: dict) -> None:
     """Set each flag on every mapping whose method has that key; a flag no method has is an error."""
-    from ..config import TOP_LEVEL_KEYS
-    from ..methods import METHODS, get_method
-
     for key, value in overrides.items():
         used = False
         for mapping in mappings:
@@ -132,8 +127,6 @@ def apply_overrides(mappings: list[dict], overrides: dict) -> None:
 # ------------------------------------------------------------------------------------------------- rows
 def _shipped_record(model_config):
     """The model's rope record, or None for a model without RoPE (evaluated as loaded)."""
-    from ..patching.record import rope_record
-
     try:
         return rope_record(model_config)
     except CtxextError:
@@ -154,9 +147,6 @@ def _loaded_is_plain(model_config) -> bool:
 def as_loaded_row(model_config) -> EvalMethod:
     """The model as loaded; a dynamic rope type through its stateless ctxext method (the same numbers whatever
     order the windows come in)."""
-    from ..config import MethodConfig
-    from ..patching.rope_types import stateless_method_for
-
     rope = _rope_parameters(model_config)
     if _loaded_is_plain(model_config):
         return EvalMethod("none", None, dict(AS_LOADED))
@@ -174,8 +164,6 @@ def as_loaded_row(model_config) -> EvalMethod:
 def mapping_row(mapping: dict, model_config, source: str | None = None) -> EvalMethod:
     """One method mapping as a row; on a model that ships a scaling, the method extends from its trained context C
     as `ctxext patch` does (ctxext.patching.compose)."""
-    from ..config import MethodConfig
-
     config = MethodConfig.from_mapping(mapping, source=source)
     if config.method == "none" and _loaded_is_plain(model_config):
         return EvalMethod("none", None, dict(AS_LOADED))
@@ -184,8 +172,6 @@ def mapping_row(mapping: dict, model_config, source: str | None = None) -> EvalM
 
 def baseline_row(model_config) -> EvalMethod:
     """Plain RoPE: the model as loaded when it is plain, else `none` patched in."""
-    from ..config import MethodConfig
-
     if _loaded_is_plain(model_config):
         return EvalMethod("none", None, dict(AS_LOADED))
     plain = MethodConfig("none", replace_shipped=True, allow_shorter=True)  # the shipped scaling replaced by none
@@ -213,9 +199,6 @@ def beyond_training_notes(
     at some of `lengths` (e.g. SelfExtend's default G 4 at 8x): what it reaches, and the setting that stays
     below L. DPE moves r' past L on purpose, except on the rotary pairs whose wavelength (`wavelengths`, one per
     pair, in tokens) exceeds L: they saw less than one whole period in training, and are checked alone."""
-    from ..methods import get_method
-    from ..methods.remapping import DpeParams, RemapParams
-
     notes = []
     for row in rows:
         config = row.config
@@ -264,7 +247,6 @@ def _settings(row: EvalMethod, defaults: bool = False) -> dict:
     row's factor instead): what rows of one label can differ in."""
     if row.config is None:
         return {}
-    from ..methods import get_method
 
     config = row.config
     params = get_method(config.method).make_params(factor=config.factor, **({} if defaults else config.params))

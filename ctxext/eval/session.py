@@ -9,8 +9,22 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .rows import MethodSelection, method_rows
-from .setup import RuntimeOptions, bos_choice, load_model_and_tokenizer, model_description, progress_bar
+from ..compat import hub_commit
+from ..errors import CtxextError
+from ..loading import load_config
+from ..outputs import content_fingerprint
+from ..patching.applicable import skeleton
+from ..patching.families import rotary_wavelengths
+from ..runtime import Processes, cpu_processes
+from .rows import MethodSelection, beyond_training_notes, method_rows
+from .setup import (
+    RuntimeOptions,
+    bos_choice,
+    load_model_and_tokenizer,
+    model_description,
+    original_length,
+    progress_bar,
+)
 
 
 @dataclass
@@ -27,8 +41,6 @@ class EvalSession:
 
     @classmethod
     def open(cls, name: str, selection: MethodSelection, options: RuntimeOptions, processes=None) -> EvalSession:
-        from ..runtime import Processes, cpu_processes
-
         processes = processes or Processes(cpu=cpu_processes(options.device))
         check_methods_apply(name, selection)
         model, tokenizer, runtime = load_model_and_tokenizer(name, options, processes)
@@ -44,10 +56,6 @@ class EvalSession:
         )
 
     def beyond_training_notes(self, lengths: list[int]) -> list[str]:
-        from ..patching.families import rotary_wavelengths
-        from .rows import beyond_training_notes
-        from .setup import original_length
-
         return beyond_training_notes(self.methods, lengths, original_length(self.model), rotary_wavelengths(self.model))
 
     def description(self) -> dict:
@@ -73,10 +81,6 @@ def check_methods_apply(name: str, selection: MethodSelection) -> None:
     layer type it does not have, a method its layout or its shape cannot take. Asked of the model's config alone, on
     a meta-device skeleton (ctxext.patching.applicable), before any weights load or any cell is computed, as
     `ctxext patch` asks before it writes anything (ctxext.checkpoint.check_source)."""
-    from ..errors import CtxextError
-    from ..loading import load_config
-    from ..patching.applicable import skeleton
-
     config = load_config(name)
     rows = [row for row in method_rows(selection, config) if row.config is not None]
     if not rows:  # the model as loaded: nothing is patched in (a model without RoPE is evaluated so)
@@ -92,8 +96,6 @@ def check_methods_apply(name: str, selection: MethodSelection) -> None:
 def model_identity(name: str, model) -> dict:
     """What names the weights an eval cell was computed with: a local checkpoint's content (ctxext.outputs.
     content_fingerprint), else `model_files_key`."""
-    from ..outputs import content_fingerprint
-
     path = Path(name)
     if path.is_dir() and any(path.glob("*.safetensors")):
         return {"content": content_fingerprint(path)}
@@ -125,8 +127,6 @@ def model_files_key(name_or_path: str, model) -> dict:
     path = Path(name_or_path)
     if path.is_dir():
         return {"path": str(path.resolve()), "files_sha256": checkpoint_file_stamp(path)}
-    from ..compat import hub_commit
-
     return {"hub_id": name_or_path, "commit": hub_commit(name_or_path, model.config)}
 
 

@@ -8,7 +8,14 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
+from .. import patching
 from ..errors import CtxextError
+from ..loading import check_model_source, load_model, load_tokenizer
+from ..patching.record import rope_record
+from ..runtime import inference_runtime
+from .data import load_documents, tokenizer_adds_bos
 from .options import check_bos
 
 
@@ -39,8 +46,6 @@ class DataOptions:
     min_doc_tokens: int = 0
 
     def load(self, tokenizer):
-        from .data import load_documents
-
         return load_documents(tokenizer, **asdict(self))
 
     def local_paths(self) -> list[str]:
@@ -60,9 +65,6 @@ class Invocation:
 def load_model_and_tokenizer(name: str, runtime: RuntimeOptions, processes) -> tuple:
     """(model, tokenizer, runtime dict) for a checkpoint or hub id on the device, dtype and attention the
     runtime picks (ctxext.runtime.inference_runtime)."""
-    from ..loading import check_model_source, load_model, load_tokenizer
-    from ..runtime import inference_runtime
-
     check_model_source(name)
     resolved = inference_runtime(runtime.device, runtime.dtype, runtime.attn_implementation, processes)
     tokenizer = load_tokenizer(name)
@@ -78,8 +80,6 @@ def load_model_and_tokenizer(name: str, runtime: RuntimeOptions, processes) -> t
 
 def bos_choice(bos: str, tokenizer) -> tuple[int | None, dict]:
     """(the BOS id each window starts with or None, the protocol's description of that choice)."""
-    from .data import tokenizer_adds_bos
-
     adds = tokenizer_adds_bos(tokenizer)
     want = adds if check_bos(bos) == "auto" else bos == "yes"
     if want and tokenizer.bos_token_id is None:
@@ -118,8 +118,6 @@ def model_description(name: str, model, runtime: dict) -> dict:
 def rope_parameters(config) -> dict:
     """The config's rope parameters as its rope record reads them (one dict, or one per layer type: Gemma 3); {}
     for a model without RoPE (evaluated as loaded)."""
-    from ..patching.record import rope_record
-
     try:
         record = rope_record(config)
     except CtxextError:
@@ -130,18 +128,14 @@ def rope_parameters(config) -> dict:
 
 
 def _rotary_dim(config) -> int | None:
-    from ..patching import rotary_dim
-
     try:
-        return rotary_dim(config)
+        return patching.rotary_dim(config)
     except (AttributeError, TypeError, ZeroDivisionError):
         return None
 
 
 def original_length(model) -> int | None:
     """L as patch() reads it; for a model ctxext cannot patch (evaluated as loaded), its max_position_embeddings."""
-    from .. import patching
-
     try:
         return patching.original_length(model)
     except CtxextError:
@@ -151,6 +145,4 @@ def original_length(model) -> int | None:
 def progress_bar(runtime: RuntimeOptions, processes, total: int, unit: str):
     if not runtime.progress or not processes.is_main:
         return None
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, unit=unit, unit_scale=True, dynamic_ncols=True, file=sys.stderr)

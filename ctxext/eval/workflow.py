@@ -10,14 +10,26 @@ computing only what is missing.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CtxextError, first_line
-from ..outputs import provenance
+from ..outputs import (
+    CellCache,
+    atomic_output_dir,
+    atomic_write_text,
+    check_output_dir,
+    provenance,
+    write_json,
+    written_by_ctxext,
+)
 from .options import DEFAULT_LENGTHS, parse_lengths
+from .report import perplexity_table, plot_perplexity, write_csv
 from .rows import MethodSelection
+from .runner import iter_scores, plan_lengths
+from .session import EvalSession
 from .setup import DataOptions, Invocation, RuntimeOptions
 
 SHORT_DOCS = ("skip", "truncate")
@@ -64,8 +76,6 @@ class PerplexityRequest:
         self.methods.mappings()  # bad method flags fail before anything is loaded
         protected = ([self.model] if Path(self.model).exists() else []) + self.data.local_paths()
         if self.output is not None:
-            from ..outputs import check_output_dir
-
             check_output_dir(self.output, protected, self.overwrite or incomplete_output(self.output))
         return protected
 
@@ -106,8 +116,6 @@ class PerplexityResult:
 
 def incomplete_output(output: str | Path) -> bool:
     """Whether `output` holds the results of an eval that failed part-way (which the same command resumes)."""
-    from ..outputs import written_by_ctxext
-
     results = Path(output).expanduser() / "results.json"
     if not results.is_file() or not written_by_ctxext(results.parent):
         return False
@@ -147,9 +155,6 @@ def evaluate_perplexity(request: PerplexityRequest, report=None) -> PerplexityRe
     """Sliding-window perplexity of every method at every length, on the same tokens; `report(line)` is told
     what runs. Writes request.output (when given) on the main process, also after a failure that leaves
     finished cells (then with the error, and the error is raised again)."""
-    from .runner import plan_lengths
-    from .session import EvalSession
-
     started = time.perf_counter()
     protected = request.check()
     session = EvalSession.open(request.model, request.methods, request.runtime)
@@ -174,9 +179,6 @@ def evaluate_perplexity(request: PerplexityRequest, report=None) -> PerplexityRe
 
 def _score_all(request: PerplexityRequest, session, documents, plans) -> tuple[list, BaseException | None]:
     """Every cell's Score, in order, and the error that stopped them (None when all finished)."""
-    from ..outputs import CellCache
-    from .runner import iter_scores
-
     folder = request.cell_folder()
     cells = None if folder is None else CellCache(folder, session.cell_context(request.short_docs))
     total = sum(w.length for p in plans for w in p.windows[session.processes.rank :: session.processes.world_size])
@@ -196,8 +198,6 @@ def _score_all(request: PerplexityRequest, session, documents, plans) -> tuple[l
 
 
 def _result(request, session, docs, plans, scores, error, started) -> PerplexityResult:
-    from .report import perplexity_table
-
     rows = [s.to_dict() for s in scores]
     labels = [m.label for m in session.methods]
     done = {(r["method"], r["length"]) for r in rows}
@@ -240,11 +240,6 @@ def _result(request, session, docs, plans, scores, error, started) -> Perplexity
 def write_perplexity_outputs(result: PerplexityResult, request, protected, model_name: str, source: dict) -> None:
     """results.json, results.csv, table.txt and perplexity.png, in one directory written whole; the cells
     kept beside the output are removed once it is complete (a --cache-dir is kept)."""
-    import shutil
-
-    from ..outputs import atomic_output_dir, atomic_write_text, write_json
-    from .report import plot_perplexity, write_csv
-
     overwrite = request.overwrite or incomplete_output(request.output)
     stride = request.stride
     with atomic_output_dir(request.output, protected, overwrite) as staging:

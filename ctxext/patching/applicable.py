@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from ..errors import CtxextError
 from ..methods import METHODS, get_method
@@ -15,8 +16,6 @@ from .patch import plan_patch
 
 def skeleton(config) -> nn.Module:
     """The model of `config` with every weight on the meta device but its rotary module, which is real."""
-    from transformers import AutoModelForCausalLM
-
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)

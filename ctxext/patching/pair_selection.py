@@ -8,6 +8,9 @@ layer and groups only those.
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -62,8 +65,6 @@ def check_top_pairs(k: int, pairs: int) -> None:
 def check_pair_selection(text: str | None, k: int | None, method: str, params: dict) -> tuple[str, int] | None:
     """(text, k) of DPE's --select-pairs TEXT --top-pairs K (patch and search), None when neither is given; a
     one-line CtxextError for a half-given, misplaced or doubled selection or a missing text file."""
-    from pathlib import Path
-
     if text is None and k is None:
         return None
     if text is None or k is None:
@@ -79,9 +80,6 @@ def check_pair_selection(text: str | None, k: int | None, method: str, params: d
 
 def selection_record(text: str, k: int, original_length: int) -> dict:
     """How the pairs are chosen, as ctxext.yaml and search.json record it (the text by path and content)."""
-    import hashlib
-    from pathlib import Path
-
     return {
         "text": str(text),
         "text_sha256": hashlib.sha256(Path(text).read_bytes()).hexdigest(),

@@ -19,6 +19,7 @@ from ..errors import CtxextError
 from ..methods import METHODS, Method, MethodParams, compute_inv_freq, per_pair_factors
 from ..methods.frequency import proportional_fraction
 from ..methods.registry import method_for_rope_type
+from ..methods.remapping import RemapParams
 from .families import FAMILY_ROPE_KEYS, ntk_alpha, rope_parameters_of, rotary_dim
 
 # Keys transformers accepts for its own types, beyond rope_type/rope_theta/partial_rotary_factor.
@@ -179,8 +180,6 @@ def equal_sets_longrope(
 
 def remaps_positions(method: Method) -> bool:
     """Whether `method` works inside attention (a remapping method) rather than on the frequencies alone."""
-    from ..methods.remapping import RemapParams
-
     return issubclass(method.params_cls, RemapParams)
 
 

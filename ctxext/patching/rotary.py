@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..methods import Method, MethodParams, compute_inv_freq
-from .families import SECTIONS, module_frequencies
+from .families import SECTIONS, module_frequencies, ntk_alpha, rope_parameters_of, rotary_host
 
 _NONE = object()  # a config without the attribute (`PatchUndo.original_max_position_embeddings`)
 
@@ -228,8 +228,6 @@ def original_rotary_within(model: nn.Module, length: int):
     `length` (normally the original length L) uses the model's original rotary module, bit for bit as if unpatched;
     longer ones use the patched rotary. No-op on an unpatched model. The setting is on the module, so it holds for
     every thread using the model while the block runs."""
-    from .families import rotary_host
-
     rotary = rotary_host(model).rotary_emb
     if not isinstance(rotary, ScaledRotaryEmbedding):
         yield model
@@ -245,8 +243,6 @@ def original_rotary_within(model: nn.Module, length: int):
 def is_dynamic(model: nn.Module) -> bool:
     """Whether the model's rotary embedding follows the current length, so that no longest length applies: a
     dynamic (or length-dependent) ctxext method, or a rope type transformers rescales with the length."""
-    from .families import ntk_alpha, rope_parameters_of, rotary_host
-
     host = rotary_host(model)
     if isinstance(host.rotary_emb, ScaledRotaryEmbedding):
         return host.rotary_emb.dynamic

@@ -26,6 +26,8 @@ plain transformers and vLLM load.
 `--space critical` searches LongRoPE2's smaller space instead (below: `CriticalSpace`): a critical dimension d
 from the theoretical one down, factors from d on at least s and non-decreasing, NTK below d with the base
 re-derived from d (docs/METHODS.md, "LongRoPE2's search space").
+
+This module holds the spaces and their maps to factors; the CMA-ES loops over them are `ctxext.search.loop`'s.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CtxextError
+from ..methods import compute_inv_freq, get_method, rope_inv_freq
 
 DEFAULT_KNOTS = 8
 DEFAULT_SIGMA = 0.5  # CMA-ES's initial step, in log-factor units (about x1.65)
@@ -43,8 +46,6 @@ DEFAULT_SIGMA = 0.5  # CMA-ES's initial step, in log-factor units (about x1.65)
 
 def start_factors(method_name: str, factor: float, rotary_dim: int, base: float, L: int) -> np.ndarray:
     """θ_i/θ'_i of a frequency method with its default parameters at scale `factor`: LongRoPE's starting curve."""
-    from ..methods import compute_inv_freq, get_method, rope_inv_freq
-
     spec = get_method(method_name)
     params = spec.make_params(factor=factor)
     if spec.is_dynamic(params):
@@ -84,7 +85,7 @@ class CmaProposer:
     """
 
     def __init__(self, dimension: int, sigma: float, seed: int, popsize: int | None = None):
-        import cma
+        import cma  # noqa: PLC0415 -- optional: search
 
         saved = np.random.get_state()
         options = {
@@ -262,42 +263,3 @@ def critical_space(
     low = min(max(critical_pair(rotary_dim, base, L, CRITICAL_LOW_PERIODS), 1), high)
     upper = float(upper if upper is not None else 2.0 * factor)
     return CriticalSpace(rotary_dim, float(base), float(factor), upper, low, high, high, knots)
-
-
-def critical_search(
-    space: CriticalSpace,
-    evaluate,
-    store,
-    trials: int,
-    seed: int = 0,
-    sigma: float = DEFAULT_SIGMA,
-    popsize: int | None = None,
-    progress=None,
-) -> list[dict]:
-    """Trial 0 = the defaults (every factor s), trial 1 = the start (d_tcd, s above it, NTK below), then CMA-ES
-    over z (`CriticalSpace`); every trial's params are {"long_factor": [...]}, with its z recorded."""
-    from .loop import cma_candidate, run_search_loop
-
-    plan = {
-        "kind": "critical-cma-es",
-        "seed": seed,
-        "knots": space.knots,
-        "sigma": sigma,
-        "upper": space.upper,
-        "popsize": popsize,
-        "critical": [space.low, space.high],
-    }
-    store.require("ctxext_loop", plan, "another search")
-
-    def propose(slot: int, earlier: list[dict]):
-        if slot == 0:
-            return "defaults", {"long_factor": [space.factor] * space.pairs}, {}
-        if slot == 1:
-            z = np.zeros(space.dimension)
-        else:
-            z = cma_candidate(slot, earlier, space.dimension, sigma, seed, popsize)
-        _, factors = space.factors_of(z)  # its critical dimension: `recorded_critical_dim`
-        extra = {"z": [float(v) for v in z]}
-        return ("start" if slot == 1 else "search"), {"long_factor": [float(f) for f in factors]}, extra
-
-    return run_search_loop(store, propose, evaluate, trials, progress)

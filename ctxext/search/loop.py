@@ -1,4 +1,5 @@
-"""The search loops: TPE (Optuna) over scalar ranges, CMA-ES over LongRoPE's knots, on a study in an Optuna storage.
+"""The search loops: TPE (Optuna) over scalar ranges, CMA-ES over LongRoPE's knots or LongRoPE2's critical-dimension
+space (their parametrisations: `ctxext.search.longrope`), on a study in an Optuna storage.
 
 Both loops share one contract:
 
@@ -35,6 +36,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import CtxextError
+from .longrope import DEFAULT_SIGMA, CmaProposer, CriticalSpace, factors_from, knot_positions
 from .space import Range
 
 POLL_SECONDS = 1.0  # how often a worker with nothing to run looks at the study again
@@ -179,7 +181,7 @@ def scalar_search(
 
 def propose_tpe(space: list[Range], history: list[dict], seed: int, number: int, startup_trials: int) -> dict:
     """TPE's proposal for trial `number`, from a sampler seeded by (seed, number) and the trials so far."""
-    import optuna
+    import optuna  # noqa: PLC0415 -- optional: search
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     distributions = {r.name: r.distribution() for r in space}
@@ -223,8 +225,6 @@ def longrope_search(
 ) -> list[dict]:
     """Trial 0 = the defaults (every long factor = s), trial 1 = the starting curve (z = 0), then CMA-ES over the
     knot corrections z (see `ctxext.search.longrope`). Each trial's params are {"long_factor": [...]}."""
-    from .longrope import factors_from, knot_positions
-
     positions = knot_positions(len(start), knots)
     upper = float(upper if upper is not None else max(start.max(), 1.0))
     plan = {"kind": "cma-es", "seed": seed, "knots": knots, "sigma": sigma, "upper": upper, "popsize": popsize}
@@ -240,11 +240,46 @@ def longrope_search(
     return run_search_loop(store, propose, evaluate, trials, progress)
 
 
+def critical_search(
+    space: CriticalSpace,
+    evaluate,
+    store,
+    trials: int,
+    seed: int = 0,
+    sigma: float = DEFAULT_SIGMA,
+    popsize: int | None = None,
+    progress=None,
+) -> list[dict]:
+    """Trial 0 = the defaults (every factor s), trial 1 = the start (d_tcd, s above it, NTK below), then CMA-ES
+    over z (`CriticalSpace`); every trial's params are {"long_factor": [...]}, with its z recorded."""
+    plan = {
+        "kind": "critical-cma-es",
+        "seed": seed,
+        "knots": space.knots,
+        "sigma": sigma,
+        "upper": space.upper,
+        "popsize": popsize,
+        "critical": [space.low, space.high],
+    }
+    store.require("ctxext_loop", plan, "another search")
+
+    def propose(slot: int, earlier: list[dict]):
+        if slot == 0:
+            return "defaults", {"long_factor": [space.factor] * space.pairs}, {}
+        if slot == 1:
+            z = np.zeros(space.dimension)
+        else:
+            z = cma_candidate(slot, earlier, space.dimension, sigma, seed, popsize)
+        _, factors = space.factors_of(z)  # its critical dimension: `recorded_critical_dim`
+        extra = {"z": [float(v) for v in z]}
+        return ("start" if slot == 1 else "search"), {"long_factor": [float(f) for f in factors]}, extra
+
+    return run_search_loop(store, propose, evaluate, trials, progress)
+
+
 def cma_candidate(slot: int, earlier: list[dict], knots: int, sigma: float, seed: int, popsize: int | None):
     """The knot corrections CMA-ES proposes for `slot` (>= 2): the earlier generations replayed from their trials
     (NotReady while one of them is unfinished), then this generation's candidate."""
-    from .longrope import CmaProposer
-
     proposer = CmaProposer(knots, sigma, seed, popsize)
     generation, index = divmod(slot - 2, proposer.popsize)
     first = 2 + generation * proposer.popsize  # the first slot of this generation

@@ -18,8 +18,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..config import MethodConfig
 from ..errors import CtxextError
+from ..eval.passkey import answer_nll, run_passkey
+from ..eval.perplexity import perplexity, sliding_window_nll
+from ..eval.rows import EvalMethod
+from ..methods import get_method
+from ..methods.attention import AttentionSettings
+from ..patching import unpatch
+from ..patching.patch import check_shape, original_length
 from .loop import InvalidParams
+from .space import collapse_elements
 
 OBJECTIVES = ("ppl", "passkey", "ppl+passkey", "needle-ppl", "ppl+needle-ppl")
 
@@ -32,9 +41,6 @@ def check_objective(name: str) -> str:
 
 def method_config(base: dict, params: dict):
     """A validated MethodConfig from the fixed settings and one trial's parameters; InvalidParams if rejected."""
-    from ..config import MethodConfig
-    from .space import collapse_elements
-
     try:
         values = collapse_elements(params)
         return MethodConfig.from_mapping({**base, **values})
@@ -44,9 +50,6 @@ def method_config(base: dict, params: dict):
 
 def score_perplexity(model, config, documents, length: int, stride: int | None, bos_token_id: int | None) -> dict:
     """Summed NLL and scored tokens over `documents` (per document too) with `config` applied (None: as loaded)."""
-    from ..eval.perplexity import perplexity, sliding_window_nll
-    from ..patching import unpatch
-
     checked_method("trial", config).apply(model)
     try:
         per_document = []
@@ -63,8 +66,6 @@ def score_perplexity(model, config, documents, length: int, stride: int | None, 
 
 
 def score_passkey(model, tokenizer, config, trials, bos_token_id: int | None) -> dict:
-    from ..eval.passkey import run_passkey
-
     records = run_passkey(model, tokenizer, trials, [checked_method("trial", config)], bos_token_id)
     correct = sum(r["correct"] for r in records)
     return {"passkey_accuracy": correct / len(records), "passkey_correct": correct, "passkey_trials": len(records)}
@@ -72,9 +73,6 @@ def score_passkey(model, tokenizer, config, trials, bos_token_id: int | None) ->
 
 def score_needle(model, tokenizer, config, trials, bos_token_id: int | None) -> dict:
     """Mean NLL of the passkey answers' tokens (needle-driven perplexity), with `config` applied."""
-    from ..eval.passkey import answer_nll
-    from ..patching import unpatch
-
     checked_method("trial", config).apply(model)
     try:
         scored = [answer_nll(model, tokenizer, trial, bos_token_id) for trial in trials]
@@ -90,10 +88,6 @@ def check_params(model, config) -> None:
     parameters themselves (validation, the length-dependent values resolved against L, DPE's groups against the
     rotary pairs). What `patch` refuses about the model (its attention implementation, a sliding window, ...) is
     not a parameter's fault: it stops the search."""
-    from ..methods import get_method
-    from ..methods.attention import AttentionSettings
-    from ..patching.patch import check_shape, original_length
-
     L = config.original_max_position_embeddings or original_length(model)
     try:
         params = get_method(config.method).make_params(factor=config.factor, **config.params)
@@ -106,8 +100,6 @@ def check_params(model, config) -> None:
 def checked_method(label: str, config):
     """The EvalMethod (`ctxext.eval.rows`) a trial runs: its parameters are checked first, so a parameter the model
     rejects raises InvalidParams (an invalid trial); any other error at patch time propagates. None: as loaded."""
-    from ..eval.rows import EvalMethod
-
     return EvalMethod(label, config, check=check_params)
 
 

@@ -3,7 +3,7 @@ before anything is written or loaded.
 
 `plan_search(request)` reads the model's config, the tokenizer and the documents, and returns the `SearchPlan`:
 the `SearchSettings` (search.json: what a resume or another worker must match), the calibration and held-out
-documents, the passkey prompts of a passkey objective, BOS and the runtime. Importing this module is cheap.
+documents, the passkey prompts of a passkey objective, BOS and the runtime.
 """
 
 from __future__ import annotations
@@ -12,9 +12,21 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import MethodConfig
 from ..errors import CtxextError
-from ..eval.setup import DataOptions, RuntimeOptions
-from .longrope import DEFAULT_KNOTS, DEFAULT_SIGMA
+from ..eval.data import tokens_fingerprint
+from ..eval.passkey import plan_trials
+from ..eval.perplexity import text_tokens_per_window
+from ..eval.setup import DataOptions, RuntimeOptions, bos_choice
+from ..loading import load_config, load_tokenizer
+from ..methods import get_method
+from ..patching.pair_selection import check_pair_selection, check_top_pairs, selection_record
+from ..patching.record import rope_record
+from ..runtime import Processes, inference_runtime
+from .longrope import DEFAULT_KNOTS, DEFAULT_SIGMA, LONGROPE_SPACES, critical_space, knot_positions, start_factors
+from .objective import check_objective, method_config
+from .session import SearchSettings
+from .space import build_space
 from .store import DEFAULT_STUDY
 
 
@@ -81,8 +93,8 @@ class SearchPlan:
 
 def check_packages() -> None:
     try:
-        import cma  # noqa: F401
-        import optuna  # noqa: F401
+        import cma  # noqa: PLC0415, F401 -- optional: search
+        import optuna  # noqa: PLC0415, F401 -- optional: search
     except ImportError:
         raise CtxextError(
             "ctxext search needs Optuna and cma: pip install 'ctxext[search]' (or pip install optuna cma)"
@@ -101,8 +113,6 @@ def split_space_argument(value: str | None, method: str) -> tuple[str | None, st
     """`--space`'s value as (a named LongRoPE space, a YAML path): --method longrope takes a name
     (`LONGROPE_SPACES`), every other method a YAML of ranges. A one-line CtxextError for a name with the wrong
     method or an unknown name with longrope."""
-    from .longrope import LONGROPE_SPACES
-
     if value is None:
         return None, None
     names = " or ".join(LONGROPE_SPACES)
@@ -119,9 +129,6 @@ def split_space_argument(value: str | None, method: str) -> tuple[str | None, st
 
 def check_request(request: SearchRequest) -> None:
     """The checks on the request's own values."""
-    from .longrope import LONGROPE_SPACES
-    from .objective import check_objective
-
     check_objective(default_objective(request.objective, request.longrope.space))
     if request.longrope.space not in LONGROPE_SPACES:
         raise CtxextError(
@@ -143,9 +150,6 @@ def check_request(request: SearchRequest) -> None:
 def resolve_method(request: SearchRequest, model_config):
     """(the MethodConfig every trial starts from, L): s = N / L unless the request gives the factor. L is the
     model's trained context C (ctxext.patching.record), unless the request names another."""
-    from ..config import MethodConfig
-    from ..patching.record import rope_record
-
     mapping = dict(request.method)
     L = mapping.get("original_max_position_embeddings") or rope_record(model_config).trained_context
     if request.length <= L:
@@ -162,8 +166,6 @@ def longrope_space(request: SearchRequest, config, dim: int, base: float, L: int
     """(the longrope settings, no ranges, no start, the fixed parameters) of a LongRoPE search. The settings of
     --space cma are those of the searches before the spaces (no "space" key: a stored study resumes as it was);
     --space critical records "space": "critical" and its critical-dimension range."""
-    from .longrope import knot_positions, start_factors
-
     lr = request.longrope
     if request.params is not None or request.space is not None:
         raise CtxextError("--method longrope searches the per-pair long_factor; --params/--space YAML do not apply")
@@ -188,8 +190,6 @@ def longrope_space(request: SearchRequest, config, dim: int, base: float, L: int
 
 def critical_settings(lr: LongropeOptions, config, dim: int, base: float, L: int) -> dict:
     """search.json's longrope record of LongRoPE2's space: the options and the critical dimensions tried."""
-    from .longrope import critical_space
-
     if lr.start_method is not None:
         raise CtxextError(
             "--longrope-start does not apply to --space critical: it starts from the theoretical critical dimension"
@@ -209,8 +209,6 @@ def critical_settings(lr: LongropeOptions, config, dim: int, base: float, L: int
 
 def scalar_space(request: SearchRequest, spec, config, base: float, L: int):
     """(no longrope settings, the ranges, trial 0's given values, the fixed parameters) of a TPE search."""
-    from .space import build_space
-
     counts = {k: len(v) for k, v in config.params.items() if isinstance(v, list)}
     space = build_space(
         spec,
@@ -233,8 +231,6 @@ def scalar_space(request: SearchRequest, spec, config, base: float, L: int):
 
 def split_documents(request: SearchRequest, documents: list, bos_id: int | None) -> tuple[list, list]:
     """(calibration, held-out): the first long-enough documents, then the next ones (up to 3 by default)."""
-    from ..eval.perplexity import text_tokens_per_window
-
     span = text_tokens_per_window(request.length, bos_id)
     usable = [d for d in documents if len(d) >= span]
     if len(usable) < request.calibration_docs:
@@ -254,14 +250,6 @@ def split_documents(request: SearchRequest, documents: list, bos_id: int | None)
 
 def plan_search(request: SearchRequest) -> SearchPlan:
     """The plan of a search, or a one-line CtxextError; loads the config, tokenizer and documents, no weights."""
-    from ..eval.passkey import plan_trials
-    from ..eval.setup import bos_choice
-    from ..loading import load_config, load_tokenizer
-    from ..methods import get_method
-    from ..patching.record import rope_record
-    from ..runtime import Processes, inference_runtime
-    from .objective import method_config
-
     check_packages()
     check_request(request)
     request = dataclasses.replace(request, objective=default_objective(request.objective, request.longrope.space))
@@ -312,8 +300,6 @@ def plan_search(request: SearchRequest) -> SearchPlan:
 def pair_selection(request: SearchRequest, config, dim: int, L: int) -> dict | None:
     """search.json's record of DPE's --select-pairs/--top-pairs (the pairs themselves are measured on the loaded
     model: ctxext.search.workflow.with_selected_pairs), or None; a one-line error for a bad selection."""
-    from ..patching.pair_selection import check_pair_selection, check_top_pairs, selection_record
-
     chosen = check_pair_selection(request.select_pairs, request.top_pairs, config.method, config.params)
     if chosen is None:
         return None
@@ -322,9 +308,6 @@ def pair_selection(request: SearchRequest, config, dim: int, L: int) -> dict | N
 
 
 def _settings(request, config, L, fixed, start, space, longrope, passkey, runtime, calibration, held_out):
-    from ..eval.data import tokens_fingerprint
-    from .session import SearchSettings
-
     return SearchSettings(
         model=str(request.model),
         method=config.method,

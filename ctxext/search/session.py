@@ -20,10 +20,16 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
 from ..errors import CtxextError
-from ..outputs import new_figure, save_figure, write_json
-from .loop import best_trial
-from .space import Range
+from ..methods import get_method
+from ..outputs import check_overlap, new_figure, save_figure, write_json
+from .longrope import critical_space, start_factors
+from .loop import best_trial, critical_search, longrope_search, scalar_search
+from .objective import method_config, score_perplexity
+from .space import Range, element_default
 from .store import DERIVED, JOURNAL_FILE, differing
 
 SEARCH_FILE = "search.json"
@@ -90,8 +96,6 @@ class SearchSettings:
 # --------------------------------------------------------------------------------------------- files
 def check_output(out: str | Path, settings: dict, resume: bool, overwrite: bool, protected=()) -> str:
     """'new' or 'resume' for the output directory, or a one-line CtxextError. Writes nothing."""
-    from ..outputs import check_overlap
-
     out = Path(out).expanduser()
     check_overlap(out, protected)  # non-empty is judged here
     search_file = out / SEARCH_FILE
@@ -155,11 +159,7 @@ def start_output(out: Path, settings: dict, mode: str) -> None:
 # ------------------------------------------------------------------------------------------- the trials
 def run_trials(settings: SearchSettings, objective, store, trials: int, rotary_dim: int, base: float, progress=None):
     """Run (or join, or continue) the search in `store` until `trials` trials are finished; every finished trial."""
-    from .loop import longrope_search, scalar_search
-
     if settings.method == "longrope" and settings.longrope.get("space") == "critical":
-        from .longrope import critical_search
-
         lr = settings.longrope
         space = critical_space_of(settings, rotary_dim, base)
         return critical_search(space, objective, store, trials, settings.seed, lr["sigma"], lr.get("popsize"), progress)
@@ -177,18 +177,11 @@ def run_trials(settings: SearchSettings, objective, store, trials: int, rotary_d
 
 
 def _default(method_name: str, name: str):
-    from ..methods import get_method
-    from .space import element_default
-
     return element_default(get_method(method_name), name)
 
 
 def longrope_curves(settings: SearchSettings, rotary_dim: int, base: float):
     """(starting factors, the defaults' factors, the upper bound) of a LongRoPE search."""
-    import numpy as np
-
-    from .longrope import start_factors
-
     lr = settings.longrope
     L, s = settings.original_max_position_embeddings, settings.factor
     if lr.get("space") == "critical":
@@ -201,8 +194,6 @@ def longrope_curves(settings: SearchSettings, rotary_dim: int, base: float):
 
 def critical_space_of(settings: SearchSettings, rotary_dim: int, base: float):
     """LongRoPE2's space (`ctxext.search.longrope.CriticalSpace`) of a `--space critical` search."""
-    from .longrope import critical_space
-
     lr = settings.longrope
     L = settings.original_max_position_embeddings
     return critical_space(rotary_dim, base, settings.factor, L, lr["knots"], lr.get("upper"))
@@ -214,8 +205,6 @@ def held_out_scores(
 ) -> dict:
     """Perplexity of the defaults (trial 0), LongRoPE's starting curve (trial 1), the best trial and (optionally)
     the model as loaded on `documents`."""
-    from .objective import method_config, score_perplexity
-
     best = best_trial(history)
     rows, done = {}, {}
     candidates = (
@@ -323,8 +312,6 @@ def plot_objective(history: list[dict], path: Path, title: str, objective: str) 
         ax.scatter(failed, [low] * len(failed), marker="x", color="grey", label="invalid / diverged")
     values = [t["value"] for t in done]
     if values and objective != "passkey" and min(values) > 0 and max(values) / min(values) > 1.5:
-        from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
-
         ax.set_yscale("log")  # a few bad trials would flatten the good ones on a linear axis
         ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0)))
         ax.yaxis.set_major_formatter(ScalarFormatter())

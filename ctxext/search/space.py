@@ -66,7 +66,7 @@ class Range:
 
     def distribution(self):
         """The Optuna distribution of this range."""
-        import optuna
+        import optuna  # noqa: PLC0415 -- optional: search
 
         if self.choices is not None:
             return optuna.distributions.CategoricalDistribution(list(self.choices))

@@ -36,10 +36,12 @@ import socket
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CtxextError
+from ..outputs import atomic_write_text
 
 SETTINGS_ATTR = "ctxext_search"
 DERIVED = ("selected_pairs",)  # settings measured on the model once the search starts: recorded, not compared
@@ -62,14 +64,14 @@ def storage_url(storage: str | Path | None, output: str | Path) -> str:
 
 def open_storage(url: str):
     """An Optuna storage: an RDB URL (`scheme://...`), else a journal file at that path."""
-    import optuna
+    import optuna  # noqa: PLC0415 -- optional: search
 
     if "://" not in url:
-        from optuna.storages.journal import JournalFileBackend, JournalStorage
+        from optuna.storages.journal import JournalFileBackend, JournalStorage  # noqa: PLC0415 -- optional: search
 
         Path(url).expanduser().parent.mkdir(parents=True, exist_ok=True)
         return JournalStorage(JournalFileBackend(str(Path(url).expanduser())))
-    from sqlalchemy.exc import SQLAlchemyError
+    from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415 -- optional: search
 
     engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None  # workers wait for the lock
     try:
@@ -119,7 +121,7 @@ class TrialStore:
     def open(cls, url: str, study_name: str, settings: dict) -> TrialStore:
         """The study `study_name` in the storage at `url`, created if missing; a CtxextError if it holds a search
         with other settings."""
-        import optuna
+        import optuna  # noqa: PLC0415 -- optional: search
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         study = optuna.create_study(
@@ -159,14 +161,12 @@ class TrialStore:
 
     def export(self, path: str | Path) -> None:
         """trials.jsonl, derived from the study: one finished trial a line, in slot order (written whole)."""
-        from ..outputs import atomic_write_text
-
         text = "".join(json.dumps(r, allow_nan=False) + "\n" for r in self.history())
         atomic_write_text(path, text)
 
     def import_records(self, records: list[dict]) -> None:
         """Add the trials of a trials.jsonl (a search started before the studies) to an empty study."""
-        import optuna
+        import optuna  # noqa: PLC0415 -- optional: search
 
         for record in records:
             complete = record["state"] == "complete"
@@ -218,9 +218,7 @@ class TrialStore:
 
     def _set_params(self, trial, params: dict, distributions: dict) -> None:
         """`trial.suggest_*` answered with `params` (Optuna's PartialFixedSampler), for the trial's own record."""
-        import warnings
-
-        import optuna
+        import optuna  # noqa: PLC0415 -- optional: search
 
         sampler = self.study.sampler
         with warnings.catch_warnings():
@@ -235,7 +233,7 @@ class TrialStore:
     def finish(self, claim: Claim, record: dict) -> bool:
         """Record a scored trial: COMPLETE with its value, or FAIL (invalid, diverged) with `state` and `error`.
         False when another worker gave the trial up meanwhile (no heartbeat for too long): its slot is queued."""
-        from optuna.trial import TrialState
+        from optuna.trial import TrialState  # noqa: PLC0415 -- optional: search
 
         try:
             for key in ("state", "metrics", "error", "repeat_of"):
@@ -256,7 +254,7 @@ class TrialStore:
 
     def give_back(self, claim: Claim, reason: str, requeue: bool = True) -> None:
         """End a trial without a result (FAIL with `error`) and queue its slot again."""
-        from optuna.trial import TrialState
+        from optuna.trial import TrialState  # noqa: PLC0415 -- optional: search
 
         claim.trial.set_user_attr("error", reason)
         self.study.tell(claim.trial, state=TrialState.FAIL)
@@ -271,7 +269,7 @@ class TrialStore:
     def release_lost(self) -> int:
         """Give up the running trials whose worker is gone (a dead process here, or no heartbeat for
         `GRACE_SECONDS`) and queue their slots again; how many."""
-        from optuna.trial import TrialState
+        from optuna.trial import TrialState  # noqa: PLC0415 -- optional: search
 
         released = 0
         for t in self.frozen():
@@ -294,7 +292,7 @@ class TrialStore:
 
 
 def _suggest(trial, name: str, distribution) -> None:
-    from optuna.distributions import CategoricalDistribution, IntDistribution
+    from optuna.distributions import CategoricalDistribution, IntDistribution  # noqa: PLC0415 -- optional: search
 
     if isinstance(distribution, CategoricalDistribution):
         trial.suggest_categorical(name, distribution.choices)
@@ -305,7 +303,7 @@ def _suggest(trial, name: str, distribution) -> None:
 
 
 def _finished_elsewhere() -> tuple:
-    from optuna.exceptions import OptunaError
+    from optuna.exceptions import OptunaError  # noqa: PLC0415 -- optional: search
 
     return (OptunaError, RuntimeError, ValueError)  # Optuna's errors for a trial another process finished
 

@@ -7,13 +7,24 @@ trials.jsonl and the plots. The returned `SearchResult` carries the settings (se
 
 from __future__ import annotations
 
+import dataclasses
+import multiprocessing
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
+from ..checkpoint import write_patched_checkpoint
 from ..errors import CtxextError
-from ..outputs import write_json
+from ..loading import load_config, load_model
+from ..outputs import provenance, write_json
+from ..patching import pair_selection
+from ..patching.record import model_rope_record, rope_record
+from . import session
+from .objective import Objective, method_config
 from .plan import SearchPlan, SearchRequest, plan_search
 from .store import TrialStore, read_trials, storage_url
 
@@ -36,8 +47,6 @@ class SearchResult:
 def run_search(request: SearchRequest, log: Callable[[str], None] | None = None, model=None) -> SearchResult:
     """Plan, search and write the results of `request`; `log` receives a few lines of progress. `model`: the model
     already loaded as the request's runtime asks (`ctxext compare` runs many searches on one model); None loads it."""
-    from . import session
-
     started = time.perf_counter()
     say = log or (lambda line: None)
     plan = plan_search(request)  # every check that needs no model: bad input fails here, before anything is written
@@ -80,8 +89,6 @@ def open_store(request: SearchRequest, settings: dict) -> TrialStore:
 
 
 def load_search_model(plan: SearchPlan):
-    from ..loading import load_model
-
     runtime = plan.runtime
     return load_model(
         plan.request.model,
@@ -95,16 +102,14 @@ def load_search_model(plan: SearchPlan):
 def with_selected_pairs(plan: SearchPlan, model, store) -> SearchPlan:
     """The plan with DPE's selected pairs (--select-pairs/--top-pairs), measured on the unpatched `model` by the
     first process of the study and kept there, so every worker and every resume uses that one measurement."""
-    import dataclasses
-
-    from ..patching.pair_selection import select_pairs
-
     selection = plan.settings.pair_selection
     if selection is None:
         return plan
     if PAIRS_ATTR not in store.study.user_attrs:
         text = Path(selection["text"]).read_text(encoding="utf-8")
-        chosen = select_pairs(model, plan.tokenizer, text, selection["top_pairs"], selection["max_tokens"])
+        chosen = pair_selection.select_pairs(
+            model, plan.tokenizer, text, selection["top_pairs"], selection["max_tokens"]
+        )
         store.study.set_user_attr(PAIRS_ATTR, chosen)
     settings = dataclasses.replace(plan.settings, selected_pairs=store.study.user_attrs[PAIRS_ATTR])
     return dataclasses.replace(plan, settings=settings)
@@ -131,10 +136,6 @@ def header(plan: SearchPlan, mode: str) -> str:
 
 def search_trials(plan: SearchPlan, model, store, progress=None) -> list[dict]:
     """This process's share of the trials: until the study has the requested number finished."""
-    from ..patching.record import model_rope_record
-    from .objective import Objective
-    from .session import run_trials
-
     settings = plan.settings
     objective = Objective(
         settings.objective,
@@ -148,13 +149,11 @@ def search_trials(plan: SearchPlan, model, store, progress=None) -> list[dict]:
         plan.passkey_trials,
     )
     record = model_rope_record(model)
-    return run_trials(settings, objective, store, plan.request.trials, record.rotary_dim, record.base, progress)
+    return session.run_trials(settings, objective, store, plan.request.trials, record.rotary_dim, record.base, progress)
 
 
 def run_with_workers(plan: SearchPlan, model, store) -> list[dict]:
     """The trials, run here and in `workers - 1` more processes (spawned: each loads the model itself)."""
-    import multiprocessing
-
     request = plan.request
     context = multiprocessing.get_context("spawn")
     helpers = [context.Process(target=run_worker, args=(request,)) for _ in range(request.workers - 1)]
@@ -181,8 +180,6 @@ def run_with_workers(plan: SearchPlan, model, store) -> list[dict]:
 def run_worker(request: SearchRequest) -> None:
     """A spawned worker: the same plan, its own model, trials of the same study until the search has its trials;
     an error is one line on stderr and exit code 2."""
-    import sys
-
     try:
         plan = plan_search(request)
         model, store = load_search_model(plan), open_store(request, plan.settings.to_dict())
@@ -195,24 +192,17 @@ def run_worker(request: SearchRequest) -> None:
 def _progress(request: SearchRequest, method: str):
     if not request.runtime.progress:
         return None
-    import sys
-
-    from tqdm.auto import tqdm
 
     return tqdm(total=request.trials, unit="trial", desc=f"{method} search", dynamic_ncols=True, file=sys.stderr)
 
 
 def write_checkpoint(plan: SearchPlan, best: dict, out: Path) -> dict:
     """The best trial's parameters as a checkpoint in OUT/checkpoint (the code of `ctxext patch`)."""
-    from ..checkpoint import write_patched_checkpoint
-    from .objective import method_config
-    from .session import CHECKPOINT_DIR
-
     settings = plan.settings
     written = write_patched_checkpoint(
         plan.request.model,
         method_config(settings.base, best["params"]),
-        out / CHECKPOINT_DIR,
+        out / session.CHECKPOINT_DIR,
         overwrite=True,
         written_by="ctxext search",
         extra_record={
@@ -235,9 +225,6 @@ def write_checkpoint(plan: SearchPlan, best: dict, out: Path) -> dict:
 
 def write_results(plan: SearchPlan, store, history, held_out: dict, checkpoint, seconds: float) -> dict:
     """results.json, objective.png and (longrope) factors.png; returns results.json's content."""
-    from ..outputs import provenance, write_json
-    from . import session
-
     settings, out = plan.settings, Path(plan.request.output)
     results = session.summarize(settings, history, held_out, seconds, provenance(), checkpoint)
     results["study"] = {"storage": store.url, "name": store.study.study_name}
@@ -261,7 +248,4 @@ def write_results(plan: SearchPlan, store, history, held_out: dict, checkpoint, 
 
 
 def _rope_base(model: str) -> float:
-    from ..loading import load_config
-    from ..patching.record import rope_record
-
     return rope_record(load_config(model)).base

@@ -18,11 +18,17 @@ import importlib
 import io
 import json
 import logging
+import random
 import re
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 
 from ..errors import CtxextError, did_you_mean, first_line
 from ..outputs import CellCache
@@ -40,8 +46,8 @@ LENGTH_CONVENTIONS = {"ruler": "RULER: max_seq_lengths=[N]", "babilong": "babilo
 def import_lm_eval():
     """lm_eval, or a one-line error that says how to install it."""
     try:
-        import lm_eval
-        from lm_eval.models.huggingface import HFLM  # noqa: F401  (the wrapper every cell uses)
+        import lm_eval  # noqa: PLC0415 -- optional: tasks
+        from lm_eval.models.huggingface import HFLM  # noqa: PLC0415, F401 -- optional: tasks; the wrapper every cell uses
     except ImportError as error:
         raise CtxextError(
             f"ctxext tasks needs lm-evaluation-harness, which is not installed "
@@ -75,7 +81,7 @@ class TaskManagers:
         self.folders = _task_folders(tuple(names))
 
     def get(self, metadata: dict):
-        from lm_eval.tasks import TaskManager
+        from lm_eval.tasks import TaskManager  # noqa: PLC0415 -- optional: tasks
 
         key = (self.folders, json.dumps(metadata, sort_keys=True))
         if key not in self._by_metadata:
@@ -114,7 +120,7 @@ def _with_metadata(manager, metadata: dict):
     """`manager` with its index and another metadata: what TaskManager(metadata=...) makes, without indexing
     again (lm-eval 0.4.13's layout; None if it differs, and a fresh TaskManager is built instead)."""
     try:
-        from lm_eval.tasks._factory import TaskFactory
+        from lm_eval.tasks._factory import TaskFactory  # noqa: PLC0415 -- optional: tasks
 
         if not hasattr(manager, "_factory"):
             return None
@@ -216,11 +222,7 @@ def check_task_data(spec: TaskSpec, manager, length: int | None) -> None:
 
 
 def _seed_like_simple_evaluate() -> None:
-    import random
-
-    import numpy
-    import torch
-    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
+    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED  # noqa: PLC0415 -- optional: tasks
 
     random.seed(DEFAULT_RANDOM_SEED)
     numpy.random.seed(DEFAULT_OTHER_SEED)
@@ -363,7 +365,7 @@ class TaskCellCache(CellCache):
 
 def jsonable(value):
     """What lm-eval writes for a value JSON cannot hold (its own rule)."""
-    from lm_eval.utils import handle_non_serializable
+    from lm_eval.utils import handle_non_serializable  # noqa: PLC0415 -- optional: tasks
 
     return handle_non_serializable(value)
 
@@ -387,13 +389,11 @@ CONFIG_KEPT = (
 def harness_model(model, tokenizer, max_length: int, batch_size, processes):
     """lm-eval's HFLM around the (patched) model. Under several processes it gets lm-eval's data-parallel setup
     (which HFLM makes only for a model it loads itself): each process answers every world_size-th request."""
-    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.huggingface import HFLM  # noqa: PLC0415 -- optional: tasks
 
     with _lm_eval_logging(logging.ERROR):  # its warnings about a pre-built model are about what we do below
         lm = HFLM(pretrained=model, tokenizer=tokenizer, max_length=max_length, batch_size=batch_size)
     if processes.world_size > 1:
-        from accelerate import Accelerator
-
         lm.accelerator = Accelerator()
         lm._rank, lm._world_size = processes.rank, processes.world_size
     return lm
@@ -410,7 +410,7 @@ def evaluate_cell(
 ) -> dict | None:
     """lm_eval.simple_evaluate on one task; what it returns, reduced to what results.json keeps (None off the
     main process). `requests_cache`: lm-eval's per-request cache (`use_cache`), for resuming a cell."""
-    import lm_eval
+    import lm_eval  # noqa: PLC0415 -- optional: tasks
 
     started = time.perf_counter()
     sink = _Discard() if quiet else None
@@ -521,8 +521,6 @@ def run_cells(
 def _broadcast(items, processes):
     if processes.world_size == 1:
         return items
-    from accelerate.utils import broadcast_object_list
-
     holder = [items]
     broadcast_object_list(holder)
     return holder[0]

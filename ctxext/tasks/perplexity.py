@@ -11,6 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import CtxextError
+from ..eval.data import tokenize_documents
+from ..eval.options import parse_stride
+from ..eval.rows import as_loaded_row, mapping_row
+from ..eval.runner import plan_lengths, run_perplexity
+from ..eval.setup import RuntimeOptions, bos_choice, load_model_and_tokenizer
+from ..runtime import Processes
 
 
 def evaluate_module_path() -> str:
@@ -39,11 +45,6 @@ def texts_perplexity(
     for the computation and removed after; None scores the model as loaded. `stride` 'window' is one pass per
     document. Returns perplexity, mean NLL, NLL sum, tokens scored, windows, documents and documents skipped.
     """
-    from ..eval.data import tokenize_documents
-    from ..eval.options import parse_stride
-    from ..eval.runner import plan_lengths, run_perplexity
-    from ..eval.setup import bos_choice
-
     if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
         raise CtxextError("texts must be a list of strings, one per document")
     if isinstance(model, (str, Path)):
@@ -60,17 +61,12 @@ def texts_perplexity(
 
 def method_row(method: dict | str | None, model_config):
     """The row `ctxext eval` would make: the model as loaded for None, else the method (a name or a mapping)."""
-    from ..eval.rows import as_loaded_row, mapping_row
-
     if method is None:
         return as_loaded_row(model_config)
     return mapping_row({"method": method} if isinstance(method, str) else dict(method), model_config)
 
 
 def _load(name: str, device: str, dtype: str, attn_implementation: str):
-    from ..eval.setup import RuntimeOptions, load_model_and_tokenizer
-    from ..runtime import Processes
-
     model, tokenizer, _ = load_model_and_tokenizer(
         name, RuntimeOptions(device, dtype, attn_implementation), Processes()
     )

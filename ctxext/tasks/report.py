@@ -7,6 +7,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from matplotlib.patches import Rectangle
+
+from ..outputs import new_figure, save_figure
+
 CSV_COLUMNS = ["method", "task", "length", "metric", "value", "samples", "seconds", "cached"]
 BASELINE = "none"  # the unpatched model's row
 EFFECTIVE_SHARE = 0.85
@@ -112,10 +116,6 @@ def _effective_line(effective: dict) -> str:
 def plot_task_heatmap(rows: list[dict], methods: list[str], path: Path, title: str) -> None:
     """One panel per (task, metric): methods (rows) x lengths (columns), coloured 0-1 (or the panel's range when
     its values leave 0-1)."""
-    from matplotlib.patches import Rectangle
-
-    from ..outputs import new_figure, save_figure
-
     panels = _panels(rows)
     widths = [len({r["length"] for r in rows if (r["task"], r["metric"]) == p}) for p in panels]
     fig = new_figure(

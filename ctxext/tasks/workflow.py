@@ -8,10 +8,30 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..assets import cache_dir
 from ..errors import CtxextError
+from ..eval.report import write_csv
 from ..eval.rows import MethodSelection
+from ..eval.session import EvalSession, model_identity, tokenizer_identity
 from ..eval.setup import Invocation, RuntimeOptions
-from ..outputs import provenance
+from ..loading import check_model_source
+from ..outputs import atomic_output_dir, atomic_write_text, check_output_dir, provenance, write_json
+from ..runtime import Processes, cpu_processes, on_main_first
+from .harness import (
+    TaskCellCache,
+    TaskManagers,
+    cell_scores,
+    check_lengths,
+    check_task_data,
+    import_lm_eval,
+    jsonable,
+    plan_cells,
+    resolve_tasks,
+    run_cells,
+    task_lengths,
+    task_metadata,
+)
+from .report import CSV_COLUMNS, EFFECTIVE_RULE, effective_lengths, plot_task_heatmap, score_tables
 
 
 def parse_task_names(text: str) -> list[str]:
@@ -64,14 +84,10 @@ class TasksRequest:
         self.methods.mappings()  # bad method flags fail before anything is loaded
         protected = [self.model] if Path(self.model).exists() else []
         if self.output is not None:
-            from ..outputs import check_output_dir
-
             check_output_dir(self.output, protected, self.overwrite)
         return protected
 
     def cell_folder(self) -> Path | None:
-        from ..assets import cache_dir
-
         if not self.use_cache:
             return None
         return Path(self.cache_dir).expanduser() if self.cache_dir else cache_dir() / "tasks"
@@ -115,18 +131,6 @@ def tasks_protocol(request: TasksRequest, specs: list) -> dict:
 def _prepare_tasks(request: TasksRequest, processes):
     """(lm_eval, TaskManagers, task specs): the names resolved and, unless cached_only, each task's data built
     once, so that what cannot be fetched fails before the model loads."""
-    from ..loading import check_model_source
-    from ..runtime import on_main_first
-    from .harness import (
-        TaskManagers,
-        check_lengths,
-        check_task_data,
-        import_lm_eval,
-        resolve_tasks,
-        task_lengths,
-        task_metadata,
-    )
-
     lm_eval = import_lm_eval()
     check_model_source(request.model)  # before the task data: RULER sizes its prompts with the model's tokenizer
     managers = TaskManagers(request.tasks)
@@ -146,10 +150,6 @@ def _prepare_tasks(request: TasksRequest, processes):
 def run_tasks(request: TasksRequest, report=None) -> TasksResult:
     """Every (method, task, length) cell through lm-eval, each cached when done; writes request.output (when
     given) on the main process. `report(line)` is told what runs and each finished cell."""
-    from ..eval.session import EvalSession
-    from ..runtime import Processes, cpu_processes
-    from .harness import TaskCellCache, plan_cells, run_cells
-
     started = time.perf_counter()
     protected = request.check()
     processes = Processes(cpu=cpu_processes(request.runtime.device))
@@ -201,8 +201,6 @@ def run_tasks(request: TasksRequest, report=None) -> TasksResult:
 
 def _common_key(request: TasksRequest, session, lm_eval_version: str) -> dict:
     """What every cell depends on besides its method, task and length (the names of the cached cells)."""
-    from ..eval.session import model_identity, tokenizer_identity
-
     return {  # by content, not path or file times: a cache copied to another checkout or machine resumes there
         "model": model_identity(request.model, session.model),
         "tokenizer": tokenizer_identity(request.model),
@@ -217,9 +215,6 @@ def _common_key(request: TasksRequest, session, lm_eval_version: str) -> dict:
 
 
 def _result(request, session, specs, cells, cache, lm_eval_version, started) -> TasksResult:
-    from .harness import cell_scores
-    from .report import EFFECTIVE_RULE, effective_lengths, score_tables
-
     rows = [row for cell in cells for row in cell_scores(cell)]
     labels = [m.label for m in session.methods]
     effective = effective_lengths(rows, labels)
@@ -259,11 +254,6 @@ def _cell_record(cell, cache) -> dict:
 
 
 def write_tasks_outputs(result: TasksResult, request: TasksRequest, protected: list[str]) -> None:
-    from ..eval.report import write_csv
-    from ..outputs import atomic_output_dir, atomic_write_text, write_json
-    from .harness import jsonable
-    from .report import CSV_COLUMNS, plot_task_heatmap
-
     with atomic_output_dir(request.output, protected, request.overwrite) as staging:
         write_json(staging / "results.json", result.payload, default=jsonable, allow_nan=True)
         write_csv(staging / "results.csv", result.rows, CSV_COLUMNS)

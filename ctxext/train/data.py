@@ -22,8 +22,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
+from ..assets import cache_dir
 from ..errors import CtxextError
+from ..eval.data import dataset_texts, load_hf_dataset, shakespeare_documents, text_file_documents
+from ..outputs import atomic_file, write_json
 
 
 class PackedSequences:
@@ -65,8 +69,6 @@ class PackedSequences:
 # ------------------------------------------------------------------------------------------------- texts
 def training_texts(data) -> Iterator[tuple[str, str]]:
     """(name, text) of the training documents described by a recipe's `data` section."""
-    from ..eval.data import dataset_texts, load_hf_dataset, shakespeare_documents, text_file_documents
-
     excluded = set(data.exclude)
     if data.text_files:
         texts = text_file_documents(data.text_files)
@@ -83,8 +85,6 @@ def training_texts(data) -> Iterator[tuple[str, str]]:
 
 def tokenize_stream(texts, tokenizer, max_tokens: int | None, progress: bool = False) -> tuple[np.ndarray, list[str]]:
     """Token ids of the texts, each followed by EOS, as one array (stopping after max_tokens)."""
-    from tqdm.auto import tqdm
-
     eos = tokenizer.eos_token_id
     if eos is None:
         raise CtxextError("the tokenizer has no EOS token to separate documents in packed sequences")
@@ -147,9 +147,6 @@ def token_stream(
 
     The main process builds the cache file; `wait` (a barrier) lets the other processes wait for it.
     """
-    from ..assets import cache_dir
-    from ..outputs import atomic_file, write_json
-
     folder = cache_dir() / "packed"
     folder.mkdir(parents=True, exist_ok=True)
     key = data_key(data, tokenizer, max_tokens)

@@ -7,6 +7,7 @@ Embeddings and norms are PEFT `modules_to_save`, so they are saved inside the ad
 
 from __future__ import annotations
 
+from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from ..errors import CtxextError, did_you_mean
@@ -44,8 +45,6 @@ def add_lora(
     train_embeddings_and_norms: bool = True,
 ):
     """Wrap `model` in a PeftModel; only the adapters (and embeddings/norms, if asked) require grad."""
-    from peft import LoraConfig, get_peft_model
-
     check_target_modules(model, target_modules)
     modules_to_save = embedding_and_norm_names(model) if train_embeddings_and_norms else None
     tied = bool(getattr(model.config, "tie_word_embeddings", False))

@@ -23,6 +23,8 @@ import math
 import torch
 
 from ..errors import CtxextError
+from ..patching import applied_method
+from ..patching.rotary import original_rotary_within
 
 
 def is_short_micro_batch(index: int, short_fraction: float) -> bool:
@@ -54,8 +56,6 @@ def short_length_for(mixed, original_length: int) -> int:
 
 def check_switchable(model, method_label: str) -> None:
     """Refuse a patch the switch cannot undo: one that changes attention (log-n, ReRoPE, remapping) as well."""
-    from ..patching import applied_method
-
     applied = applied_method(model)
     if applied is None:
         raise CtxextError(f"mixed_window: {method_label} leaves the rotary unpatched; there is nothing to switch")
@@ -68,8 +68,6 @@ def check_switchable(model, method_label: str) -> None:
 
 def rotary_switch(enabled: bool, model, original_length: int):
     """The block a training step or an evaluation runs in: the original rotary below L when mixed-window is on."""
-    from ..patching.rotary import original_rotary_within
-
     return original_rotary_within(model, original_length) if enabled else contextlib.nullcontext(model)
 
 

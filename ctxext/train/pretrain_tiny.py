@@ -22,6 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm.auto import tqdm
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from .. import assets
+from ..errors import CtxextError, did_you_mean
+from ..outputs import write_json
+from ..runtime import resolve_device, training_precision
 
 HELD_OUT_PLAYS = ("othello_gut", "macbeth_gut")
 END_OF_TEXT = "<|endoftext|>"
@@ -59,23 +67,16 @@ TINY_PRESETS = {"tiny-shakespeare": TinyPretrainSettings()}
 
 def training_texts(held_out: tuple[str, ...]) -> list[tuple[str, str]]:
     """(stem, text) of every modern-spelling Shakespeare text except the held-out ones, sorted by name."""
-    from .. import assets
-
     folder = assets.shakespeare_dir()
     stems = sorted(p.stem for p in folder.glob("*.txt") if not p.stem.endswith("_f"))
     missing = [name for name in held_out if name not in stems]
     if missing:
-        from ..errors import CtxextError, did_you_mean
-
         raise CtxextError(f"held-out text '{missing[0]}' is not a Shakespeare text{did_you_mean(missing[0], stems)}")
     return [(stem, (folder / f"{stem}.txt").read_text(encoding="utf-8")) for stem in stems if stem not in held_out]
 
 
 def train_bpe_tokenizer(texts: list[str], vocab_size: int):
     """A byte-level BPE (GPT-2 style, so every string is encodable) wrapped as a PreTrainedTokenizerFast."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -93,8 +94,6 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int):
 
 
 def tiny_llama_config(settings: TinyPretrainSettings, eos_token_id: int):
-    from transformers import LlamaConfig
-
     return LlamaConfig(
         vocab_size=settings.vocab_size,
         hidden_size=settings.hidden_size,
@@ -132,12 +131,7 @@ def cosine_lr(step: int, settings: TinyPretrainSettings) -> float:
 
 def pretrain(settings: TinyPretrainSettings, output: Path, progress: bool = True) -> dict:
     """Train the tokenizer and the model from scratch and save both to `output` (an existing empty dir)."""
-    import resource
-
-    from transformers import LlamaForCausalLM
-
-    from ..outputs import write_json
-    from ..runtime import resolve_device, training_precision
+    import resource  # noqa: PLC0415 -- Unix only: the module stays importable on Windows
 
     started = time.perf_counter()
     cpu_started = resource.getrusage(resource.RUSAGE_SELF)
@@ -172,8 +166,6 @@ def pretrain(settings: TinyPretrainSettings, output: Path, progress: bool = True
 
 def train_from_scratch(model, stream: torch.Tensor, settings: TinyPretrainSettings, device, bf16: bool, progress):
     """AdamW with the cosine schedule on random windows of the stream; returns the loss of every step."""
-    from tqdm.auto import tqdm
-
     # Weight decay on matrices only (not on norms), as nanoGPT does.
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -205,7 +197,7 @@ def train_from_scratch(model, stream: torch.Tensor, settings: TinyPretrainSettin
 
 
 def _cpu_seconds_since(start) -> float:
-    import resource
+    import resource  # noqa: PLC0415 -- Unix only: the module stays importable on Windows
 
     now = resource.getrusage(resource.RUSAGE_SELF)
     return (now.ru_utime - start.ru_utime) + (now.ru_stime - start.ru_stime)
@@ -213,8 +205,6 @@ def _cpu_seconds_since(start) -> float:
 
 def tiny_shakespeare_checkpoint(settings: TinyPretrainSettings | None = None, progress: bool = True) -> Path:
     """The cached checkpoint for `settings` (default: the 'tiny-shakespeare' preset), built if missing."""
-    from .. import assets
-
     settings = settings or TINY_PRESETS["tiny-shakespeare"]
     target = assets.cache_dir() / f"tiny-llama-shakespeare-{settings.key()}"
     if (target / "config.json").is_file():
@@ -234,8 +224,6 @@ def resolve_model_name(name: str) -> str:
         return name
     preset = name.removeprefix(TINY_MODEL_PREFIX)
     if preset not in TINY_PRESETS:
-        from ..errors import CtxextError, did_you_mean
-
         raise CtxextError(
             f"unknown built-in model '{name}'{did_you_mean(preset, TINY_PRESETS)}; "
             f"built-in models: {', '.join(TINY_MODEL_PREFIX + p for p in TINY_PRESETS)}"

@@ -17,6 +17,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from accelerate.utils import is_mlflow_available, is_tensorboard_available, is_wandb_available
+
 from ..errors import CtxextError, did_you_mean
 
 PROJECT = "ctxext-finetune"  # the W&B project, the MLflow experiment, TensorBoard's folder
@@ -51,8 +53,6 @@ def tracker_names(report_to: str | Sequence[str] | None) -> tuple[str, ...]:
 
 def installed(tracker: str) -> bool:
     """Whether accelerate finds the tracker's package (it would leave the tracker out, silently, otherwise)."""
-    from accelerate.utils import is_mlflow_available, is_tensorboard_available, is_wandb_available
-
     available = {"tensorboard": is_tensorboard_available, "wandb": is_wandb_available, "mlflow": is_mlflow_available}
     return bool(available[tracker]())
 
