@@ -57,14 +57,14 @@ def compare_argv(model: str, args, lengths: list[int], methods: str | None, repo
         "--calibration", CALIBRATION, "--held-out", ",".join(held_out),
         "--passkey-lengths", ",".join(str(n) for n in args.passkey_lengths if n == L or n in lengths),
         "--dtype", args.dtype, "--attn-implementation", "sdpa", "--device", args.device,
-        "--model-name", MODEL_NAME, "--cache", str(args.cells), "--page", str(page),
+        "--model-name", MODEL_NAME, "--cache-dir", str(args.cells), "--page", str(page),
     ]  # fmt: skip
     for kind in full_searches(args.search_trials, needle_methods, args.needle_trials):
         argv += ["--full-search", kind]
     if not args.search_trials and not (needle_methods and args.needle_trials):
         argv.append("--no-search")
     if methods:
-        argv += ["--methods", methods]
+        argv += ["--method", methods]
     if report_only:
         argv.append("--report-only")
     return argv

@@ -1,7 +1,7 @@
 """`ctxext finetune` as a script, for launchers that want a file:
 
-    python scripts/finetune.py --config configs/recipes/tiny-cpu.yaml [key=value ...] [--resume]
-    accelerate launch --config_file configs/accelerate/fsdp.yaml scripts/finetune.py --config RECIPE.yaml
+    python scripts/finetune.py --recipe configs/recipes/tiny-cpu.yaml [key=value ...] [--resume]
+    accelerate launch --config_file configs/accelerate/fsdp.yaml scripts/finetune.py --recipe RECIPE.yaml
 
 Everything is in ctxext.train (recipe.py, data.py, lora.py, loop.py, trackers.py); `--help` lists the options and
 `--show-keys` every recipe key.

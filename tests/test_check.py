@@ -54,7 +54,7 @@ def test_a_wrong_backend_is_caught(tiny_shape, capsys, monkeypatch):
 
     monkeypatch.setitem(remap_kernel.REMAP_BACKENDS, "lse", drops_the_last_region)
     code, out, _ = run_check(
-        capsys, "--model", str(tiny_shape), "--lengths", "", "--methods", "dual_chunk,logn", "--implementations", "sdpa"
+        capsys, "--model", str(tiny_shape), "--lengths", "", "--method", "dual_chunk,logn", "--implementations", "sdpa"
     )
     assert code == 1
     assert "DISAGREEMENT: dual_chunk under sdpa" in out
@@ -76,7 +76,7 @@ def test_a_backend_wrong_only_when_decoding_is_caught(tiny_shape, tmp_path, caps
         str(tiny_shape),
         "--lengths",
         "",
-        "--methods",
+        "--method",
         "rerope",
         "--implementations",
         "sdpa",
@@ -91,7 +91,7 @@ def test_a_backend_wrong_only_when_decoding_is_caught(tiny_shape, tmp_path, caps
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--methods", "yarn"], "unknown method(s) yarn for ctxext check"),
+        (["--method", "yarn"], "unknown method(s) yarn for ctxext check"),
         (["--implementations", "flash_attention_2"], "not available on cpu"),
         (["--lengths", "100"], "at least 256 tokens"),
         (["--layers", "0"], "--layers and --repeats must be >= 1"),
@@ -119,7 +119,7 @@ def test_smollm2_shape_passes(smollm2_path, capsys):
         str(smollm2_path),
         "--lengths",
         "",
-        "--methods",
+        "--method",
         "dual_chunk,leaky_rerope",
         "--implementations",
         "sdpa",
@@ -139,7 +139,7 @@ def test_the_help_names_the_methods_that_are_checked_by_default():
 
     parser = argparse.ArgumentParser()
     check_cli.add_arguments(parser)
-    methods_help = next(a.help for a in parser._actions if "--methods" in a.option_strings)
+    methods_help = next(a.help for a in parser._actions if "--method" in a.option_strings)
     listed_in_help = re.search(r"default: ([\w,]+)\)", methods_help).group(1).split(",")
     listed_in_description = re.search(r"each method \(([\w, ]+)\)", check_cli.DESCRIPTION).group(1).split(", ")
     assert listed_in_help == listed_in_description == list(AGREEMENT_CASES) == list(COST_CASES)
@@ -155,9 +155,20 @@ def test_a_sliding_window_and_a_partial_rotary_family_agree(family, tmp_path, ca
 
     model, _ = build(family)
     model.config.save_pretrained(tmp_path / family)
-    flags = ["--model", str(tmp_path / family), "--methods", "self_extend,logn", "--implementations", "sdpa"]
+    flags = ["--model", str(tmp_path / family), "--method", "self_extend,logn", "--implementations", "sdpa"]
     code, out, err = run_check(capsys, *flags, "--lengths", "256", "--json", str(tmp_path / "check.json"))
     assert code == 0, err
     rows = json.loads((tmp_path / "check.json").read_text())["agreement"]
     assert {row["method"] for row in rows} == {"self_extend", "logn"}
     assert all(row["ok"] for row in rows), rows
+
+
+def test_dash_o_writes_the_json_and_the_printed_tables_and_refuses_a_used_directory(tiny_shape, tmp_path, capsys):
+    out = tmp_path / "out"
+    flags = ["--model", str(tiny_shape), "--lengths", "", "--method", "logn", "--implementations", "sdpa"]
+    code, printed, _ = run_check(capsys, *flags, "--json", str(tmp_path / "check.json"), "-o", str(out))
+    assert code == 0
+    assert json.loads((out / "results.json").read_text()) == json.loads((tmp_path / "check.json").read_text())
+    assert "agreement with the per-cell reference" in (out / "tables.txt").read_text() and "logn" in printed
+    code, _, err = run_check(capsys, *flags, "-o", str(out))
+    assert code == 2 and err.count("\n") == 1

@@ -55,10 +55,13 @@ def without_spaces(text: str) -> str:
 
 
 def required_argv(parser) -> list[str]:
-    """A value for each required argument of `parser` (its first choice where it has choices)."""
+    """A value for each required argument of `parser` (its first choice where it has choices); an option with an
+    old spelling is required after parsing (ctxext.cli.aliases), not by argparse."""
     argv = []
+    required_after_parsing = getattr(parser, "required_through_aliases", [])
     for action in parser._actions:
-        if action.nargs in (0, "?", "*") or (action.option_strings and not action.required):
+        required = action.required or action in required_after_parsing
+        if action.nargs in (0, "?", "*") or (action.option_strings and not required):
             continue
         argv += action.option_strings[:1] + [str(next(iter(action.choices)) if action.choices else "1")]
     return argv

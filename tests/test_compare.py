@@ -198,7 +198,7 @@ def table(out: Path) -> dict:
 
 @pytest.mark.slow  # `make test-slow`: CI's second step
 def test_a_killed_compare_resumes_to_the_table_of_an_uninterrupted_run(tiny, tmp_path, one_torch_thread):
-    args = [str(tiny["models"]["qwen3"]), "--lengths", "128", "--text-file", str(tiny["docs"]), "--methods",
+    args = [str(tiny["models"]["qwen3"]), "--lengths", "128", "--text-file", str(tiny["docs"]), "--method",
             "yarn,rerope", "--held-out-docs", "2", "--trials", "2", "--device", "cpu", "--dtype", "fp32",
             "--no-progress"]  # fmt: skip
     killed = cli(*args, "-o", str(tmp_path / "resumed"), env={"CTXEXT_COMPARE_STOP_AFTER_CELLS": "4"})
@@ -224,8 +224,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny, tmp_path, capsys)
             "--lengths", "64,128", "--text-file", docs],
         "cannot fit even the screen": ["--lengths", "128", "--text-file", docs, "--budget", "1ms"],
         "unknown method or preset 'yarm' (did you mean 'yarn'?)": [
-            "--lengths", "128", "--text-file", docs, "--methods", "yarm"],
-        "unknown method or preset 'servable:vlm'": ["--lengths", "128", "--text-file", docs, "--methods",
+            "--lengths", "128", "--text-file", docs, "--method", "yarm"],
+        "unknown method or preset 'servable:vlm'": ["--lengths", "128", "--text-file", docs, "--method",
                                                      "servable:vlm"],
     }  # fmt: skip
     from ctxext.cli import main
@@ -313,7 +313,7 @@ def test_a_compare_killed_inside_a_search_trial_resumes_to_the_table_of_an_unint
     total, screened = sum(map(len, expected.values())), len(expected)  # the screen: trial 0 of each study
 
     out, marker = tmp_path / "resumed", tmp_path / "held"
-    args = [str(tiny["models"]["llama"]), "--lengths", "128", "--text-file", str(tiny["docs"]), "--methods", methods,
+    args = [str(tiny["models"]["llama"]), "--lengths", "128", "--text-file", str(tiny["docs"]), "--method", methods,
             "--held-out-docs", "2", "--trials", "4", "--device", "cpu", "--dtype", "fp32", "--no-progress",
             "-o", str(out)]  # fmt: skip
     log = (tmp_path / "held.log").open("w")

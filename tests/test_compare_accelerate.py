@@ -31,7 +31,7 @@ def cell_processes(cells) -> collections.Counter:
 def test_two_processes_share_the_cells_and_give_the_table_of_one(tiny, tmp_path, one_torch_thread):  # noqa: F811
     methods = "yarn,rerope"
     run_compare(request(tiny, "qwen3", tmp_path / "one", methods=methods.split(",")))
-    args = [str(tiny["models"]["qwen3"]), "--lengths", "128", "--text-file", str(tiny["docs"]), "--methods",
+    args = [str(tiny["models"]["qwen3"]), "--lengths", "128", "--text-file", str(tiny["docs"]), "--method",
             methods, "--held-out-docs", "2", "--trials", "2", "--device", "cpu", "--dtype", "fp32",
             "--no-progress", "-o", str(tmp_path / "two")]  # fmt: skip
     # As tests/test_eval_accelerate.py: without GPUs, accelerate starts several processes only with --multi_gpu

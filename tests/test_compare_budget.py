@@ -183,7 +183,7 @@ def test_the_budgeted_command_is_the_pages_protocol_with_a_budget_and_no_fixed_s
     assert argv[argv.index("--calibration") + 1] == budget.page_protocol.CALIBRATION
     assert argv[argv.index("--passkey-lengths") + 1] == f"{L},{N}"
     assert argv[argv.index("--dtype") + 1] == "bf16" and argv[argv.index("--device") + 1] == "cuda"
-    assert argv[argv.index("--cache") + 1] == str(tmp_path)
+    assert argv[argv.index("--cache-dir") + 1] == str(tmp_path)
     assert "--no-search" in budget.defaults_argv("/m", args)
 
 

@@ -50,12 +50,22 @@ def test_requests_are_checked_before_any_model_loads(tmp_path):
                 model="no-such-model", data=data, methods=MethodSelection(["linear"], overrides={"beta_fast": 3})
             )
         )
-    with pytest.raises(CtxextError, match="--trials must be at least 1"):
+    with pytest.raises(CtxextError, match="--passkey-trials must be at least 1"):
         evaluate_passkey(PasskeyRequest(model="no-such-model", trials=0))
 
 
 def test_evaluate_passkey_returns_what_ctxext_passkey_writes(checkpoint, tmp_path):  # noqa: F811
-    common = ["--lengths", "160", "--depths", "0,1", "--trials", "2", "--dtype", "fp32", "--no-progress"]
+    common = [
+        "--lengths",
+        "160",
+        "--passkey-depths",
+        "0,1",
+        "--passkey-trials",
+        "2",
+        "--dtype",
+        "fp32",
+        "--no-progress",
+    ]
     assert (
         main(["passkey", str(checkpoint), "--method", "yarn", "--factor", "2", *common, "-o", str(tmp_path / "o")]) == 0
     )

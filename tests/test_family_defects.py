@@ -60,7 +60,7 @@ def test_check_runs_on_a_qwen25_config_whose_token_ids_exceed_its_small_vocabula
     (tmp_path / "qwen").mkdir()
     (tmp_path / "qwen" / "config.json").write_text(json.dumps(values))
     model = tmp_path / "qwen" if given == "directory" else tmp_path / "qwen" / "config.json"
-    flags = ["--lengths", "", "--methods", "rerope,logn", "--implementations", "sdpa"]
+    flags = ["--lengths", "", "--method", "rerope,logn", "--implementations", "sdpa"]
     code, out, err = run_cli(
         capsys, "check", "--device", "cpu", "--model", model, *flags, "--json", tmp_path / "check.json"
     )
@@ -152,6 +152,16 @@ def test_a_broken_tokenizer_is_still_an_error_for_patch(no_tokenizer, tmp_path, 
 
 
 def test_commands_that_read_text_still_need_a_tokenizer(no_tokenizer, tmp_path, capsys):
-    argv = ["passkey", no_tokenizer, "--lengths", "128", "--trials", "1", "--no-progress", "-o", tmp_path / "out"]
+    argv = [
+        "passkey",
+        no_tokenizer,
+        "--lengths",
+        "128",
+        "--passkey-trials",
+        "1",
+        "--no-progress",
+        "-o",
+        tmp_path / "out",
+    ]
     code, _, err = run_cli(capsys, *argv)
     assert code == 2 and "could not load a tokenizer" in err and len(err.strip().splitlines()) == 1

@@ -155,7 +155,7 @@ def reference_run(tmp_path_factory, tiny_checkpoint, texts):
     folder = tmp_path_factory.mktemp("runs")
     output = folder / "reference"
     recipe = write_recipe(folder, tiny_checkpoint, texts, output)
-    assert ctxext_main(["finetune", "--config", str(recipe), "--no-progress"]) == 0
+    assert ctxext_main(["finetune", "--recipe", str(recipe), "--no-progress"]) == 0
     return folder, output
 
 
@@ -241,10 +241,10 @@ def resumed_run(reference_run, tiny_checkpoint, texts):
 
     # Without --resume the directory is refused, and left as it was.
     before = (output / "metrics.jsonl").read_text()
-    assert ctxext_main(["finetune", "--config", str(recipe), "--no-progress"]) == 2
+    assert ctxext_main(["finetune", "--recipe", str(recipe), "--no-progress"]) == 2
     assert (output / "metrics.jsonl").read_text() == before
 
-    resume = ["finetune", "--config", str(recipe), "--no-progress", "--resume", "--report-to", "tensorboard"]
+    resume = ["finetune", "--recipe", str(recipe), "--no-progress", "--resume", "--report-to", "tensorboard"]
     assert ctxext_main(resume) == 0
     return output
 
@@ -289,7 +289,7 @@ def test_resume_refuses_a_checkpoint_file_that_would_run_code(tmp_path, referenc
     checkpoint = sorted((output / "checkpoints").glob("step-*"))[-1]
     torch.save({"state": RunsCode(marker)}, checkpoint / poisoned)
 
-    assert ctxext_main(["finetune", "--config", str(recipe), "--no-progress", "--resume"]) == 2
+    assert ctxext_main(["finetune", "--recipe", str(recipe), "--no-progress", "--resume"]) == 2
     assert not marker.exists()
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("ctxext finetune: error: refusing to load") and poisoned in err[-1], err
@@ -299,7 +299,7 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path, reference_run):
     _, reference = reference_run
     recipe, output = copy_of_run(reference, tmp_path)
     checkpoints = sorted(p.name for p in (output / "checkpoints").iterdir())
-    assert ctxext_main(["finetune", "--config", str(recipe), "--no-progress", "--resume"]) == 0
+    assert ctxext_main(["finetune", "--recipe", str(recipe), "--no-progress", "--resume"]) == 0
     assert read_metrics(output) == read_metrics(reference)
     assert sorted(p.name for p in (output / "checkpoints").iterdir()) == checkpoints
 
@@ -337,7 +337,7 @@ def test_two_processes_match_one_with_the_same_global_batch(reference_run, tiny_
     }
     one = folder / "one-process"
     ctxext_main(
-        ["finetune", "--config", str(write_recipe(folder, tiny_checkpoint, texts, one, **changes)), "--no-progress"]
+        ["finetune", "--recipe", str(write_recipe(folder, tiny_checkpoint, texts, one, **changes)), "--no-progress"]
     )
     two = folder / "two-processes"
     recipe = write_recipe(folder, tiny_checkpoint, texts, two, **changes)
@@ -389,7 +389,7 @@ def test_two_processes_match_one_with_the_same_global_batch(reference_run, tiny_
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, tiny_checkpoint, texts, capsys, changes, message):
     output = tmp_path / "out"
     recipe = write_recipe(tmp_path, tiny_checkpoint, texts, output, **changes)
-    assert ctxext_main(["finetune", "--config", str(recipe), "--no-progress"]) == 2
+    assert ctxext_main(["finetune", "--recipe", str(recipe), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("ctxext finetune: error: ") and message in err[-1], err
     assert not output.exists()
@@ -402,7 +402,7 @@ def test_bad_input_from_the_command_line(tmp_path, tiny_checkpoint, texts, capsy
     (output / "keep.txt").write_text("mine")
     recipe = write_recipe(tmp_path, tiny_checkpoint, texts, output)
     run = subprocess.run(
-        [sys.executable, "-m", "ctxext", "finetune", "--config", str(recipe), "lora.rr=3"],
+        [sys.executable, "-m", "ctxext", "finetune", "--recipe", str(recipe), "lora.rr=3"],
         cwd=REPO,
         env=env(),
         capture_output=True,
@@ -412,7 +412,7 @@ def test_bad_input_from_the_command_line(tmp_path, tiny_checkpoint, texts, capsy
     assert run.stderr.strip().splitlines()[-1].startswith("ctxext finetune: error:") and "lora.rr" not in run.stdout
     assert "unknown key 'rr' in section 'lora' (did you mean 'r'?)" in run.stderr
     capsys.readouterr()
-    assert ctxext_main(["finetune", "--config", str(recipe)]) == 2
+    assert ctxext_main(["finetune", "--recipe", str(recipe)]) == 2
     assert "already exists; use --resume" in capsys.readouterr().err
     assert [p.name for p in output.iterdir()] == ["keep.txt"]
 
@@ -452,7 +452,7 @@ def test_pose_trains_on_skipped_positions(tmp_path, tiny_checkpoint, texts):
         eval__every=0,
         pose={"enabled": True, "train_window": 64, "num_chunks": 2},
     )
-    assert ctxext_main(["finetune", "--config", str(recipe), "--no-progress"]) == 0
+    assert ctxext_main(["finetune", "--recipe", str(recipe), "--no-progress"]) == 0
     loss = [r for r in read_metrics(output) if r["kind"] == "train"][0]["loss"]
 
     import numpy as np

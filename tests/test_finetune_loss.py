@@ -71,7 +71,7 @@ def run(tmp_path_factory):
     }
     path = folder / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    assert main(["finetune", "--config", str(path), "--no-progress"]) == 0
+    assert main(["finetune", "--recipe", str(path), "--no-progress"]) == 0
     return checkpoint, held_out, output
 
 

@@ -81,7 +81,7 @@ def test_check_agrees_on_its_shape(gemma3_270m, linear_x8, tmp_path, capsys, whi
     """STRING (an attention factor) and log-n on Gemma 3 270M's shape, plain as shipped and with linear x8."""
     model = gemma3_270m if which == "source" else linear_x8
     report = tmp_path / "check.json"
-    flags = ["--methods", "string,logn", "--implementations", "sdpa", "--lengths", "", "--device", "cpu"]
+    flags = ["--method", "string,logn", "--implementations", "sdpa", "--lengths", "", "--device", "cpu"]
     code, stdout, err = run_cli(capsys, "check", "--model", model, *flags, "--json", report)
     assert code == 0, stdout + err
     assert [row["ok"] for row in json.loads(report.read_text())["agreement"]] == [True, True]

@@ -132,7 +132,7 @@ def searched(tmp_path_factory):
             " ".join(f"w{int(i)}" for i in torch.randint(0, 256, (300,), generator=g))
         )
     out = root / "out"
-    argv = ["search", source, "--method", "longrope", "--space", "critical", "--factor", 4, "--length", 256]
+    argv = ["search", source, "--method", "longrope", "--space", "critical", "--factor", 4, "--lengths", 256]
     argv += ["--text-file", root / "docs", "--trials", 6, "--longrope-knots", 3, "--longrope-popsize", 4]
     argv += ["--passkey-trials", 1, "--passkey-depths", "0,1", "--dtype", "fp32", "--no-progress", "-o", out]
     assert main([str(a) for a in argv]) == 0
@@ -196,7 +196,7 @@ def tiny_source(tmp_path_factory):
 def test_bad_input_is_one_line_and_exit_2(tiny_source, tmp_path, capsys, extra, message):
     source, docs = tiny_source
     code, _, err = run_cli(
-        capsys, "search", source, *extra, "--length", 256, "--text-file", docs, "--no-progress", "-o", tmp_path / "o"
+        capsys, "search", source, *extra, "--lengths", 256, "--text-file", docs, "--no-progress", "-o", tmp_path / "o"
     )
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and message in lines[0], err

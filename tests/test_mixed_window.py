@@ -141,7 +141,7 @@ def mixed_recipe(folder, tiny_checkpoint, texts, name, **changes):  # noqa: F811
 def mixed_run(tmp_path_factory, tiny_checkpoint, texts):  # noqa: F811
     folder = tmp_path_factory.mktemp("mixed")
     recipe = mixed_recipe(folder, tiny_checkpoint, texts, "reference")
-    assert ctxext_main(["finetune", "--config", str(recipe), "--no-progress"]) == 0
+    assert ctxext_main(["finetune", "--recipe", str(recipe), "--no-progress"]) == 0
     return folder, folder / "reference"
 
 
@@ -197,10 +197,10 @@ def test_a_resumed_mixed_run_gives_the_uninterrupted_metrics(mixed_run, tiny_che
 
     with pytest.raises(Stop):
         finetune(load_recipe(recipe), progress=False, after_step=stop_after_3)
-    assert ctxext_main(["finetune", "--config", str(recipe), "--no-progress", "--resume"]) == 0
+    assert ctxext_main(["finetune", "--recipe", str(recipe), "--no-progress", "--resume"]) == 0
     assert_same_numbers(read_metrics(folder / "stopped"), read_metrics(reference), tol=1e-5)
     # A resume with another schedule is refused: it would not be the same run.
-    assert ctxext_main(["finetune", "--config", str(recipe), "--resume", "--short-fraction", "0.25"]) == 2
+    assert ctxext_main(["finetune", "--recipe", str(recipe), "--resume", "--short-fraction", "0.25"]) == 2
 
 
 # ------------------------------------------------------------------------------------------- bad input
@@ -231,7 +231,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(
 ):
     output = tmp_path / "out"
     recipe = write_recipe(tmp_path, tiny_checkpoint, texts, output, **changes)
-    assert ctxext_main(["finetune", "--config", str(recipe), "--no-progress", *flags]) == 2
+    assert ctxext_main(["finetune", "--recipe", str(recipe), "--no-progress", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("ctxext finetune: error: ") and message in err[-1], err
     assert not output.exists()
@@ -239,7 +239,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(
 
 def test_bad_input_from_the_command_line(tmp_path, tiny_checkpoint, texts):  # noqa: F811
     recipe = write_recipe(tmp_path, tiny_checkpoint, texts, tmp_path / "out", method={"method": "none"})
-    command = [sys.executable, "-m", "ctxext", "finetune", "--config", str(recipe), "--mixed-window"]
+    command = [sys.executable, "-m", "ctxext", "finetune", "--recipe", str(recipe), "--mixed-window"]
     run = subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True)
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()

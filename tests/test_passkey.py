@@ -120,9 +120,9 @@ def test_passkey_cli_writes_table_json_and_heatmap(smollm2_path, tmp_path, capsy
                 str(smollm2_path),
                 "--lengths",
                 "512",
-                "--depths",
+                "--passkey-depths",
                 "0,1",
-                "--trials",
+                "--passkey-trials",
                 "1",
                 "--method",
                 "yarn",
@@ -148,8 +148,8 @@ def test_passkey_cli_writes_table_json_and_heatmap(smollm2_path, tmp_path, capsy
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--lengths", "1k", "--trials", "0"], "--trials"),
-        (["--lengths", "1k", "--depths", "0,2"], "--depths"),
+        (["--lengths", "1k", "--passkey-trials", "0"], "--passkey-trials"),
+        (["--lengths", "1k", "--passkey-depths", "0,2"], "--passkey-depths"),
         (["--lengths", "x"], "--lengths"),
     ],
 )

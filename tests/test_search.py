@@ -83,7 +83,7 @@ def test_trial_0_is_the_defaults_and_scores_what_the_patched_model_scores(tiny, 
         "yarn",
         "--factor",
         4,
-        "--length",
+        "--lengths",
         256,
         "--text-file",
         docs,
@@ -128,7 +128,7 @@ def test_a_flag_for_a_searched_parameter_sets_trial_0_and_other_flags_stay_fixed
         "yarn",
         "--factor",
         4,
-        "--length",
+        "--lengths",
         256,
         "--params",
         "beta_fast",
@@ -209,13 +209,13 @@ def test_the_search_finds_an_optimum_planted_in_a_tiny_model(planted, tmp_path, 
         "ntk",
         "--factor",
         4,
-        "--length",
+        "--lengths",
         256,
         "--text-file",
         folder,
         "--calibration-docs",
         6,
-        "--held-out",
+        "--held-out-docs",
         0,
         "--trials",
         24,
@@ -324,14 +324,14 @@ def test_resume_from_the_command_line(tiny, tmp_path, capsys):
         source,
         "--method",
         "leaky_rerope",
-        "--length",
+        "--lengths",
         256,
         "--text-file",
         docs,
         "--dtype",
         "fp32",
         "--no-progress",
-        "--held-out",
+        "--held-out-docs",
         1,
     ]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
@@ -374,13 +374,13 @@ def test_a_remapping_method_is_searched_like_any_other(tiny, tmp_path, capsys, m
         source,
         "--method",
         method,
-        "--length",
+        "--lengths",
         256,
         "--text-file",
         docs,
         "--trials",
         4,
-        "--held-out",
+        "--held-out-docs",
         1,
         "--dtype",
         "fp32",
@@ -456,7 +456,7 @@ def test_every_declared_range_resolves_to_a_non_empty_range():
         (["--method", "yarn", "--params", "ramp"], "declares no search range"),
         (["--method", "linear"], "no parameter to search"),
         (["--method", "yarn", "--space", "EMPTY"], "is empty"),
-        (["--method", "yarn", "--length", 64], "not above the model's context L = 64"),
+        (["--method", "yarn", "--lengths", 64], "not above the model's context L = 64"),
         (["--method", "yarn", "--original-max-position-embeddings", 512], "not above the model's context L = 512"),
         (["--method", "longrope", "--params", "long_factor"], "do not apply"),
         (["--method", "longrope", "--longrope-knots", 99], "--longrope-knots"),
@@ -475,7 +475,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny, tmp_path, capsys,
     argv = [
         "search",
         source,
-        "--length",
+        "--lengths",
         256,
         "--text-file",
         docs,
@@ -503,7 +503,7 @@ def test_without_optuna_the_command_says_how_to_install(tiny, tmp_path, capsys, 
         "yarn",
         "--factor",
         4,
-        "--length",
+        "--lengths",
         256,
         "--text-file",
         docs,
@@ -539,7 +539,7 @@ def test_dpe_searches_one_power_of_two_scale_per_group(tiny, tmp_path, capsys):
         "dpe",
         "--factor",
         4,
-        "--length",
+        "--lengths",
         256,
         "--params",
         "group_scales",
@@ -593,7 +593,7 @@ def test_a_parameter_the_model_rejects_is_an_invalid_trial_and_any_other_patch_e
     capsys.readouterr()  # the checkpoint's progress bars
     out = tmp_path / "out"
     code, _, err = run_cli(
-        capsys, "search", source, "--method", "self_extend", "--length", 256, "--text-file", tiny[1], "--trials", 4,
+        capsys, "search", source, "--method", "self_extend", "--lengths", 256, "--text-file", tiny[1], "--trials", 4,
         "--dtype", "fp32", "--no-progress", "-o", out,
     )  # fmt: skip
     lines = err.strip().splitlines()  # --no-progress: transformers' loading bar is off too
@@ -618,8 +618,8 @@ def test_reading_a_trial_log_leaves_the_file_as_it_is(tmp_path):
 def test_a_search_on_another_storage_resumes_only_with_that_storage(tiny, tmp_path, capsys):
     source, docs = tiny
     out, storage = tmp_path / "out", f"sqlite:///{tmp_path / 'trials.db'}"
-    common = ["search", source, "--method", "yarn", "--factor", 4, "--length", 256, "--text-file", docs]
-    common += ["--held-out", 0, "--no-checkpoint", "--dtype", "fp32", "--no-progress", "-o", out]
+    common = ["search", source, "--method", "yarn", "--factor", 4, "--lengths", 256, "--text-file", docs]
+    common += ["--held-out-docs", 0, "--no-checkpoint", "--dtype", "fp32", "--no-progress", "-o", out]
     assert run_cli(capsys, *common, "--trials", 2, "--storage", storage)[0] == 0
     assert not (out / "study.journal").exists()
     code, _, err = run_cli(capsys, *common, "--trials", 3, "--resume")  # forgot --storage
@@ -643,7 +643,20 @@ def test_dpe_pairs_selected_at_search_time_are_measured_once_and_used_by_every_t
     text = tmp_path / "calibration.txt"
     text.write_text((docs / "doc0.txt").read_text())
     out = tmp_path / "out"
-    argv = ["search", source, "--method", "dpe", "--factor", 4, "--length", 256, "--text-file", docs, "--dtype", "fp32"]
+    argv = [
+        "search",
+        source,
+        "--method",
+        "dpe",
+        "--factor",
+        4,
+        "--lengths",
+        256,
+        "--text-file",
+        docs,
+        "--dtype",
+        "fp32",
+    ]
     argv += ["--params", "group_scales", "--select-pairs", text, "--top-pairs", 3, "--no-progress", "-o", out]
     code, _, err = run_cli(capsys, *argv, "--trials", 2)
     assert code == 0, err
@@ -681,7 +694,7 @@ def test_a_bad_pair_selection_in_a_search_is_one_line_exit_2(tiny, tmp_path, cap
     text.write_text("w1 w2 w3")
     out = tmp_path / "out"
     code, _, err = run_cli(
-        capsys, "search", source, "--method", method, "--factor", 4, "--length", 256, "--text-file", docs,
+        capsys, "search", source, "--method", method, "--factor", 4, "--lengths", 256, "--text-file", docs,
         "--select-pairs", text, "--top-pairs", k, "--no-progress", "-o", out,
     )  # fmt: skip
     assert code == 2 and message in err and err.count("\n") == 1, err

@@ -47,8 +47,8 @@ def tiny(tmp_path_factory):
 def search_argv(tiny, out, trials, *extra):
     source, docs = tiny
     return [
-        sys.executable, "-m", "ctxext", "search", str(source), "--method", "yarn", "--length", str(LENGTH),
-        "--text-file", str(docs), "--calibration-docs", "2", "--held-out", "0", "--trials", str(trials),
+        sys.executable, "-m", "ctxext", "search", str(source), "--method", "yarn", "--lengths", str(LENGTH),
+        "--text-file", str(docs), "--calibration-docs", "2", "--held-out-docs", "0", "--trials", str(trials),
         "--no-checkpoint", "--no-progress", "--dtype", "fp32", "-o", str(out), *map(str, extra),
     ]  # fmt: skip
 

@@ -44,7 +44,7 @@ def searched(tmp_path_factory):
                 "longrope",
                 "--factor",
                 4,
-                "--length",
+                "--lengths",
                 256,
                 "--text-file",
                 root / "docs",

@@ -126,7 +126,7 @@ def test_a_search_result_is_written_in_its_native_form(tmp_path, capsys):
         "ntk_by_parts",
         "--factor",
         4,
-        "--length",
+        "--lengths",
         256,
         "--text-file",
         docs,

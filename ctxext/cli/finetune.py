@@ -1,7 +1,8 @@
-"""`ctxext finetune --config RECIPE.yaml [key=value ...]`: LoRA fine-tuning at a longer context."""
+"""`ctxext finetune --recipe RECIPE.yaml [key=value ...]`: LoRA fine-tuning at a longer context."""
 
 from __future__ import annotations
 
+from .aliases import add_alias
 from .common import HelpFormatter
 
 HELP = "LoRA fine-tuning at a longer context (PI / YaRN / any method), resumable"
@@ -17,8 +18,8 @@ continues the last one and reproduces the same curve. An existing output directo
 Results: OUTPUT/adapter (a standard PEFT adapter) and OUTPUT/merged (a full checkpoint with the rope config).
 
 Several GPUs (configs/accelerate/: ddp, fsdp, deepspeed-zero2), or 2 CPU processes to try it:
-  accelerate launch --config_file configs/accelerate/fsdp.yaml -m ctxext finetune --config RECIPE.yaml
-  accelerate launch --config_file configs/accelerate/cpu-2proc.yaml -m ctxext finetune --config RECIPE.yaml
+  accelerate launch --config_file configs/accelerate/fsdp.yaml -m ctxext finetune --recipe RECIPE.yaml
+  accelerate launch --config_file configs/accelerate/cpu-2proc.yaml -m ctxext finetune --recipe RECIPE.yaml
 The global batch stays train.global_batch_size: gradient accumulation = global / (micro x processes).
 
 Mixed-window fine-tuning (LongRoPE2, --mixed-window, recipe section mixed_window): a fraction of the
@@ -30,12 +31,12 @@ same way: the original rotary within L, the patched one past it (adapter/ctxext.
 
 EPILOG = """\
 examples:
-  ctxext finetune --config configs/recipes/tiny-cpu.yaml output_dir=outputs/tiny train.max_steps=50
-  ctxext finetune --config configs/recipes/pi-llama-7b-8k.yaml method.method=yarn lora.r=16
-  ctxext finetune --config configs/recipes/tiny-cpu.yaml output_dir=outputs/tiny --resume
-  ctxext finetune --config configs/recipes/tiny-cpu.yaml output_dir=outputs/tiny --report-to tensorboard
+  ctxext finetune --recipe configs/recipes/tiny-cpu.yaml output_dir=outputs/tiny train.max_steps=50
+  ctxext finetune --recipe configs/recipes/pi-llama-7b-8k.yaml method.method=yarn lora.r=16
+  ctxext finetune --recipe configs/recipes/tiny-cpu.yaml output_dir=outputs/tiny --resume
+  ctxext finetune --recipe configs/recipes/tiny-cpu.yaml output_dir=outputs/tiny --report-to tensorboard
   ctxext finetune --show-keys
-  ctxext finetune --config configs/recipes/tiny-cpu.yaml output_dir=outputs/tiny-mixed --mixed-window --short-fraction 0.5
+  ctxext finetune --recipe configs/recipes/tiny-cpu.yaml output_dir=outputs/tiny-mixed --mixed-window --short-fraction 0.5
 """
 
 
@@ -43,7 +44,10 @@ FORMATTER_CLASS = HelpFormatter  # wraps prose, keeps the examples one a line
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--config", metavar="RECIPE.yaml", help="the recipe (configs/recipes/*.yaml)")
+    parser.add_argument("--recipe", metavar="RECIPE.yaml", help="the recipe (configs/recipes/*.yaml)")
+    parser.add_argument(
+        "-o", "--output", metavar="DIR", help="the run's directory (the same as output_dir=DIR; default: the recipe's)"
+    )
     parser.add_argument(
         "overrides",
         nargs="*",
@@ -79,6 +83,7 @@ def add_arguments(parser) -> None:
         help="also log the metrics to experiment trackers, comma-separated: tensorboard (event files in "
         "OUTPUT/trackers/), wandb, mlflow; default none (metrics.jsonl is always written)",
     )
+    add_alias(parser, "--config", "--recipe")
 
 
 def run(args) -> int:
@@ -88,9 +93,10 @@ def run(args) -> int:
     if args.show_keys:
         print(describe_keys())
         return 0
-    if args.config is None and not args.overrides:
-        raise CtxextError("give a recipe with --config RECIPE.yaml (see configs/recipes/), or key=value settings")
-    recipe = load_recipe(args.config, {**parse_overrides(args.overrides), **mixed_window_overrides(args)})
+    if args.recipe is None and not args.overrides:
+        raise CtxextError("give a recipe with --recipe RECIPE.yaml (see configs/recipes/), or key=value settings")
+    output = {"output_dir": args.output} if args.output is not None else {}
+    recipe = load_recipe(args.recipe, {**parse_overrides(args.overrides), **mixed_window_overrides(args), **output})
     from ..train.loop import finetune
 
     setup, records = finetune(recipe, resume=args.resume, progress=not args.no_progress, report_to=args.report_to)

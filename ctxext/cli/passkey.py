@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from .aliases import add_alias
 from .common import DEFAULT_LENGTHS, add_method_arguments, add_runtime_arguments
 
 HELP = "passkey retrieval accuracy per length and depth (Landmark/YaRN format)"
 DESCRIPTION = (
-    "Hide a random 1-50000 pass key at each --depths fraction of a filler text of each --lengths "
+    "Hide a random 1-50000 pass key at each --passkey-depths fraction of a filler text of each --lengths "
     "size, decode 10 tokens greedily, and count a success when the first integer of the output is "
     "the key. The keys are seeded, so every method sees the same prompts. Writes results.json "
     "(every trial's output), results.csv, table.txt and a heat map passkey.png to --output."
 )
-EPILOG = "example: ctxext passkey my-model --method yarn --factor 2 --lengths 4k,8k,16k --trials 5 -o pk-out"
+EPILOG = "example: ctxext passkey my-model --method yarn --factor 2 --lengths 4k,8k,16k --passkey-trials 5 -o pk-out"
 
 
 def add_arguments(parser) -> None:
@@ -23,12 +24,14 @@ def add_arguments(parser) -> None:
         help=f"prompt lengths in tokens (default {DEFAULT_LENGTHS})",
     )
     parser.add_argument(
-        "--depths",
+        "--passkey-depths",
         default="0,0.25,0.5,0.75,1",
         metavar="D,D,...",
         help="where the key sits: 0 = start, 1 = just before the question (default 0,0.25,0.5,0.75,1)",
     )
-    parser.add_argument("--trials", type=int, default=5, metavar="N", help="trials per length and depth (default 5)")
+    parser.add_argument(
+        "--passkey-trials", type=int, default=5, metavar="N", help="keys per length and depth (default 5)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the keys (default 0)")
     parser.add_argument("--no-baseline", action="store_true", help="do not add the 'none' (plain RoPE) baseline")
     parser.add_argument("-o", "--output", required=True, help="directory for results.json, results.csv, passkey.png")
@@ -36,6 +39,8 @@ def add_arguments(parser) -> None:
     add_runtime_arguments(parser, decoding=True)
     add_method_arguments(parser, multiple=True)
     parser.set_defaults(text_file=None, dataset=None)
+    add_alias(parser, "--depths", "--passkey-depths")
+    add_alias(parser, "--trials", "--passkey-trials")
 
 
 def request(args):
@@ -47,8 +52,8 @@ def request(args):
     return PasskeyRequest(
         model=args.model,
         lengths=parse_lengths(args.lengths),
-        depths=parse_depths(args.depths),
-        trials=args.trials,
+        depths=parse_depths(args.passkey_depths),
+        trials=args.passkey_trials,
         seed=args.seed,
         methods=method_selection(args),
         runtime=runtime_options(args),

@@ -2,27 +2,25 @@
 
 from __future__ import annotations
 
+from .aliases import add_alias
 from .common import add_method_arguments
 
 HELP = "plot theta'_i/theta_i per pair for one or more methods"
+DEFAULT_ORIGINAL_LENGTH = 4096  # L when neither --original-max-position-embeddings nor a method YAML gives one
 DESCRIPTION = (
     "Save a PNG of the per-pair frequency ratio of each method: 1 = extrapolated (kept), 1/s = "
     "interpolated, in between = ramped. No model needed. The methods come from --method (repeated) "
-    "and --config (a method YAML, or a sweep YAML with 'methods:', as for 'ctxext eval')."
+    "and --config (a method YAML, or a sweep YAML with 'methods:', as for 'ctxext eval'); L is "
+    "--original-max-position-embeddings (default 4096)."
 )
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--head-dim", type=int, default=128, help="rotary dimension d (default 128)")
     parser.add_argument("--base", type=float, default=10000.0, help="RoPE base (default 10000)")
-    parser.add_argument(
-        "--original-length",
-        type=int,
-        default=4096,
-        help="pre-training context L (default 4096, or the methods' original_max_position_embeddings)",
-    )
     parser.add_argument("-o", "--output", default="freqs.png", help="PNG path (default freqs.png)")
     add_method_arguments(parser, multiple=True)
+    add_alias(parser, "--original-length", "--original-max-position-embeddings")
 
 
 def run(args) -> int:
@@ -45,7 +43,7 @@ def run(args) -> int:
             f"the methods name different original lengths ({', '.join(map(str, sorted(given)))}); "
             "plot them separately or set --original-max-position-embeddings"
         )
-    L = given.pop() if given else args.original_length
+    L = given.pop() if given else DEFAULT_ORIGINAL_LENGTH
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     plot_frequency_ratios(configs, args.head_dim, args.base, L, output)

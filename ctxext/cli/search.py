@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import textwrap
 
+from .aliases import add_alias
 from .common import (
     HelpFormatter,
     add_data_arguments,
@@ -14,7 +15,7 @@ from .common import (
 
 HELP = "search a method's parameters (LongRoPE's per-pair factors too) on your model and data; resumable"
 DESCRIPTION = (
-    "Search the parameters of --method for MODEL at --length tokens: TPE (Optuna, seeded) over each parameter's "
+    "Search the parameters of --method for MODEL at --lengths tokens: TPE (Optuna, seeded) over each parameter's "
     "declared range (or --params / a --space YAML), or, for --method longrope, CMA-ES over the per-pair long_factor "
     "kept non-decreasing, starting from YaRN's factors (--space cma, the default) or LongRoPE2's critical-dimension "
     "space (--space critical: the critical dimension and the factors above it, at least s and non-decreasing, NTK "
@@ -34,13 +35,13 @@ DESCRIPTION = textwrap.fill(DESCRIPTION, 100)
 FORMATTER_CLASS = HelpFormatter  # wraps prose, keeps the examples one a line
 EPILOG = (
     "examples:\n"
-    "  ctxext search ./model --method yarn --factor 4 --length 16k --dataset pg19 --max-docs 4 -o yarn-search\n"
-    "  ctxext search ./model --method longrope --factor 4 --length 16k --text-file books/ --trials 40 -o lr\n"
-    "  ctxext search ./model --method longrope --space critical --length 32k --text-file books/ --trials 40 -o lr2\n"
-    "  ctxext search ./model --method rerope --length 32k --params window --trials 12 --dataset ... -o rr\n"
-    "  ctxext search ./model --method yarn --factor 4 --length 16k --dataset ... -o yarn-search --resume "
+    "  ctxext search ./model --method yarn --factor 4 --lengths 16k --objective ppl+needle-ppl --dataset pg19 -o ys\n"
+    "  ctxext search ./model --method longrope --factor 4 --lengths 16k --text-file books/ --trials 40 -o lr\n"
+    "  ctxext search ./model --method longrope --space critical --lengths 32k --text-file books/ --trials 40 -o lr2\n"
+    "  ctxext search ./model --method rerope --lengths 32k --params window --trials 12 --dataset ... -o rr\n"
+    "  ctxext search ./model --method yarn --factor 4 --lengths 16k --dataset ... -o yarn-search --resume "
     "--trials 60\n"
-    "  ctxext search ./model --method yarn --factor 4 --length 16k --dataset ... -o a --storage sqlite:///s.db"
+    "  ctxext search ./model --method yarn --factor 4 --lengths 16k --dataset ... -o a --storage sqlite:///s.db"
     "   (and -o b on another machine)"
 )
 
@@ -48,10 +49,10 @@ EPILOG = (
 def add_arguments(parser) -> None:
     parser.add_argument("model", help="a local checkpoint directory or a hub id")
     parser.add_argument(
-        "--length",
+        "--lengths",
         required=True,
         metavar="N",
-        help="the target context in tokens (e.g. 16384 or 16k); must be above the original length L",
+        help="the target context in tokens, one length (e.g. 16384 or 16k); must be above the original length L",
     )
     parser.add_argument("-o", "--output", required=True, help="directory for the trials, results, plots, checkpoint")
     parser.add_argument("--resume", action="store_true", help="continue the search in --output (same settings)")
@@ -64,6 +65,8 @@ def add_arguments(parser) -> None:
     add_data_arguments(parser)
     add_runtime_arguments(parser)
     add_method_arguments(parser)
+    add_alias(parser, "--length", "--lengths")
+    add_alias(parser, "--held-out", "--held-out-docs")
 
 
 def _add_study_arguments(parser) -> None:
@@ -118,10 +121,11 @@ def _add_search_arguments(parser) -> None:
         "--objective",
         default=None,
         choices=("ppl", "passkey", "ppl+passkey", "needle-ppl", "ppl+needle-ppl"),
-        help="ppl: calibration perplexity (default; needle-ppl with --space critical); passkey: 1 - passkey "
-        "accuracy at --length; "
+        help="ppl: calibration perplexity (default; needle-ppl with --space critical; it can cost retrieval, so "
+        "name ppl+needle-ppl where retrieval matters, as ctxext compare does); passkey: 1 - passkey accuracy at "
+        "--lengths; "
         "ppl+passkey: perplexity x 2^(1 - accuracy); needle-ppl: mean NLL of the passkey "
-        "answers' tokens at --length (one forward each, no generation; keeps retrieval); "
+        "answers' tokens at --lengths (one forward each, no generation; keeps retrieval); "
         "ppl+needle-ppl: ln(perplexity) + that NLL (the two per-token NLLs weighted equally)",
     )
     group.add_argument("--seed", type=int, default=0, help="seed of the optimizer and of the passkeys (default 0)")
@@ -151,7 +155,7 @@ def _add_scoring_arguments(parser) -> None:
         help="the first K documents long enough for a window are the calibration data (default 1)",
     )
     group.add_argument(
-        "--held-out",
+        "--held-out-docs",
         type=int,
         default=None,
         metavar="N",
@@ -226,9 +230,9 @@ def request_from_args(args):
     from .common import method_config_from_args
     from .evaluation import data_options
 
-    lengths = parse_lengths(args.length)
+    lengths = parse_lengths(args.lengths)
     if len(lengths) != 1:
-        raise CtxextError(f"--length takes one length, got '{args.length}'")
+        raise CtxextError(f"ctxext search takes one length in --lengths, got '{args.lengths}'")
     method = method_config_from_args(args).to_dict()
     if not hasattr(args, "factor") and not (args.config and "factor" in read_yaml_mapping(args.config)):
         method.pop("factor")  # s = N / L
@@ -256,7 +260,7 @@ def request_from_args(args):
         startup_trials=args.startup_trials,
         stride=parse_stride(args.stride),
         calibration_docs=args.calibration_docs,
-        held_out=args.held_out,
+        held_out=args.held_out_docs,
         checkpoint=not args.no_checkpoint,
         baseline=not args.no_baseline,
         passkey_trials=args.passkey_trials,

@@ -57,9 +57,9 @@ def parse_depths(text: str) -> list[float]:
     try:
         depths = [float(p) for p in str(text).split(",")]
     except ValueError:
-        raise CtxextError(f"--depths must be comma-separated fractions between 0 and 1, got '{text}'") from None
+        raise CtxextError(f"--passkey-depths must be comma-separated fractions between 0 and 1, got '{text}'") from None
     if any(not 0 <= d <= 1 for d in depths):
-        raise CtxextError(f"--depths must be fractions between 0 and 1, got '{text}'")
+        raise CtxextError(f"--passkey-depths must be fractions between 0 and 1, got '{text}'")
     return sorted(set(depths))
 
 

@@ -36,7 +36,7 @@ class PasskeyRequest:
 
     def check(self) -> list[str]:
         if self.trials < 1:
-            raise CtxextError(f"--trials must be at least 1, got {self.trials}")
+            raise CtxextError(f"--passkey-trials must be at least 1, got {self.trials}")
         if not self.lengths or not self.depths or any(not 0 <= d <= 1 for d in self.depths):
             raise CtxextError(f"give at least one length and depths between 0 and 1, got {self.lengths}, {self.depths}")
         self.methods.mappings()  # bad method flags fail before anything is loaded

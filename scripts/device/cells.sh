@@ -110,7 +110,7 @@ decode64() {
 cost() {
   for dtype in fp32 bf16; do
     step "cost $dtype" 200 || return
-    bounded $PY -m ctxext check --device "$DEVICE" --model "$MODEL" --methods dpe --implementations sdpa \
+    bounded $PY -m ctxext check --device "$DEVICE" --model "$MODEL" --method dpe --implementations sdpa \
       --lengths "$N8" --layers 30 --dtype $dtype --repeats 2 --json "$OUT/cost_$dtype.json" 2>&1 |
       grep -v "ctxext check:" | tail -12
   done
