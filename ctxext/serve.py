@@ -21,15 +21,14 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM
-from transformers.utils.import_utils import is_serve_available
 
 from . import patching  # noqa: F401  (registers ctxext's rope types and load hook before any model loads)
 from .errors import CtxextError
+from .extras import require
 from .loading import check_model_source, describe_failure, load_config
 from .patching.attention import CONFIG_KEY
 from .runtime import resolve_device, resolve_dtype
 
-SERVE_INSTALL = "pip install 'ctxext[serve]'"  # transformers' serving extra: fastapi, uvicorn, openai, pydantic
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -56,10 +55,7 @@ class ServePlan:
 
 def check_serving_packages() -> None:
     """transformers' server needs fastapi, uvicorn, pydantic and openai: say so before anything loads."""
-    if not is_serve_available():
-        raise CtxextError(
-            f"ctxext serve needs transformers' serving packages (fastapi, uvicorn, openai): {SERVE_INSTALL}"
-        )
+    require("serve", "ctxext serve")
 
 
 def check_port_free(host: str, port: int) -> None:

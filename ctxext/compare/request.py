@@ -129,6 +129,16 @@ def check_method_or_preset(name: str) -> str:
     )
 
 
+def needed_extras(request: CompareRequest) -> list[tuple[str, str]]:
+    """(extra, what needs it) for every optional package `request` will use, checked before anything loads."""
+    needed = []
+    if request.search and not request.report_only:
+        needed.append(("search", "ctxext compare's searched rows (--no-search: the defaults only)"))
+    if request.tasks and not request.report_only:
+        needed.append(("tasks", "ctxext compare --tasks"))
+    return needed
+
+
 def parse_full_search(text: str) -> FullSearch:
     """'ppl:12' (every searchable method), 'ppl:12:-dpe' (all but dpe), 'needle-ppl:8:rerope,dpe' (those)."""
     objective, _, rest = str(text).partition(":")

@@ -25,13 +25,14 @@ from .. import loading
 from ..checkpoint import write_patched_checkpoint
 from ..config import MethodConfig
 from ..errors import CtxextError
+from ..extras import require
 from ..runtime import Processes, machine_description
 from .cells import Cells
 from .page import write_page
 from .plan import NONE, ComparePlan, default_config, plan_compare
 from .processes import MainOnly, alone, my_share
 from .report import report_results, write_report
-from .request import BUDGET_TRIALS_CAP, DEFAULT_TRIALS, CompareRequest
+from .request import BUDGET_TRIALS_CAP, DEFAULT_TRIALS, CompareRequest, needed_extras
 from .searches import StudyRunner, read_history, search_pending, searched_config, successive_halving
 from .tasks import run_task_cells
 
@@ -376,6 +377,8 @@ class Session:
 def run_compare(request: CompareRequest, log: Callable[[str], None] | None = None) -> CompareResult:
     """Plan, compute what is missing, rank, recommend and write the report of `request`."""
     say = log or (lambda line: None)
+    for extra, needed_by in needed_extras(request):  # a missing package is said before any cell is computed
+        require(extra, needed_by)
     plan = plan_compare(request)  # every check that needs no weights: bad input fails here, nothing written
     session = Session(plan, say)  # under several processes, once every one of them has planned
     out = Path(request.output) if request.output is not None else None

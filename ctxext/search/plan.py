@@ -18,6 +18,7 @@ from ..eval.data import tokens_fingerprint
 from ..eval.passkey import plan_trials
 from ..eval.perplexity import text_tokens_per_window
 from ..eval.setup import DataOptions, RuntimeOptions, bos_choice
+from ..extras import require
 from ..loading import load_config, load_tokenizer
 from ..methods import get_method
 from ..patching.pair_selection import check_pair_selection, check_top_pairs, selection_record
@@ -92,13 +93,7 @@ class SearchPlan:
 
 
 def check_packages() -> None:
-    try:
-        import cma  # noqa: PLC0415, F401 -- optional: search
-        import optuna  # noqa: PLC0415, F401 -- optional: search
-    except ImportError:
-        raise CtxextError(
-            "ctxext search needs Optuna and cma: pip install 'ctxext[search]' (or pip install optuna cma)"
-        ) from None
+    require("search", "ctxext search")
 
 
 def default_objective(objective: str | None, longrope_space: str = "cma") -> str:

@@ -16,11 +16,9 @@ import tempfile
 from pathlib import Path
 
 from ..errors import CtxextError
+from ..extras import EXTRAS
 
-INSTALL_HINT = (
-    "pip install 'ctxext[llamacpp]' (llama-cpp-python; it builds llama.cpp from source with cmake and a "
-    "C++ compiler, about 10 minutes on 2 cores)"
-)
+INSTALL_HINT = EXTRAS["llamacpp"].install
 
 
 class JudgeCrashed(CtxextError):

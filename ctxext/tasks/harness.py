@@ -31,9 +31,10 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
 from ..errors import CtxextError, did_you_mean, first_line
+from ..extras import EXTRAS
 from ..outputs import CellCache
 
-INSTALL_HINT = 'pip install "ctxext[tasks]"'
+INSTALL_HINT = EXTRAS["tasks"].install
 # HFLM left-truncates a prompt to max_length minus the task's generation budget. RULER sizes its prompts so that
 # prompt + generation fits the length; this margin keeps a BOS or a tokenizer difference from cutting the prompt.
 GENERATION_MARGIN = 256
