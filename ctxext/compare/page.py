@@ -13,7 +13,17 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from .report import describe_params, effective_lengths, table_numbers
+from .ranking import recommend
+from .report import (
+    baseline_accuracy,
+    cost_numbers,
+    describe_params,
+    effective_lengths,
+    row_numbers,
+    serving_table,
+    table_numbers,
+)
+from .serving import TARGET_NAMES, TARGETS
 
 NATIVE = "native"
 BASELINE = "none"
@@ -42,7 +52,7 @@ def page_missing(rows: list, measured, docs: list[str], lengths: list[int], pass
         for n in lengths:
             if row.configs.get(n) is None:
                 if row.kind != "defaults":
-                    missing.append(f"search: {row.method} at {n} ({row.pending.get(n, 'not searched')})")
+                    missing.append(f"search: {row.label} at {n} ({row.pending.get(n, 'not searched')})")
                 continue
             missing += [
                 f"perplexity: {row.label} at {n} on {doc}"
@@ -95,6 +105,10 @@ def page_state(session, rows: list, path: Path) -> dict:
     ordered = page_rows(rows, plan.methods)
     passkey_lengths = plan.passkey_lengths
     seconds, trials = search_totals(request.cache_dir / "searches")
+    table = table_numbers(ordered, measured, docs, plan.lengths)
+    serving = serving_table(plan, ordered)
+    costs = cost_numbers(ordered, measured, docs, max(plan.lengths))
+    numbers = row_numbers(ordered, table, measured, plan.lengths, serving, costs, passkey_lengths)
     return {
         "plan": plan,
         "request": request,
@@ -103,7 +117,9 @@ def page_state(session, rows: list, path: Path) -> dict:
         "docs": docs,
         "lengths": plan.lengths,
         "passkey_lengths": passkey_lengths,
-        "table": table_numbers(ordered, measured, docs, plan.lengths),
+        "table": table,
+        "serving": serving,
+        "recommendations": recommend(numbers, baseline_accuracy(measured, plan.L), TARGETS),
         "effective": effective_lengths(measured, [r.label for r in ordered], passkey_lengths),
         "missing": page_missing(ordered, measured, docs, plan.lengths, passkey_lengths, plan.L),
         "machine": session.machine,
@@ -197,13 +213,13 @@ def table_lines(state: dict) -> list[str]:
     header = "| method | parameters |" + "".join(f" {n // 1024}k ppl | rank | vs native |" for n in lengths)
     rule = "|---|---|" + "---:|---:|---:|" * len(lengths)
     header += "".join(f" passkey {n // 1024}k |" for n in passkey_lengths)
-    header += (" effective length |" if effective else "") + " search vs defaults |"
-    rule += "---:|" * len(passkey_lengths) + ("---:|" if effective else "") + "---|"
+    header += (" effective length |" if effective else "") + " search vs defaults | served exactly by |"
+    rule += "---:|" * len(passkey_lengths) + ("---:|" if effective else "") + "---|---|"
     native_line = f"| **native** (unpatched, {L // 1024}k windows) | - |"
     for n in lengths:
         value = table[n]["native"]
         native_line += f" {value:.2f} | - | 1.00 |" if value else " ... | - | - |"
-    native_line += " - |" * len(passkey_lengths) + (" - |" if effective else "") + " - |"
+    native_line += " - |" * len(passkey_lengths) + (" - |" if effective else "") + " - | - |"
     lines = [header, rule, native_line]
     for row in rows:
         params = "searched (below)" if row.kind != "defaults" else row.note or "defaults"
@@ -231,8 +247,50 @@ def table_lines(state: dict) -> list[str]:
             shortest_patched = min(n for n in passkey_lengths if n > L)
             below = f" < {shortest_patched // 1024}k |"  # no length tested passes
             line += f" {found // 1024}k |" if found else " ... |" if row.label in effective["pending"] else below
-        lines.append(line + f" {', '.join(changes) or '-'} |")
+        lines.append(line + f" {', '.join(changes) or '-'} | {served_exactly_by(state['serving'], row.label)} |")
     return lines
+
+
+def served_exactly_by(serving: dict, label: str) -> str:
+    """The serving targets that run the row's checkpoint exactly, or '...' before its configuration exists."""
+    support = serving.get(label)
+    if support is None:
+        return "..."
+    return ", ".join(TARGET_NAMES[t] for t in TARGETS if support.get(t, {}).get("level") == "exact") or "none"
+
+
+def recommendation_lines(state: dict) -> list[str]:
+    """The page's choice per serving target: the best-ranked row each serves exactly, and how to get it."""
+    lengths = state["lengths"]
+    lines = [
+        "## Which method to use",
+        "",
+        "Per way of serving, the best-ranked row it serves exactly (every number computed; the ranking is the table's "
+        "below). Write its checkpoint from the cached cells with the page's command plus `--report-only "
+        "--write-best TARGET:DIR` (llama.cpp: the report's GGUF steps), then serve it as shown.",
+        "",
+        "| serve with | method | " + " | ".join(f"{n // 1024}k vs native" for n in lengths) + " | passkey | then |",
+        "|---|---|" + "---:|" * len(lengths) + "---|---|",
+    ]
+    for target in TARGETS:
+        pick = state["recommendations"].get(target)
+        if pick is None:
+            lines.append(
+                f"| {TARGET_NAMES[target]} | none served exactly with every number |" + " - |" * (len(lengths) + 2)
+            )
+            continue
+        passkey = ", ".join(f"{result[0]}/{result[1]}" for result in pick.passkey.values() if result) or "-"
+        ratios = " | ".join(f"{pick.ratios[n]:.3f}" for n in lengths)
+        lines.append(f"| {TARGET_NAMES[target]} | {pick.label} | {ratios} | {passkey} | `{SERVE_LINES[target]}` |")
+    return [*lines, ""]
+
+
+SERVE_LINES = {
+    "ctxext": "ctxext serve DIR",
+    "vllm": "vllm serve DIR",
+    "sglang": "python -m sglang.launch_server --model-path DIR",
+    "llama.cpp": "llama-server -m DIR.gguf",
+}
 
 
 def effective_lines(state: dict) -> list[str]:
@@ -309,7 +367,9 @@ def closing_lines(state: dict) -> list[str]:
 
 
 def page_markdown(state: dict) -> str:
-    lines = protocol_lines(state) + table_lines(state) + effective_lines(state) + parameter_lines(state)
+    protocol = protocol_lines(state)
+    lines = protocol[:2] + recommendation_lines(state) + protocol[2:]
+    lines += table_lines(state) + effective_lines(state) + parameter_lines(state)
     lines += document_lines(state) + closing_lines(state)
     return "\n".join(lines) + "\n"
 

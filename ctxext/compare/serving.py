@@ -57,11 +57,7 @@ def serve_commands(target: str, model: str, method_file: str, length: int, writt
     q = shlex.quote
     patch = f"ctxext patch {q(model)} --config {q(method_file)} -o {q(written)}"
     if target == "ctxext":
-        return [
-            patch,
-            f"python -c \"import ctxext, transformers; m = transformers.AutoModelForCausalLM.from_pretrained('{written}')\""
-            "  # ctxext re-installs the method on load",
-        ]
+        return [patch, f"ctxext serve {q(written)}  # OpenAI-compatible; every method ctxext runs"]
     if target == "vllm":
         return [patch, f"vllm serve {q(written)} --max-model-len {length}"]
     if target == "sglang":

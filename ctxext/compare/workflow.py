@@ -377,9 +377,9 @@ class Session:
 def run_compare(request: CompareRequest, log: Callable[[str], None] | None = None) -> CompareResult:
     """Plan, compute what is missing, rank, recommend and write the report of `request`."""
     say = log or (lambda line: None)
+    plan = plan_compare(request)  # every check that needs no weights: bad input fails here, nothing written
     for extra, needed_by in needed_extras(request):  # a missing package is said before any cell is computed
         require(extra, needed_by)
-    plan = plan_compare(request)  # every check that needs no weights: bad input fails here, nothing written
     session = Session(plan, say)  # under several processes, once every one of them has planned
     out = Path(request.output) if request.output is not None else None
     if out is not None and session.processes.is_main:
