@@ -173,3 +173,33 @@ def save_checkpoint(
             + yaml.safe_dump(values, sort_keys=False)
         )
     return form
+
+
+def save_pretrained(model, output: str | Path, tokenizer=None, overwrite: bool = False, format: str = "native"):
+    """Save a model patched in memory (`ctxext.patch`) as `ctxext patch` writes a checkpoint: config.json in the
+    method's native rope form where one exists (so vLLM, SGLang and plain transformers load it; `format='ctxext'`
+    keeps ctxext's own type), the tokenizer when given, and ctxext.yaml saying what was applied; atomically.
+    `model.save_pretrained` instead writes the in-memory form, ctxext's own `ctxext_*` types for most methods.
+    Returns the rope form written (ctxext.serving.forms.RopeForm)."""
+    from .patching import applied_method
+    from .serving.forms import FORMATS
+
+    if format not in FORMATS:
+        raise CtxextError(f"unknown format '{format}'; choose one of: {', '.join(FORMATS)}")
+    applied = applied_method(model)
+    if applied is None:
+        raise CtxextError("the model is not patched by ctxext (ctxext.patch); save it with model.save_pretrained")
+    source = getattr(model.config, "_name_or_path", "") or "a model in memory"
+
+    def record(form: RopeForm) -> dict:
+        return {
+            "source_model": source,
+            "ctxext_version": __version__,
+            "method": applied["method"],
+            **applied["params"],
+            "original_max_position_embeddings": applied["original_max_position_embeddings"],
+            "max_position_embeddings": model.config.max_position_embeddings,
+            "written_as": {"format": format, "rope_type": applied["rope_type"], "how": form.how},
+        }
+
+    return save_checkpoint(model, tokenizer, output, [], overwrite, format, record, "ctxext.save_pretrained")
