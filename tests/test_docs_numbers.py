@@ -30,3 +30,21 @@ def test_every_stated_test_budget_is_the_makefiles():
     }
     assert stated, "no document states the test budget any more"
     assert {figure for _, figure in stated} == {budget}, sorted(stated)
+
+
+def test_the_comparison_pages_run_time_and_missing_count_are_its_cells():
+    import json
+    import math
+
+    from ctxext.compare.page import search_totals
+
+    cells = REPO / "docs" / "comparison_cells"
+    seconds = math.fsum(json.loads(p.read_text()).get("seconds", 0.0) for p in (cells / "cells").glob("*.json"))
+    seconds += search_totals(cells / "searches")[0]
+    page = (REPO / "docs" / "comparison.md").read_text()
+    stated = re.search(r"\*\*Run time\*\*: ([\d.]+) h of computation", page)
+    assert stated and float(stated[1]) == round(seconds / 3600, 1)
+    missing = json.loads((REPO / "docs" / "comparison.json").read_text())["missing"]
+    count = re.search(r"\*\*Partial report: (\d+) cells are missing\*\*", page)
+    assert (int(count[1]) if count else 0) == len(missing)
+    assert not re.search(r"\d+ h of computation on a 2-core", (REPO / "docs/guides/methods.md").read_text())
