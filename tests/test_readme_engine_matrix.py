@@ -1,6 +1,7 @@
 """The README's method x engine matrix says what `ctxext export` (the engine table, ctxext.serving.engines) says,
 for each method of each row on a tiny LLaMA at 2x: a cell's level word is the table's level, engine by engine."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,17 @@ def test_each_cell_is_what_the_engine_table_says(methods, cells):
             for engine in column.split("+"):
                 stated = stated_level(column, cell, method, engine)
                 assert stated == support[engine]["level"], (method, engine, cell, support[engine])
+
+
+def test_export_gives_every_verdict_its_evidence_word(tmp_path, capsys):
+    from ctxext.cli import main
+    from tests.conftest import save_tiny_checkpoint, tiny_model
+
+    source = save_tiny_checkpoint(tmp_path / "src", tiny_model("llama"))
+    for method, words in {"yarn": ["tested", "measured", "measured", "measured"], "rerope": ["tested", "read"]}.items():
+        out = tmp_path / method
+        assert main(["patch", str(source), "--method", method, "--factor", "2", "-o", str(out)]) == 0
+        capsys.readouterr()
+        assert main(["export", str(out)]) == 0
+        stated = re.findall(r"evidence: (\w+):", capsys.readouterr().out)
+        assert len(stated) == 4 and stated[: len(words)] == words, stated

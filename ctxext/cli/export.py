@@ -47,7 +47,7 @@ def run(args) -> int:
     from dataclasses import asdict
 
     from ..errors import CtxextError
-    from ..serving.engines import engine_table, export_checkpoint, read_served_model
+    from ..serving.engines import engine_table, evidence, export_checkpoint, read_served_model
 
     if (args.engine is None) != (args.output is None):
         raise CtxextError("--engine and -o go together: --engine ENGINE -o OUT writes a copy for that engine")
@@ -65,6 +65,7 @@ def run(args) -> int:
     width = max(len(r.engine) for r in rows)
     for row in rows:
         print(f"  {row.engine:<{width}}  {row.level:<11}  {row.how}")
+        print(f"  {'':<{width}}  {'':<11}  evidence: {evidence(row.engine, row.level)}")
         if args.check:
             print(f"  {'':<{width}}  {'':<11}  checked: {row.checked}")
     lengths = _print_lengths(model) if args.check else []
@@ -73,7 +74,8 @@ def run(args) -> int:
 
         from ..outputs import atomic_write_text
 
-        report = {"model": str(model.path), "method": model.method, "engines": [asdict(r) for r in rows]}
+        engines = [{**asdict(r), "evidence": evidence(r.engine, r.level)} for r in rows]
+        report = {"model": str(model.path), "method": model.method, "engines": engines}
         atomic_write_text(Path(args.json), json.dumps({**report, "lengths": lengths}, indent=2) + "\n")
     return 1 if failed else 0
 

@@ -24,7 +24,31 @@ from ..methods import get_method
 from ..patching.families import own_partial_rotary_factor
 
 ENGINES = ("transformers", "vllm", "sglang", "llama.cpp")
-SERVED_BY_CTXEXT = "serve it with ctxext itself: ctxext.patch(model, ...) then model.generate"
+SERVED_BY_CTXEXT = "serve it with ctxext itself: ctxext serve DIR (OpenAI-compatible), or ctxext.patch then generate"
+# How each engine's verdict is known, in the docs' evidence words: tested (a test of the default or slow tier),
+# measured (a benchmark run, in BENCHMARKS.md), read (from the engine's source at a named version).
+READ_FROM = {
+    "vllm": "vLLM 0.33.0's source",
+    "sglang": "SGLang 0.5.23's source",
+    "llama.cpp": "llama.cpp as vendored by llama-cpp-python 0.3.36",
+}
+MEASURED_BY = {
+    "vllm": "vLLM 0.33.0's own rotary code on the written config (benchmarks/engine_parity.py; its server not run)",
+    "sglang": "SGLang 0.5.23's own rotary code on the written config (benchmarks/engine_parity.py; its server not run)",
+    "llama.cpp": "llama.cpp's perplexity on the GGUF ctxext wrote (benchmarks/llamacpp_parity.py)",
+}
+
+
+def evidence(engine: str, level: str) -> str:
+    """How the verdict `level` of `engine` is known: transformers' is tested; another engine's 'no' is read from
+    its source; its 'exact' and 'approximate' are measured with its own code."""
+    if engine == "transformers":
+        return "tested: a fresh process reloads each written form with the patched logits (tests/test_roundtrip.py)"
+    if level == "no":
+        return f"read: {READ_FROM[engine]}"
+    return f"measured: {MEASURED_BY[engine]}"
+
+
 VLLM_SGLANG_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 # transformers model_type -> the GGUF architecture llama.cpp's converter writes for it (ctxext.serving.gguf)
 GGUF_ARCH = {
