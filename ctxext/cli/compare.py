@@ -51,6 +51,28 @@ def add_arguments(parser) -> None:
         help="methods and presets, comma-separated or repeated: names ('ctxext methods'), all (default: every method "
         "that applies to the model), training-free, servable:vllm, servable:sglang, servable:llama.cpp",
     )
+    _add_split_arguments(parser)
+    _add_search_arguments(parser)
+    _add_scoring_arguments(parser)
+    parser.add_argument(
+        "--page",
+        metavar="PAGE.md",
+        help="also write the one-page layout of docs/comparison.md (PAGE.md, PAGE.json, PAGE.png)",
+    )
+    parser.add_argument("--model-name", metavar="NAME", help="how the report names the model (default: its folder)")
+    parser.add_argument(
+        "--write-best",
+        metavar="[TARGET:]DIR",
+        help="write the recommended row's checkpoint to DIR: for TARGET ctxext (default), vllm or sglang",
+    )
+    add_data_arguments(parser)
+    add_runtime_arguments(parser)
+    add_alias(parser, "--methods", "--method")
+    add_alias(parser, "--cache", "--cache-dir")
+
+
+def _add_split_arguments(parser) -> None:
+    """Which documents calibrate the searches and which the table scores."""
     split = parser.add_argument_group("the split (calibration: searches only; held-out: the table only)")
     split.add_argument("--calibration", metavar="DOCS", help="calibration documents by name, comma-separated")
     split.add_argument("--held-out", metavar="DOCS", help="held-out documents by name, comma-separated")
@@ -68,6 +90,10 @@ def add_arguments(parser) -> None:
         metavar="K",
         help="without --held-out: the next K long-enough documents (default 3)",
     )
+
+
+def _add_search_arguments(parser) -> None:
+    """How much searching: the objective, trials, budget, a fixed protocol, a shared storage."""
     search = parser.add_argument_group("searches (screen, then successive halving)")
     search.add_argument(
         "--objective",
@@ -99,6 +125,10 @@ def add_arguments(parser) -> None:
         metavar="URL",
         help="one Optuna storage for every search (sqlite:///s.db, ...): processes and machines share the studies",
     )
+
+
+def _add_scoring_arguments(parser) -> None:
+    """Passkey, lm-eval tasks, and where the cells are kept."""
     scoring = parser.add_argument_group("passkey and cells")
     scoring.add_argument(
         "--passkey-depths", default="0.1,0.5,0.9", metavar="D,D", help="passkey depths (default 0.1,0.5,0.9)"
@@ -130,21 +160,6 @@ def add_arguments(parser) -> None:
     scoring.add_argument(
         "--report-only", action="store_true", help="compute nothing: the report from the cells and searches kept"
     )
-    parser.add_argument(
-        "--page",
-        metavar="PAGE.md",
-        help="also write the one-page layout of docs/comparison.md (PAGE.md, PAGE.json, PAGE.png)",
-    )
-    parser.add_argument("--model-name", metavar="NAME", help="how the report names the model (default: its folder)")
-    parser.add_argument(
-        "--write-best",
-        metavar="[TARGET:]DIR",
-        help="write the recommended row's checkpoint to DIR: for TARGET ctxext (default), vllm or sglang",
-    )
-    add_data_arguments(parser)
-    add_runtime_arguments(parser)
-    add_alias(parser, "--methods", "--method")
-    add_alias(parser, "--cache", "--cache-dir")
 
 
 def request_from_args(args):
