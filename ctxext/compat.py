@@ -15,7 +15,8 @@ Used in place (not wrapped, because their code is the CLI's or the harness's own
 - `argparse.ArgumentParser._actions` (Python 3.x), ctxext/cli/common.py `split_method_params`: the parser's
   option strings, to tell a method parameter flag (`--beta-fast 32`) from an option or an abbreviation of one.
   argparse has no public list of a parser's options. If it went, every command that takes method parameters
-  would fail with an AttributeError at parse time.
+  would fail with an AttributeError at parse time. ctxext/cli/aliases.py `add_alias` finds the option an old
+  spelling stands for in the same list (an AttributeError when a command's parser is built, if it went).
 - `argparse.HelpFormatter._fill_text` (Python 3.x; argparse documents only the formatter classes' names as
   public), ctxext/cli/common.py `HelpFormatter`: keep examples and numbered parts of --help as written while
   prose is wrapped. If it were renamed, --help would wrap the examples into one paragraph (no error).

@@ -203,7 +203,7 @@ PRIVATE_NAMES = {  # each private name used in ctxext -> the files besides compa
     "_reset_state": set(),
     "_initializing": set(),
     "_commit_hash": {"ctxext/tasks/harness.py", "ctxext/eval/session.py"},
-    "_actions": {"ctxext/cli/common.py"},
+    "_actions": {"ctxext/cli/common.py", "ctxext/cli/aliases.py"},
     "_fill_text": {"ctxext/cli/common.py"},
     "_factory": {"ctxext/tasks/harness.py"},
     "_rank": {"ctxext/tasks/harness.py"},

@@ -182,7 +182,7 @@ def test_same_results_and_answers_as_lm_eval_then_resumes_from_the_cache(ruler_c
         ),
         (["--tasks", "ruler_qa_squad"], "needs data that could not be fetched: https://rajpurkar.github.io/"),
         (["--tasks", "niah_single_1", "--method", "yarn", "--fator", "2"], "did you mean 'factor'"),
-        (["--tasks", "niah_single_1"], 'install it with: pip install "ctxext[tasks]"'),
+        (["--tasks", "niah_single_1"], "install it with: pip install 'ctxext[tasks]'"),
     ],
     ids=[
         "unknown task",
