@@ -8,7 +8,9 @@ checkpoint and token ids; ctxext's gali runs in this process (fp32, CPU). Stubs,
   - `output_scores` fails inside the reference's chunked prefill (dpi_sample), so each answer token's logits are
     read from a hook on lm_head (the last position of each forward);
   - `config.output_attentions` is False (its loader sets True, which keeps every layer's full score matrix: 30
-    layers of 10k x 10k scores ran out of 24 GB);
+    layers of 10k x 10k scores ran out of 24 GB), and the config says "eager" after loading (the modules stay the
+    SDPA class its code is bound to), so that transformers 4.46 still builds the explicit causal mask that True
+    made it build;
   - transformers 4.46 reads `rope_theta` at the top of config.json: a checkpoint written by transformers 5 keeps it
     in `rope_parameters`, so pass --reference-checkpoint with the key copied up (SmolLM2: 1e5).
 Settings: the reference's `chunk_coe` (its prefill shares one position list per chunk; 1 = one list per token,
@@ -55,6 +57,7 @@ model.config.dpi_config = dict(use_chunk_softmax=False, chunk_coe=int(chunk_coe)
                                local_window=int(window), noise_type=noise, addon_relcoef=1, std_base=1.0,
                                scale_mean=0, scale_std=1)
 model.config.output_attentions = False  # its loader sets True: every layer's scores kept (OOM at 10k on 24 GB)
+model.config._attn_implementation = "eager"  # so 4.46 still builds the explicit causal mask its forward reads
 model.config.return_dict_in_generate = True
 for cls, name, fn in [("LlamaSdpaAttention", "forward", P.dpi_llamaattn_forward),
                       ("LlamaRotaryEmbedding", "forward", P.rope_forward_dpi_with_pi),
