@@ -73,11 +73,7 @@ def write_patched_checkpoint(
     plan = check_source(source, method_config)
 
     tokenizer = load_tokenizer(source, optional=True)  # patch only copies it: a checkpoint may have none
-    if tokenizer is None and pair_selection is not None:
-        raise CtxextError(
-            f"--select-pairs needs a tokenizer to turn '{pair_selection[0]}' into tokens, and '{source}' has no "
-            f"tokenizer files; add the base model's tokenizer files to it, or give the pairs as selected_pairs"
-        )
+    check_tokenizer_for_pairs(tokenizer, pair_selection, source)
     model = load_model(source, dtype="auto", device="cpu")
     original_length = plan.record.trained_context
     extra_record = dict(extra_record or {})
@@ -104,6 +100,15 @@ def write_patched_checkpoint(
         plan.record.describe(),
         plan.describe(),
     )
+
+
+def check_tokenizer_for_pairs(tokenizer, pair_selection: tuple[str, int] | None, source: str) -> None:
+    """DPE's pair selection reads a text: refuse a source without tokenizer files before anything loads."""
+    if tokenizer is None and pair_selection is not None:
+        raise CtxextError(
+            f"--select-pairs needs a tokenizer to turn '{pair_selection[0]}' into tokens, and '{source}' has no "
+            f"tokenizer files; add the base model's tokenizer files to it, or give the pairs as selected_pairs"
+        )
 
 
 def checkpoint_record(source: str, method_config, model, applied: dict, format: str, form: RopeForm, extra: dict):
