@@ -29,7 +29,6 @@ STILL_LONG = {
     ("ctxext/compare/report.py", "report_results"): 71,
     ("ctxext/compare/report.py", "markdown"): 78,
     ("ctxext/patching/attention.py", "_region_queries_and_keys"): 76,
-    ("ctxext/patching/families.py", "rope_layout"): 65,
     ("ctxext/patching/patch.py", "patch"): 96,
     ("ctxext/patching/patch.py", "plan_patch"): 83,
     ("ctxext/patching/patch.py", "rope_parameters_to_write"): 74,

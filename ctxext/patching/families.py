@@ -495,6 +495,18 @@ def _probe_sections(rotary: nn.Module, layout: str) -> tuple[int, ...]:
     return sections
 
 
+def _rotary_keys(config, rotary, layer_types: tuple, uses_rope: tuple, attention: tuple) -> list:
+    """The layer types whose own rope parameters a per-type rotary reads: those of layers that attend with RoPE."""
+    keys = [t for t, rope, attends in zip(layer_types, uses_rope, attention) if rope and attends]
+    missing = sorted({t for t in keys if t not in config.rope_parameters})
+    if missing:
+        raise CtxextError(
+            f"this rotary module computes positions in its own way: {type(rotary).__name__} (its rope "
+            f"parameters are keyed {', '.join(sorted(config.rope_parameters))}, not by layer type {missing[0]})"
+        )
+    return list(dict.fromkeys(keys))
+
+
 def rope_layout(model: nn.Module) -> RopeLayout:
     """The model's rope layout (see `RopeLayout`), probed from its modules; a one-line CtxextError where the
     model is not the kind ctxext can patch."""
@@ -522,16 +534,7 @@ def rope_layout(model: nn.Module) -> RopeLayout:
         None if module is None else _window(module, config, layer_type)
         for module, layer_type in zip(modules, layer_types)
     )
-    keys = [None]
-    if per_type:
-        keys = [t for t, rope, attends in zip(layer_types, uses_rope, attention) if rope and attends]
-        missing = sorted({t for t in keys if t not in config.rope_parameters})
-        if missing:
-            raise CtxextError(
-                f"this rotary module computes positions in its own way: {type(rotary).__name__} (its rope "
-                f"parameters are keyed {', '.join(sorted(config.rope_parameters))}, not by layer type {missing[0]})"
-            )
-        keys = list(dict.fromkeys(keys))
+    keys = _rotary_keys(config, rotary, layer_types, uses_rope, attention) if per_type else [None]
     dims, bases, layouts = {}, {}, set()
     for key in keys:
         layout, dim = _probe_rotary(rotary, key)
