@@ -55,6 +55,13 @@ def add_method_arguments(parser: Parser, multiple: bool = False) -> None:
         help="scaling method (see 'ctxext methods')" + ("; repeat to compare several" if multiple else ""),
     )
     group.add_argument("--config", metavar="YAML", help="method YAML, e.g. configs/methods/yarn.yaml")
+    _add_length_flags(group)
+    _add_query_and_layer_flags(group)
+    parser.takes_method_params = True
+
+
+def _add_length_flags(group) -> None:
+    """How far to extend, and from where: --factor or --target-length, an explicit L, replacing a shipped scaling."""
     group.add_argument(
         "--factor",
         type=parse_value,
@@ -94,6 +101,10 @@ def add_method_arguments(parser: Parser, multiple: bool = False) -> None:
         default=argparse.SUPPRESS,
         help="allow a result whose context is shorter than the model's C (refused otherwise)",
     )
+
+
+def _add_query_and_layer_flags(group) -> None:
+    """What rides on top of the method (log-n, query temperature) and which layer types it scales."""
     group.add_argument(
         "--logn",
         action=argparse.BooleanOptionalAction,
@@ -119,7 +130,6 @@ def add_method_arguments(parser: Parser, multiple: bool = False) -> None:
         "'full' (default: the full-attention layers, Google's recipe; sliding layers never see past their "
         "window), 'all', or names such as full_attention,sliding_attention ('ctxext methods --model MODEL' lists them)",
     )
-    parser.takes_method_params = True
 
 
 def split_method_params(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], dict]:
