@@ -26,7 +26,6 @@ def modules() -> dict[str, Path]:
 STILL_LONG = {
     ("ctxext/compare/plan.py", "plan_compare"): 72,
     ("ctxext/compare/report.py", "report_results"): 71,
-    ("ctxext/compare/report.py", "markdown"): 78,
     ("ctxext/patching/attention.py", "_region_queries_and_keys"): 76,
     ("ctxext/patching/patch.py", "patch"): 96,
     ("ctxext/patching/patch.py", "plan_patch"): 83,

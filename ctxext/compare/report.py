@@ -465,10 +465,30 @@ def _ratio(value) -> str:
 
 
 def markdown(results: dict, plan) -> str:
+    """report.md: the recommendation per serving target first, then the table, the protocol and what is missing."""
     lengths = results["lengths"]
     model = results["model"]
+    lines = [f"# ctxext compare: {model['display_name']} (L = {model['L']}) at {', '.join(_k(n) for n in lengths)}"]
+    lines += recommendation_lines(results)
+    if results["written"]:
+        lines += [f"`--write-best` wrote the checkpoint to `{results['written']}`.", ""]
+    lines += [f"Ranking: {results['ranking_rule']}", ""]
+    lines += table_lines(results)
+    lines += protocol_lines(results)
+    if results["excluded"]:
+        lines += ["", "Methods not compared:", ""]
+        lines += [f"- {m}: {why}" for m, why in results["excluded"].items()]
+    if results["failed"]:
+        lines += ["", "Rows that failed here:", ""] + [f"- {m}: {why}" for m, why in results["failed"].items()]
+    lines += search_lines(results)
+    lines += time_and_missing_lines(results)
+    return "\n".join(lines) + "\n"
+
+
+def recommendation_lines(results: dict) -> list[str]:
+    """The table of the row each serving target is recommended, then the commands that serve it."""
+    lengths = results["lengths"]
     lines = [
-        f"# ctxext compare: {model['display_name']} (L = {model['L']}) at {', '.join(_k(n) for n in lengths)}",
         "",
         "## Recommendation",
         "",
@@ -497,13 +517,16 @@ def markdown(results: dict, plan) -> str:
             continue
         lines += [f"**{TARGET_NAMES[target]}**: {pick['label']} ({pick['serving'].get('how', '')}):", "", "```bash"]
         lines += pick["commands"] + ["```", ""]
-    if results["written"]:
-        lines += [f"`--write-best` wrote the checkpoint to `{results['written']}`.", ""]
-    lines += [f"Ranking: {results['ranking_rule']}", ""]
-    lines += table_lines(results)
-    lines += ["", "## Protocol", ""]
-    p = results["protocol"]
-    lines += [
+    return lines
+
+
+def protocol_lines(results: dict) -> list[str]:
+    """How every number of the report was made: data, perplexity, native, passkey, searches, cost, runtime."""
+    p, lengths = results["protocol"], results["lengths"]
+    return [
+        "",
+        "## Protocol",
+        "",
         f"- **Data**: calibration (searches only): {', '.join(p['split']['calibration']) or 'none'}; held out (the "
         f"table only): {', '.join(p['split']['held_out'])}. The two are never mixed.",
         f"- **Perplexity**: {p['perplexity']}.",
@@ -519,15 +542,13 @@ def markdown(results: dict, plan) -> str:
         + (f" ({results['processes']} processes sharing the cells)." if results.get("processes", 1) > 1 else "."),
         f"- **Cells**: {p['cells']}; searches: {p['searches']} (the same command resumes; nothing is recomputed).",
     ]
-    if results["excluded"]:
-        lines += ["", "Methods not compared:", ""]
-        lines += [f"- {m}: {why}" for m, why in results["excluded"].items()]
-    if results["failed"]:
-        lines += ["", "Rows that failed here:", ""] + [f"- {m}: {why}" for m, why in results["failed"].items()]
-    lines += search_lines(results)
+
+
+def time_and_missing_lines(results: dict) -> list[str]:
+    """The computation spent against the budget, and the cells still missing (or that none is)."""
     b = results["budget"]
     budget = "none" if b["budget_seconds"] is None else f"{b['budget_seconds'] / 60:.1f} min"
-    lines += [
+    lines = [
         "",
         f"**Time**: {b['spent_seconds'] / 60:.1f} min of computation recorded in the cells and trials "
         f"(budget: {budget}); this run {b['this_run_seconds'] / 60:.1f} min.",
@@ -541,7 +562,7 @@ def markdown(results: dict, plan) -> str:
         )
     else:
         lines.append("Every cell is computed.")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def table_lines(results: dict) -> list[str]:
