@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CtxextError
+from ..outputs import check_output_dir, check_overlap
 from .request import NEEDS_FINE_TUNING, PRESETS, CompareRequest, format_seconds, parse_write_best
 from .searches import search_start
 from .tasks import check_tasks
@@ -374,17 +375,7 @@ def plan_compare(request: CompareRequest, measure=measured_flops) -> ComparePlan
     bos_id, _ = bos_choice(request.runtime.bos, tokenizer)
     documents = request.data.load(tokenizer)
     calibration, held_out = split_documents(request, documents.documents, bos_id)
-    protected = [p for p in [request.model] if Path(p).exists()] + request.data.local_paths()
-    if request.output is not None:
-        check_output(request, protected)
-    if request.page is not None:
-        from ..outputs import check_overlap
-
-        check_overlap(Path(request.page).parent, protected)
-    if write_best is not None:
-        from ..outputs import check_output_dir
-
-        check_output_dir(write_best[1], protected)
+    check_outputs(request, write_best)
     rt = request.runtime
     processes = Processes(cpu=rt.device == "cpu" or None)
     runtime = inference_runtime(rt.device, rt.dtype, rt.attn_implementation, processes)
@@ -416,10 +407,26 @@ def plan_compare(request: CompareRequest, measure=measured_flops) -> ComparePlan
         processes=processes,
     )
     plan.estimate = estimate_screen(plan, measure(runtime["device"], runtime["dtype"]))
-    if request.budget is not None and not request.report_only and plan.estimate["screen_seconds"] > request.budget:
+    check_budget_fits(request, plan.estimate)
+    return plan
+
+
+def check_outputs(request: CompareRequest, write_best) -> None:
+    """-o, --page and --write-best: none overlaps an input, and -o and --write-best hold nothing else."""
+    protected = [p for p in [request.model] if Path(p).exists()] + request.data.local_paths()
+    if request.output is not None:
+        check_output(request, protected)
+    if request.page is not None:
+        check_overlap(Path(request.page).parent, protected)
+    if write_best is not None:
+        check_output_dir(write_best[1], protected)
+
+
+def check_budget_fits(request: CompareRequest, estimate: dict) -> None:
+    """A --budget that cannot fit even the screen is refused, with the time it needs."""
+    if request.budget is not None and not request.report_only and estimate["screen_seconds"] > request.budget:
         raise CtxextError(
             f"--budget {format_seconds(request.budget)} cannot fit even the screen (every method at its defaults on "
             f"the calibration slice, and the table's defaults rows): it needs about "
-            f"{format_seconds(plan.estimate['screen_seconds'])} here ({plan.estimate['how']})"
+            f"{format_seconds(estimate['screen_seconds'])} here ({estimate['how']})"
         )
-    return plan
