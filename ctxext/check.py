@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from .errors import CtxextError
+from .methods.remapping import BlendedKeyRotation, PerPairRotation
 from .patching.families import module_frequencies
 from .patching.record import rope_record
 
@@ -229,7 +230,8 @@ def per_cell_attention(module, query, key, value, attention_mask, **kwargs):
         inside = ((j[None] >= lo[:, None]) & (j[None] < hi[:, None])).to(q.device)
         q_at = _positions(region, region.query_position, i, module.layer_idx, len(inv_freq))
         k_at = _positions(region, region.key_position, j, module.layer_idx, len(inv_freq))
-        if region.interpolated_keys:  # GALI: the logit interpolated between the key's integer neighbours
+        # GALI: the logit interpolated between the key's integer neighbours
+        if isinstance(region.rotation, BlendedKeyRotation):
             low = k_at.floor()
             k_turned = torch.lerp(turn(k, low), turn(k, low + 1), (k_at - low).to(k.device)[:, None])
         else:
@@ -256,9 +258,9 @@ def _positions(region, rule, at: torch.Tensor, layer: int, pairs: int) -> torch.
     """A region's positions for `at`: (n,), or (n, pairs) for a rule per rotary pair (DPE)."""
     if rule is None:
         return at
-    if region.pair_scales is None:
+    if not isinstance(region.rotation, PerPairRotation):
         return rule(at)
-    return torch.stack([rule(at, int(G)) for G in region.pair_scales(pairs, layer).tolist()], dim=-1)
+    return torch.stack([rule(at, int(G)) for G in region.rotation.pair_scales(pairs, layer).tolist()], dim=-1)
 
 
 def reference_model(patched, host_settings, shape, device, seed):

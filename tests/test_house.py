@@ -25,7 +25,6 @@ def modules() -> dict[str, Path]:
 # shrinks under 60 must leave this list, so the list only gets shorter.
 STILL_LONG = {
     ("ctxext/compare/report.py", "report_results"): 71,
-    ("ctxext/patching/attention.py", "_region_queries_and_keys"): 76,
     ("ctxext/patching/patch.py", "patch"): 96,
     ("ctxext/patching/patch.py", "plan_patch"): 83,
     ("ctxext/patching/patch.py", "rope_parameters_to_write"): 74,

@@ -21,8 +21,8 @@ import ctxext
 from ctxext.check import decoded_logits
 from ctxext.errors import CtxextError
 from ctxext.methods import get_method
-from ctxext.patching import attention
 from ctxext.patching.attention import KeptKeys, installed_settings, kept_keys_bytes, set_attention_tuning
+from ctxext.patching.attention import regions as attention_regions
 from tests.conftest import FAMILIES, save_tiny_checkpoint, tiny_model
 
 L = 32  # the tiny models' original length: log-n acts past it
@@ -294,8 +294,10 @@ def test_kept_keys_decode_bit_for_bit_like_keys_rotated_afresh(family, method, p
     model = ctxext.patch(tiny_model(family, max_position_embeddings=L), method, logn=logn, **params)
     tokens = torch.randint(0, 256, (1, 44), generator=torch.Generator().manual_seed(9))
     unrotated_lengths = []
-    undo = attention.undo_rotation
-    monkeypatch.setattr(attention, "undo_rotation", lambda x, *a: unrotated_lengths.append(x.shape[2]) or undo(x, *a))
+    undo = attention_regions.undo_rotation
+    monkeypatch.setattr(
+        attention_regions, "undo_rotation", lambda x, *a: unrotated_lengths.append(x.shape[2]) or undo(x, *a)
+    )
     with torch.no_grad():
         kept = decoded_logits(model, tokens, steps=16)
         lengths_kept = set(unrotated_lengths)

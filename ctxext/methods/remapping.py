@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -44,22 +44,76 @@ FIRST_KEY = -(1 << 60)
 PositionRule = Callable[[torch.Tensor], torch.Tensor]
 
 
+class RotaryLookup(Protocol):
+    """What a region's rotation asks of the model's rotary embedding (ctxext.patching.attention.rotation's
+    `PlanRotary`): `x` rotated at positions, kept under `name` for the forward."""
+
+    n_pairs: int  # rotary pairs per head
+    layer_index: int
+
+    def rotate(self, x: torch.Tensor, name: tuple, positions: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Every pair at `positions()`."""
+
+    def rotate_blended(self, x: torch.Tensor, name: tuple, positions: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """By the blend (1 - f) R(floor p) + f R(floor p + 1) at each position p, f = p - floor p."""
+
+    def rotate_per_pair(
+        self, x: torch.Tensor, name: tuple, scales: torch.Tensor, positions_at: Callable[[int], torch.Tensor]
+    ) -> torch.Tensor:
+        """Pair p at `positions_at(scales[p])`."""
+
+
+@dataclass(frozen=True)
+class PlainRotation:
+    """Every rotary pair turns at the rule's position: the query at q(i), the key at k(j)."""
+
+    def rotate_queries(self, rotary: RotaryLookup, x, name: tuple, rule: Callable, at: torch.Tensor) -> torch.Tensor:
+        return rotary.rotate(x, name, lambda: rule(at))
+
+    def rotate_keys(self, rotary: RotaryLookup, x, name: tuple, rule: Callable, at: torch.Tensor) -> torch.Tensor:
+        return rotary.rotate(x, name, lambda: rule(at))
+
+
+@dataclass(frozen=True)
+class BlendedKeyRotation(PlainRotation):
+    """GALI: a key at a fractional position p is not rotated at p; its logit is interpolated between floor(p) and
+    floor(p) + 1, i.e. the key is rotated by (1 - f) R(floor p) + f R(floor p + 1), f = p - floor p. The query
+    turns at its position as in `PlainRotation`, which must be an integer, so that the blend is exactly the
+    interpolated logit."""
+
+    def rotate_keys(self, rotary: RotaryLookup, x, name: tuple, rule: Callable, at: torch.Tensor) -> torch.Tensor:
+        return rotary.rotate_blended(x, name, lambda: rule(at))
+
+
+@dataclass(frozen=True)
+class PerPairRotation:
+    """DPE: the rules take a second argument, a scale G, and rotary pair p turns at q(i, G_p) and k(j, G_p), where
+    pair_scales(n_pairs, layer_index) gives G_p (int64, one per pair)."""
+
+    pair_scales: Callable[[int, int], torch.Tensor]
+
+    def rotate_queries(self, rotary: RotaryLookup, x, name: tuple, rule: Callable, at: torch.Tensor) -> torch.Tensor:
+        scales = self.pair_scales(rotary.n_pairs, rotary.layer_index)
+        return rotary.rotate_per_pair(x, name, scales, lambda G: rule(at, G))
+
+    def rotate_keys(self, rotary: RotaryLookup, x, name: tuple, rule: Callable, at: torch.Tensor) -> torch.Tensor:
+        return self.rotate_queries(rotary, x, name, rule, at)  # the keys turn pair by pair as the queries do
+
+
+RegionRotation = PlainRotation | BlendedKeyRotation | PerPairRotation
+
+
 @dataclass(frozen=True)
 class Region:
-    """Query i sees the keys at positions [lo(i), hi(i)) with the query rotated at q(i), the key at k(j).
-
-    With `pair_scales` (DPE) the rules take a second argument, a scale G, and rotary pair p is rotated at
-    q(i, G_p) and k(j, G_p), where pair_scales(n_pairs, layer_index) gives G_p (int64, one per pair)."""
+    """Query i sees the keys at positions [lo(i), hi(i)) with the query rotated at q(i), the key at k(j), each as
+    `rotation` turns a token at a rule's position (`PlainRotation`; DPE's `PerPairRotation`, GALI's
+    `BlendedKeyRotation`)."""
 
     name: str
     key_range: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     query_position: PositionRule | None = None  # None: the query's own position
     key_position: PositionRule | None = None  # None: the key's own position
-    pair_scales: Callable[[int, int], torch.Tensor] | None = None
-    # GALI: a fractional key position p is not rotated at p; the key's logit is interpolated between floor(p) and
-    # floor(p) + 1, i.e. the key is rotated by (1 - f) R(floor p) + f R(floor p + 1), f = p - floor p. The query
-    # position must then be an integer, so that the blend is exactly the interpolated logit.
-    interpolated_keys: bool = False
+    rotation: RegionRotation = PlainRotation()
 
 
 def _floor_div(x: torch.Tensor, d: int) -> torch.Tensor:
@@ -75,11 +129,11 @@ def beyond_band(
     width: int,
     query_position: PositionRule | None,
     key_position: PositionRule | None,
-    pair_scales: Callable[[int, int], torch.Tensor] | None = None,
+    rotation: RegionRotation = PlainRotation(),
 ) -> Region:
     """Every key at distance >= width."""
     return Region(
-        "far", lambda i: (torch.full_like(i, FIRST_KEY), i - width + 1), query_position, key_position, pair_scales
+        "far", lambda i: (torch.full_like(i, FIRST_KEY), i - width + 1), query_position, key_position, rotation
     )
 
 
@@ -421,7 +475,12 @@ class DpeParams(RemapParams):
             raise CtxextError("dpe's 'window' is not resolved yet (it defaults from the original length L)")
         return [
             local_band(w),
-            beyond_band(w, lambda i, G: grouped_query_position(i, G, w), grouped_key_position, self.pair_scales),
+            beyond_band(
+                w,
+                lambda i, G: grouped_query_position(i, G, w),
+                grouped_key_position,
+                PerPairRotation(self.pair_scales),
+            ),
         ]
 
     def plain_up_to(self) -> int:
@@ -548,7 +607,7 @@ def gali_far_region(g: int, position_range: int, window: int) -> Region:
         key_range,
         lambda i: torch.full(i.shape, float(position_range - 1), dtype=torch.float64),
         lambda j: j.to(torch.float64) / g,
-        interpolated_keys=True,
+        BlendedKeyRotation(),
     )
 
 
