@@ -3,8 +3,8 @@
     python scripts/finetune.py --recipe configs/recipes/tiny-cpu.yaml [key=value ...] [--resume]
     accelerate launch --config_file configs/accelerate/fsdp.yaml scripts/finetune.py --recipe RECIPE.yaml
 
-Everything is in ctxext.train (recipe.py, data.py, lora.py, loop.py, trackers.py); `--help` lists the options and
-`--show-keys` every recipe key.
+Everything is in ctxext.train (recipe.py, data.py, lora.py, trackers.py; loop.py, with setup.py, evaluation.py,
+checkpoints.py and records.py beside it); `--help` lists the options and `--show-keys` every recipe key.
 """
 
 import sys

@@ -71,7 +71,7 @@ def evaluate_before(recipe, with_yarn: bool, progress: bool) -> list[dict]:
     from ctxext.eval.runner import EvalMethod, run_perplexity
     from ctxext.loading import load_model, load_tokenizer
     from ctxext.runtime import training_precision
-    from ctxext.train.loop import load_eval_documents, plan_length
+    from ctxext.train.evaluation import load_eval_documents, plan_length
     from ctxext.train.pretrain_tiny import resolve_model_name
 
     path = resolve_model_name(recipe.model)
@@ -195,7 +195,7 @@ def write_report(docs: Path, result: dict) -> None:
 def plot(path: Path, result: dict) -> None:
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
-    from ctxext.train.loop import save_step_plot
+    from ctxext.train.records import save_step_plot
 
     ft = result["fine_tuning"]
     fig = Figure(figsize=(7.5, 4.8))
@@ -665,7 +665,8 @@ def run_mixed_window(recipe, recipe_path: str, work: Path, docs: Path, run_info:
 
     import torch
 
-    from ctxext.train.loop import finetune, latest_checkpoint
+    from ctxext.train.checkpoints import latest_checkpoint
+    from ctxext.train.loop import finetune
 
     runs, timing = {}, dict(run_info["timing"])
     for name, mixed in (("mixed", True), ("plain", False)):

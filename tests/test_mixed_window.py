@@ -15,7 +15,7 @@ import torch
 import ctxext
 from ctxext.cli import main as ctxext_main
 from ctxext.patching.rotary import ScaledRotaryEmbedding, original_rotary_within
-from ctxext.train.loop import sample_indices
+from ctxext.train.batches import sample_indices
 from ctxext.train.mixed_window import (
     cut_into_short_sequences,
     is_short_micro_batch,
@@ -250,8 +250,8 @@ def test_a_run_recorded_before_mixed_window_existed_still_resumes(tmp_path):
     """recipe.yaml files written before the mixed_window section existed read as having its defaults."""
     import yaml
 
-    from ctxext.train.loop import write_or_check_recipe
     from ctxext.train.recipe import recipe_from_mapping
+    from ctxext.train.records import write_or_check_recipe
 
     recipe = recipe_from_mapping({"model": "m", "output_dir": str(tmp_path), "data": {"dataset": "shakespeare"}})
     older = recipe.to_dict()

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from ctxext.errors import CtxextError
+from ctxext.train.batches import sample_indices
 from ctxext.train.data import PackedSequences, check_held_out, tokenize_stream
-from ctxext.train.loop import lr_factor, sample_indices
+from ctxext.train.loop import lr_factor
 from ctxext.train.pose import pose_generator, pose_position_ids
 from ctxext.train.recipe import apply_overrides, load_recipe, parse_overrides, recipe_from_mapping
 from ctxext.train.trackers import tracker_config, tracker_names
@@ -186,7 +187,7 @@ def test_the_training_loop_plans_the_windows_of_the_protocol():
     `stride` tokens, each scoring the tokens the previous one did not reach, the first token never a target
     (no BOS); where the window is not longer than the stride, the stride is half the window."""
     from ctxext.eval.data import Document
-    from ctxext.train.loop import plan_length
+    from ctxext.train.evaluation import plan_length
 
     def expected(n_tokens, length, stride):
         windows, reached = [], 1  # tokens [0, reached) are scored or cannot be (the first)
@@ -253,7 +254,7 @@ def test_truncating_the_metrics_log_replaces_the_file_instead_of_rewriting_it(tm
     import json
     import os
 
-    from ctxext.train.loop import MetricsLog
+    from ctxext.train.records import MetricsLog
 
     log = MetricsLog(tmp_path / "metrics.jsonl", enabled=True)
     for step in range(1, 6):

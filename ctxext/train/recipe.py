@@ -341,7 +341,7 @@ def _validate_pose(pose: PoseSection, seq_len: int) -> None:
 
 
 def _validate_mixed_window(recipe: Recipe) -> None:
-    """The settings alone; that short_length is at most L is checked once the model is loaded (loop.py)."""
+    """The settings alone; that short_length is at most L is checked once the model is loaded (setup.py)."""
     mixed = recipe.mixed_window
     boolean("mixed_window.enabled", mixed.enabled)
     number("mixed_window.short_fraction", mixed.short_fraction, minimum=0, maximum=1)
