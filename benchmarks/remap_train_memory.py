@@ -11,8 +11,9 @@ Variants, run one after another at each length (interleaved, so drifts in machin
 - `rerope`, `leaky_rerope`, `self_extend`, `dual_chunk`, `string`: `ctxext.patch(model, method, **params)`
                    with the parameters in REMAP_PARAMS; the remapping backend is whatever ctxext picks
                    ("auto": on CPU with gradients, "blockwise", whose backward recomputes the scores), unless
-                   --backend forces one through `set_attention_tuning(model, kernel=...)` ("concat" was the
-                   training path before the blockwise backend; "naive" is the O(T^2) oracle).
+                   --backend forces one through `set_attention_tuning(model, kernel=...)` ("naive" is the O(T^2)
+                   reference; "concat", the training path before the blockwise backend, is gone: its
+                   figures in git history came from commits before it was removed).
 
 Each measurement runs in a fresh Python process (one variant's freed memory cannot hide another's peak). The
 process builds the model, runs a 256-token warm-up step (thread pools, lazy initialisation; at 256 tokens no
@@ -43,7 +44,7 @@ tensors (slower: every large block is mapped anew).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/remap_train_memory.py --lengths 4096,8192 \\
         --json /tmp/train_memory.json
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/remap_train_memory.py --backend concat --lengths 4096 \\
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/remap_train_memory.py --backend naive --lengths 4096 \\
         --variants sdpa,dual_chunk
 
 Targets, per remapping method: peak RSS growth, live bytes and saved bytes each <= 1.5x sdpa's at every
@@ -402,9 +403,9 @@ def main() -> None:
     parser.add_argument(
         "--backend",
         default=None,
-        choices=["auto", "blockwise", "concat", "naive", "lse", "flex"],
+        choices=["auto", "blockwise", "naive", "lse", "flex"],
         help="force the remapping backend with set_attention_tuning (default: ctxext's choice, "
-        "blockwise for CPU training; concat: the old training path; naive: O(T^2))",
+        "blockwise for CPU training; naive: the O(T^2) reference)",
     )
     parser.add_argument(
         "--query-block",

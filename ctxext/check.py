@@ -31,6 +31,7 @@ import torch
 
 from .errors import CtxextError
 from .methods.remapping import BlendedKeyRotation, PerPairRotation
+from .patching import reference
 from .patching.families import module_frequencies
 from .patching.record import rope_record
 
@@ -191,10 +192,10 @@ def available_implementations(device: torch.device) -> list[str]:
 
 # -------------------------------------------------------------------------------------- the reference
 def per_cell_attention(module, query, key, value, attention_mask, **kwargs):
-    """Attention with each score taken from its own region, in float64: undo the model's rotation, turn queries
-    and keys per region by the region's position rules (so that q(i) - k(j) = r'(i, j)), score every cell in
-    every region, keep each cell's own region's score, one causal softmax. Full T x T matrices: small inputs
-    only (unpadded, from position 0: what `check_one` feeds it)."""
+    """The attention function of the reference model: undo the model's rotation, read each cell's relative
+    position r'(i, j) from the method's regions (`relative_positions`) and score every cell by it
+    (ctxext.patching.reference.per_cell_attention, float64), one causal softmax. Full T x T matrices: small
+    inputs only (unpadded, from position 0: what `check_one` feeds it)."""
     from .patching.attention import undo_rotation
 
     settings, host = module.__dict__[_REFERENCE]
@@ -211,37 +212,37 @@ def per_cell_attention(module, query, key, value, attention_mask, **kwargs):
         n_scale = logn_scale(positions[-q_len:], settings.original_max_position_embeddings).double()
         q = q * n_scale.to(q.device)[None, None, :, None]
     inv_freq, factor = module_frequencies(rotary, layer_type)  # per-type rotary (Gemma 3): the set it applies
-    inv_freq = inv_freq.double().cpu()
-
-    def turn(x, at):  # rotate-half RoPE at float64 positions `at` ((n,) or (n, pairs)), times the attention factor
-        angles = (at.double() if at.dim() == 2 else at.double()[:, None]) * inv_freq
-        cos64, sin64 = (torch.cat((f, f), -1).to(x.device) * factor for f in (angles.cos(), angles.sin()))
-        rotary = cos64.shape[-1]
-        turned, kept = x[..., :rotary], x[..., rotary:]
-        half = turned[..., rotary // 2 :], turned[..., : rotary // 2]
-        return torch.cat((turned * cos64 + torch.cat((-half[0], half[1]), -1) * sin64, kept), -1)
-
     i, j = positions[-q_len:], positions
-    groups = q.shape[1] // k.shape[1]
     regions = settings.remap.regions_for(i) if settings.remap is not None else []
-    scores = turn(q, i) @ turn(k, j).repeat_interleave(groups, 1).transpose(-1, -2)  # plain RoPE: r' = i - j
+    relative, interpolated = relative_positions(regions, i, j, module.layer_idx, len(inv_freq))
+    causal = j[None] <= i[:, None]
+    out = reference.per_cell_attention(
+        q, k, value, relative, inv_freq, module.scaling, factor, visible=causal, interpolated=interpolated
+    )
+    return out.to(value.dtype).transpose(1, 2).contiguous(), None
+
+
+def relative_positions(regions, i: torch.Tensor, j: torch.Tensor, layer: int, pairs: int):
+    """(r'(i, j), interpolated): each cell's relative position q(i) - k(j) under the region it lies in (i - j
+    outside every region), (q_len, k_len) or (q_len, k_len, pairs) where a region turns pair by pair (DPE); and the
+    cells GALI scores by interpolation (a key at a fractional position: `BlendedKeyRotation`)."""
+    per_pair = any(isinstance(region.rotation, PerPairRotation) for region in regions)
+    relative = (i[:, None] - j[None]).double()
+    if per_pair:
+        relative = relative[..., None].expand(-1, -1, pairs)
+    interpolated = torch.zeros(len(i), len(j), dtype=torch.bool)
     for region in regions:
         lo, hi = region.key_range(i)
-        inside = ((j[None] >= lo[:, None]) & (j[None] < hi[:, None])).to(q.device)
-        q_at = _positions(region, region.query_position, i, module.layer_idx, len(inv_freq))
-        k_at = _positions(region, region.key_position, j, module.layer_idx, len(inv_freq))
-        # GALI: the logit interpolated between the key's integer neighbours
+        inside = (j[None] >= lo[:, None]) & (j[None] < hi[:, None])
+        q_at = _positions(region, region.query_position, i, layer, pairs).double()
+        k_at = _positions(region, region.key_position, j, layer, pairs).double()
+        region_relative = q_at[:, None] - k_at[None]
+        if per_pair and region_relative.dim() == 2:
+            region_relative = region_relative[..., None].expand(-1, -1, pairs)
+        relative = torch.where(inside[..., None] if per_pair else inside, region_relative, relative)
         if isinstance(region.rotation, BlendedKeyRotation):
-            low = k_at.floor()
-            k_turned = torch.lerp(turn(k, low), turn(k, low + 1), (k_at - low).to(k.device)[:, None])
-        else:
-            k_turned = turn(k, k_at)
-        region_scores = turn(q, q_at) @ k_turned.repeat_interleave(groups, 1).transpose(-1, -2)
-        scores = torch.where(inside, region_scores, scores)
-    causal = (j[None] <= i[:, None]).to(q.device)
-    probs = torch.softmax((scores * module.scaling).masked_fill(~causal, float("-inf")), dim=-1)
-    out = probs @ value.double().repeat_interleave(groups, 1)
-    return out.to(value.dtype).transpose(1, 2).contiguous(), None
+            interpolated = interpolated | inside
+    return relative, interpolated
 
 
 def _rotary_layer_type(host, module) -> str | None:

@@ -46,8 +46,8 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------------------------------- torch
 # torch.ops.aten._scaled_dot_product_flash_attention_for_cpu (private op, torch >= 2.2; checked on 2.13), in
 # ctxext/patching/remap_kernel.py: the fused CPU attention that also returns the log-sum-exp, which the remapping
-# kernel merges regions with. Public scaled_dot_product_attention does not return it. Without the op, the kernel
-# takes its public single-SDPA form ("concat"), which is exact but twice as wide.
+# kernel merges regions with. Public scaled_dot_product_attention does not return it. Without the op, `pick_backend`
+# takes "blockwise" on the CPU, whose blocks then score with plain float32 matmuls (the log-sum-exp computed).
 def cpu_attention_with_lse_available() -> bool:
     import torch
 

@@ -28,6 +28,7 @@ from ctxext.methods.attention import (
     rerope_relative_position,
 )
 from ctxext.patching.attention import set_attention_tuning
+from ctxext.patching.reference import per_cell_attention
 from ctxext.patching.remap_kernel import rerope_attention
 from tests.conftest import FAMILIES, save_tiny_checkpoint, tiny_model
 
@@ -70,16 +71,11 @@ def _rotate(x, positions, inv_freq):
 def per_cell_oracle(q, k, v, window, leak, scale, q_start, allowed=None):
     """Score of (i, j) = (q_i rotated by r(i-j)) . k_j with r the ReRoPE rule; float64."""
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, q.shape[-1], 2).double() / q.shape[-1]))
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, 1).double(), v.repeat_interleave(groups, 1).double()
     rows = torch.arange(q_start, q_start + q.shape[2])[:, None]
     cols = torch.arange(k.shape[2])[None]
     relative = rerope_relative_position((rows - cols).clamp(min=0), window, leak)  # (q_len, k_len)
-    q_turned = _rotate(q.double()[:, :, :, None, :], relative, inv_freq)  # (b, h, q_len, k_len, d)
-    scores = (q_turned * k[:, :, None]).sum(-1) * scale
     visible = cols <= rows if allowed is None else (cols <= rows) & allowed
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
-    return probs @ v
+    return per_cell_attention(q, k, v, relative, inv_freq, scale, visible=visible)
 
 
 def kernel_inputs(q, k, window, leak, q_start):
@@ -94,7 +90,7 @@ def kernel_inputs(q, k, window, leak, q_start):
     )
 
 
-@pytest.mark.parametrize("kernel", ["lse", "concat", "naive"])
+@pytest.mark.parametrize("kernel", ["lse", "blockwise", "naive"])
 @pytest.mark.parametrize(
     "window,k,q_len,block",
     [
@@ -129,18 +125,18 @@ def test_kernels_match_per_cell_relative_rotation(kernel, window, k, q_len, bloc
     assert torch.allclose(out.double(), expected, atol=1e-5), (out.double() - expected).abs().max()
 
 
-def test_concat_kernel_gradients_match_the_naive_form():
+def test_blockwise_kernel_gradients_match_the_naive_form():
     torch.manual_seed(0)
     tensors = [torch.randn(1, 4, 19, 8, requires_grad=True) for _ in range(2)]
     tensors += [torch.randn(1, 2, 19, 8, requires_grad=True) for _ in range(3)]
     grads = {}
-    for kernel in ("concat", "naive"):
+    for kernel in ("blockwise", "naive"):
         for t in tensors:
             t.grad = None
         out = rerope_attention(*tensors, window=5, scale=0.3, query_block=4, kernel=kernel)
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
         grads[kernel] = [t.grad.clone() for t in tensors]
-    for got, want in zip(grads["concat"], grads["naive"]):
+    for got, want in zip(grads["blockwise"], grads["naive"]):
         assert torch.allclose(got, want, atol=1e-5)
 
 

@@ -1,9 +1,10 @@
-"""Every remapping backend (lse, blockwise, flex, concat, naive) under every attention implementation (eager,
-SDPA, flex_attention), in inference, decoding, training, PoSE and left-padded batches.
+"""Every remapping backend (lse, blockwise, flex, and the naive reference) under every attention implementation
+(eager, SDPA, flex_attention), in inference, decoding, training, PoSE and left-padded batches.
 
 The oracle is the independent per-cell forward of tests.test_remapping: r'(i, j) from each method's formula,
 every score as (query rotated by r') . (raw key) in float64, one causal softmax; it shares nothing with ctxext's
-regions, plans or kernels. PoSE uses a variant of it below that takes the real (gapped) positions. Kernel-level
+regions, plans or kernels (only ctxext.patching.reference's float64 attention, held to transformers' own RoPE
+attention in tests/test_reference.py). PoSE uses a variant of it below that takes the real (gapped) positions. Kernel-level
 gradients are compared with autograd through the "naive" backend (full score matrices, one softmax).
 """
 
@@ -26,7 +27,7 @@ from tests.test_remapping import RELATIVE, L, naive_forward, reference_model
 SEQ = 56
 FAMILY_NAMES = list(FAMILIES)
 IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
-BACKENDS = ("lse", "blockwise", "flex", "concat", "naive")
+BACKENDS = ("lse", "blockwise", "flex", "naive")
 
 # Small parameters: 56 tokens cross every region boundary of each (dual_chunk: c = 10, so same, previous and
 # older chunks all occur; STRING with an attention factor, which the oracle squares into the scores).

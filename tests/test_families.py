@@ -23,6 +23,7 @@ from ctxext import compat
 from ctxext.errors import CtxextError
 from ctxext.patching import rope_layout
 from ctxext.patching.families import attention_of, has_attention_sinks, rope_parameters_of, value_head_dim
+from ctxext.patching.reference import per_cell_attention
 from tests.family_models import L, build, rope_families
 
 FAMILIES = rope_families()
@@ -227,18 +228,18 @@ def _reference_attention(inner, touched, own_rotary_at, method_frequencies_of):
             return (turned * cos - rotated_half * sin) / (cos * cos + sin * sin), kept
 
         (q, q_pass), (k, k_pass) = undo(query), undo(key)
-        groups = q.shape[1] // k.shape[1]
-        k, k_pass = k.repeat_interleave(groups, 1), k_pass.repeat_interleave(groups, 1)
-        v = value.double().repeat_interleave(groups, 1)
         i, j = torch.arange(n)[:, None], torch.arange(n)[None]
-        r = self_extend_relative(i, j).double()[..., None] * inv_freq  # (n, n, d/2)
-        cos, sin = torch.cat((r.cos(), r.cos()), -1), torch.cat((r.sin(), r.sin()), -1)
-        q_half = torch.cat((-q[..., half:], q[..., :half]), -1)
-        q_turned = q[:, :, :, None] * cos + q_half[:, :, :, None] * sin  # (b, h, n, n, rotary)
-        scores = factor**2 * (q_turned * k[:, :, None]).sum(-1) + q_pass @ k_pass.transpose(-1, -2)
-        scores = scores * (module.scaling if scaling is None else scaling)
-        probs = torch.softmax(scores.masked_fill(j > i, float("-inf")), dim=-1)
-        return (probs @ v).to(query.dtype).transpose(1, 2).contiguous(), None
+        out = per_cell_attention(
+            torch.cat((q, q_pass), -1),
+            torch.cat((k, k_pass), -1),
+            value,
+            self_extend_relative(i, j),
+            inv_freq,
+            module.scaling if scaling is None else scaling,
+            factor,
+            visible=j <= i,
+        )
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
     return attention
 

@@ -20,12 +20,10 @@ backends, the way transformers' ROPE_INIT_FUNCTIONS maps rope types to init func
 - "flex": CUDA. One `flex_attention` call per region over the whole sequence, with a `BlockMask` built from
   the region bounds (full blocks skip the mask), `return_lse=True`, grouped-query attention, compiled; it
   has a backward, so training uses it too.
-- "concat": every region in a single `scaled_dot_product_attention` call, queries concatenated along the
-  head dimension and each region's keys in their own slot. Exact and differentiable on any device, but R times
-  wider and with a dense bias: kept as a fallback and a second oracle.
-- "naive": full score matrices, a per-cell choice by region, one softmax (the test oracle; O(T^2) memory).
+- "naive": full score matrices, a per-cell choice by region, one softmax (O(T^2) memory): the reference they
+  are checked against (ctxext.patching.reference), selectable by name, never chosen by "auto".
 
-`pick_backend` chooses by device and by whether gradients are needed. FlashAttention's own kernels are not a
+`pick_backend` chooses among the first three by device and by whether gradients are needed. FlashAttention's own kernels are not a
 backend: flex_attention on CUDA does the same merge without another dependency, and flash-attn cannot be
 installed (or tested) on the CPU machines this project is built on.
 """
@@ -41,6 +39,7 @@ import torch.nn.functional as F
 
 from .. import compat
 from ..errors import CtxextError
+from .reference import naive_backend
 
 QUERY_BLOCK = 256  # queries per block; measured on CPU: 256 beat 512-2048 (less masked waste per block)
 FLEX_BLOCK = 128  # flex_attention's block size
@@ -420,77 +419,11 @@ def flex_backend(queries, keys, value, plan: RegionPlan, scale) -> torch.Tensor:
     return merge_softmax_parts(parts)[0].to(value.dtype)
 
 
-def concat_backend(queries, keys, value, plan: RegionPlan, scale) -> torch.Tensor:
-    """Every region's part in one SDPA call per block. The query is [q_0, ..., q_{R-1}] along the head
-    dimension; a part of region r carries its keys in slot r and zeros elsewhere, so each product is one
-    region's score."""
-    blocks = []
-    for b0, b1, parts in plan.blocks(value.device):
-        blocks.append(_attend_concatenated([q[:, :, b0:b1] for q in queries], keys, value, parts, b1 - b0, scale))
-    return torch.cat(blocks, dim=2)
-
-
-def _attend_concatenated(queries, keys, value, parts, rows: int, scale):
-    regions = len(queries)
-    batch, heads, _, dim = queries[0].shape
-    kv_heads = value.shape[1]
-    query = torch.cat(queries, dim=-1)
-    key_parts, value_parts, masks = [], [], []
-    for r, c0, c1, mask in parts:
-        k = keys[r][:, :, c0:c1]
-        slots = [k if s == r else torch.zeros_like(k) for s in range(regions)]
-        key_parts.append(torch.cat(slots, dim=-1))
-        value_parts.append(value[:, :, c0:c1])
-        if mask is None:
-            mask = torch.ones(1, 1, rows, c1 - c0, dtype=torch.bool, device=value.device)
-        masks.append(mask.expand(-1, -1, rows, -1))
-    if not key_parts:
-        return torch.zeros(batch, heads, rows, value.shape[-1], dtype=value.dtype, device=value.device)
-    key = torch.cat(key_parts, dim=2)
-    values = torch.cat(value_parts, dim=2)
-    width = query.shape[-1]
-    # Same head size for q, k and v keeps SDPA on its fused kernels.
-    values_padded = torch.cat((values, values.new_zeros(*values.shape[:-1], width - values.shape[-1])), dim=-1)
-    batch_masks = max(m.shape[0] for m in masks)
-    allowed = torch.cat([m.expand(batch_masks, -1, -1, -1) for m in masks], dim=-1)
-    bias = _fold_mask(_bias(allowed, query.dtype), heads // kv_heads)
-    out = F.scaled_dot_product_attention(_fold_heads(query, kv_heads), key, values_padded, attn_mask=bias, scale=scale)
-    out = out[..., : value.shape[-1]].reshape(batch, heads, rows, value.shape[-1])
-    seen = allowed.any(-1)[..., None]  # (batch, 1, rows, 1)
-    return torch.where(seen, out, torch.zeros((), dtype=out.dtype, device=out.device))
-
-
-def naive_backend(queries, keys, value, plan: RegionPlan, scale) -> torch.Tensor:
-    """Full score matrices, one per region, a per-cell choice by region, one softmax (O(T^2) memory).
-
-    The reference form of Su's ReRoPE generalised to any number of regions: the oracle for the other
-    backends in tests and `ctxext check`, and the baseline in the memory benchmark.
-    """
-    groups = queries[0].shape[1] // value.shape[1]
-    value = value.repeat_interleave(groups, dim=1)
-    device = value.device
-    cols = torch.arange(plan.k_len, device=device)[None]
-    key_lo, key_hi = plan.key_lo.to(device), plan.key_hi.to(device)
-    scores = None
-    visible = torch.zeros(plan.q_len, plan.k_len, dtype=torch.bool, device=device)
-    for r, (q, k) in enumerate(zip(queries, keys)):
-        in_region = (cols >= key_lo[r][:, None]) & (cols < key_hi[r][:, None])
-        region_scores = (q @ k.repeat_interleave(groups, dim=1).transpose(-1, -2)) * scale
-        scores = region_scores if scores is None else torch.where(in_region, region_scores, scores)
-        visible = visible | in_region
-    if plan.key_allowed is not None:
-        visible = visible & plan.key_allowed[:, None, None, :]
-    scores = scores.float().masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return probs.to(value.dtype) @ value
-
-
 REMAP_BACKENDS: dict[str, Callable] = {
     "lse": lse_backend,
     "blockwise": blockwise_backend,
     "flex": flex_backend,
-    "concat": concat_backend,
-    "naive": naive_backend,
+    "naive": naive_backend,  # the reference (ctxext.patching.reference): never picked by "auto"; for checking
 }
 BACKEND_CHOICES = ("auto", *REMAP_BACKENDS)
 
