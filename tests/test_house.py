@@ -28,7 +28,6 @@ STILL_LONG = {
     ("ctxext/patching/patch.py", "patch"): 96,
     ("ctxext/patching/patch.py", "plan_patch"): 83,
     ("ctxext/patching/patch.py", "rope_parameters_to_write"): 74,
-    ("ctxext/serving/engines.py", "_vllm_or_sglang"): 72,
 }
 
 

@@ -236,76 +236,124 @@ def _transformers(model: ServedModel) -> Support:
 
 
 def _vllm_or_sglang(model: ServedModel, engine: str) -> Support:
-    if model.kind == "gguf":
-        return Support(engine, "no", "serve the patched checkpoint directory (ctxext patch on it), not the GGUF file")
-    attention = _attention_method(model)
-    if attention == "dual_chunk" and engine == "sglang" and model.family == "qwen2":
-        if "dual_chunk_attention_config" in model.config:
-            return Support(
-                engine,
-                "approximate",
-                "its Dual Chunk Attention (dual_chunk_attention_config); it also "
-                "scales keys by 0.1 ln(len/L) + 1, which ctxext does not; CUDA only; not run here",
-            )
-        return Support(
-            engine,
-            "approximate",
-            "after `ctxext export MODEL --engine sglang -o OUT`, which writes "
-            "dual_chunk_attention_config; SGLang also scales keys by 0.1 ln(len/L) + 1; not run here",
-        )
-    if attention == "dual_chunk":
-        where = (
-            "vLLM's Dual Chunk Attention went with its V0 backends"
-            if engine == "vllm"
-            else f"SGLang's Dual Chunk Attention is for the Qwen2 family, not {model.family}"
-        )
-        return Support(engine, "no", f"{where}; {SERVED_BY_CTXEXT}")
-    if attention or model.query_scaling:
-        return Support(engine, "no", f"no {engine} option runs {attention or model.query_scaling}; {SERVED_BY_CTXEXT}")
-    if model.nested:
-        return _nested_by_layer_type(model, engine)
-    rope = model.rope_parameters
-    rope_type = rope.get("rope_type", "default")
-    rewritten = _type_the_family_code_builds(model, engine)
-    if rewritten is not None:
-        return rewritten
-    if rope_type not in VLLM_SGLANG_TYPES:
-        return Support(
-            engine,
-            "no",
-            f"'{rope_type}' is not a type {engine} knows (it refuses to load); rewrite it "
-            f"with `ctxext export MODEL --engine {engine} -o OUT` if the method has a native form",
-        )
-    rewrite = f"rewrite with `ctxext export MODEL --engine {engine} -o OUT`"
-    if rope_type == "linear" and isinstance(rope.get("factor"), int):
-        return Support(
-            engine,
-            "no",
-            f"its linear rope takes a float factor (anything else for a list): the integer {rope['factor']} fails "
-            f"to load ('int' object is not iterable); {rewrite} (written as a float)",
-        )
-    if rope_type == "dynamic":
-        return _dynamic_ntk(model, engine)
-    if rope_type == "longrope" and "attention_factor" in rope and "short_mscale" not in rope:
-        return Support(
-            engine,
-            "approximate",
-            f"it ignores attention_factor and computes its own cos/sin scale; {rewrite} (adds short_mscale/long_mscale)",
-        )
-    if rope_type == "longrope":
-        row = _longrope_switch(model, engine)
+    """The verdict of the first rule in VLLM_SGLANG_RULES that speaks for this checkpoint; else the engine reads
+    the rope type as written."""
+    for rule in VLLM_SGLANG_RULES:
+        row = rule(model, engine)
         if row is not None:
             return row
-    if rope_type == "yarn" and rope.get("attention_factor") is not None and "attn_factor" not in rope:
-        return Support(
-            engine,
-            "approximate" if engine == "sglang" else "exact",
-            "SGLang and vLLM before 0.33 ignore yarn's attention_factor (attn_factor is what they read)",
-        )
     return Support(
         engine,
         "exact",
-        f"reads rope type '{rope_type}' with the keys written; serve with {serving(model, engine).flags()}",
+        f"reads rope type '{_rope_type(model)}' with the keys written; serve with {serving(model, engine).flags()}",
+    )
+
+
+def _rope_type(model: ServedModel) -> str:
+    return model.rope_parameters.get("rope_type", "default")
+
+
+def _rewrite_hint(engine: str) -> str:
+    return f"rewrite with `ctxext export MODEL --engine {engine} -o OUT`"
+
+
+def _gguf_file(model: ServedModel, engine: str) -> Support | None:
+    if model.kind == "gguf":
+        return Support(engine, "no", "serve the patched checkpoint directory (ctxext patch on it), not the GGUF file")
+    return None
+
+
+def _sglang_dual_chunk_on_qwen2(model: ServedModel, engine: str) -> Support | None:
+    if not (_attention_method(model) == "dual_chunk" and engine == "sglang" and model.family == "qwen2"):
+        return None
+    if "dual_chunk_attention_config" in model.config:
+        return Support(
+            engine,
+            "approximate",
+            "its Dual Chunk Attention (dual_chunk_attention_config); it also "
+            "scales keys by 0.1 ln(len/L) + 1, which ctxext does not; CUDA only; not run here",
+        )
+    return Support(
+        engine,
+        "approximate",
+        "after `ctxext export MODEL --engine sglang -o OUT`, which writes "
+        "dual_chunk_attention_config; SGLang also scales keys by 0.1 ln(len/L) + 1; not run here",
+    )
+
+
+def _dual_chunk_elsewhere(model: ServedModel, engine: str) -> Support | None:
+    if _attention_method(model) != "dual_chunk":
+        return None
+    where = (
+        "vLLM's Dual Chunk Attention went with its V0 backends"
+        if engine == "vllm"
+        else f"SGLang's Dual Chunk Attention is for the Qwen2 family, not {model.family}"
+    )
+    return Support(engine, "no", f"{where}; {SERVED_BY_CTXEXT}")
+
+
+def _other_attention_method(model: ServedModel, engine: str) -> Support | None:
+    attention = _attention_method(model)
+    if not (attention or model.query_scaling):
+        return None
+    return Support(engine, "no", f"no {engine} option runs {attention or model.query_scaling}; {SERVED_BY_CTXEXT}")
+
+
+def _nested(model: ServedModel, engine: str) -> Support | None:
+    return _nested_by_layer_type(model, engine) if model.nested else None
+
+
+def _unknown_type(model: ServedModel, engine: str) -> Support | None:
+    if _rope_type(model) in VLLM_SGLANG_TYPES:
+        return None
+    return Support(
+        engine,
+        "no",
+        f"'{_rope_type(model)}' is not a type {engine} knows (it refuses to load); rewrite it "
+        f"with `ctxext export MODEL --engine {engine} -o OUT` if the method has a native form",
+    )
+
+
+def _integer_linear_factor(model: ServedModel, engine: str) -> Support | None:
+    factor = model.rope_parameters.get("factor")
+    if not (_rope_type(model) == "linear" and isinstance(factor, int)):
+        return None
+    return Support(
+        engine,
+        "no",
+        f"its linear rope takes a float factor (anything else for a list): the integer {factor} fails "
+        f"to load ('int' object is not iterable); {_rewrite_hint(engine)} (written as a float)",
+    )
+
+
+def _dynamic(model: ServedModel, engine: str) -> Support | None:
+    return _dynamic_ntk(model, engine) if _rope_type(model) == "dynamic" else None
+
+
+def _longrope_attention_factor(model: ServedModel, engine: str) -> Support | None:
+    rope = model.rope_parameters
+    if not (_rope_type(model) == "longrope" and "attention_factor" in rope and "short_mscale" not in rope):
+        return None
+    return Support(
+        engine,
+        "approximate",
+        f"it ignores attention_factor and computes its own cos/sin scale; {_rewrite_hint(engine)} "
+        "(adds short_mscale/long_mscale)",
+    )
+
+
+def _longrope(model: ServedModel, engine: str) -> Support | None:
+    return _longrope_switch(model, engine) if _rope_type(model) == "longrope" else None
+
+
+def _yarn_attention_factor(model: ServedModel, engine: str) -> Support | None:
+    rope = model.rope_parameters
+    if not (_rope_type(model) == "yarn" and rope.get("attention_factor") is not None and "attn_factor" not in rope):
+        return None
+    return Support(
+        engine,
+        "approximate" if engine == "sglang" else "exact",
+        "SGLang and vLLM before 0.33 ignore yarn's attention_factor (attn_factor is what they read)",
     )
 
 
@@ -444,6 +492,26 @@ def _longrope_switch(model: ServedModel, engine: str) -> Support | None:
             f"`ctxext export MODEL --engine sglang -o OUT` writes a copy it serves exactly",
         )
     return None
+
+
+# vLLM's and SGLang's verdict, first match wins, in this order: a GGUF file; ctxext's attention methods (Dual Chunk
+# where SGLang has it, Dual Chunk elsewhere, any other); rope nested by layer type; what the family's code builds
+# instead of the type written; a type they do not know; then the written type's known traps (linear with an integer
+# factor, dynamic NTK's length, longrope's attention factor and short/long switch, yarn's attention factor).
+VLLM_SGLANG_RULES = (
+    _gguf_file,
+    _sglang_dual_chunk_on_qwen2,
+    _dual_chunk_elsewhere,
+    _other_attention_method,
+    _nested,
+    _type_the_family_code_builds,
+    _unknown_type,
+    _integer_linear_factor,
+    _dynamic,
+    _longrope_attention_factor,
+    _longrope,
+    _yarn_attention_factor,
+)
 
 
 def _llama_cpp(model: ServedModel) -> Support:
