@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random models of every supported family, and the offline SmolLM2 checkpoint."""
+"""The pytest fixtures every test file may ask for by name (the four tiny families, one torch thread, the offline
+SmolLM2 checkpoint) and the collection order; the helpers tests import are in tests/helpers.py."""
 
 import os
 
@@ -12,65 +13,9 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 import pytest
-import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
 
-FAMILIES = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-}
-
-
-def tiny_config(family: str, **overrides):
-    config_cls, _ = FAMILIES[family]
-    values = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    if family == "mistral":
-        values["sliding_window"] = None
-    values.update(overrides)
-    return config_cls(**values)
-
-
-def tiny_model(family: str, seed: int = 0, **overrides):
-    """A random 2-layer model of `family` in fp32 eval mode (deterministic for a seed)."""
-    _, model_cls = FAMILIES[family]
-    torch.manual_seed(seed)
-    return model_cls(tiny_config(family, **overrides)).eval()
-
-
-def save_tiny_checkpoint(path, model):
-    """Save `model` with a 256-word word-level tokenizer (w0..w255): a complete checkpoint directory."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    model.save_pretrained(path)
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0").save_pretrained(path)
-    return path
-
+from ctxext import assets
+from tests.helpers import FAMILIES, torch_threads
 
 # The longest files on 2 cores (45-100 s each). `make test` runs pytest-xdist with --dist loadfile, which hands
 # out whole files in collection order: collected first, they start early instead of one of them (test_tasks.py,
@@ -85,10 +30,16 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture
 def one_torch_thread():
     """torch on one thread for the test, as the processes the tests launch (OMP_NUM_THREADS=1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread_per_module():
+    """torch on one thread for a whole file's tests: tiny models gain nothing from a second thread, and lose a lot
+    when other jobs share the cores (`pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")`)."""
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(params=list(FAMILIES))
@@ -98,6 +49,4 @@ def family(request):
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    from ctxext import assets
-
     return assets.smollm2_checkpoint()

@@ -2,7 +2,8 @@
 
 Each family is built from its own config class with small sizes (2 layers, hidden 64, 4/2 heads, head_dim 16);
 a family whose layers can be of several types gets a real mix (a sliding layer, then a full one). What cannot be
-built this way is kept with the reason, so that the tests list it instead of skipping it silently.
+built this way is kept with the reason, so that the tests list it instead of skipping it silently. The same tiny
+models rebuilt with the static scaling real checkpoints of a family ship (SHIPPED, shipped_model) are here too.
 """
 
 from __future__ import annotations
@@ -11,6 +12,11 @@ import functools
 import warnings
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from tests.helpers import TINY_SHAPE
 
 L = 32  # every tiny model's original length
 SLIDING = 8  # a sliding layer's window: within L, so it never sees past it
@@ -18,12 +24,7 @@ MAX_PARAMETERS = 3_000_000
 
 SMALL = dict(
     vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
+    **TINY_SHAPE,
     max_position_embeddings=L,
     tie_word_embeddings=False,
     pad_token_id=0,
@@ -52,9 +53,6 @@ MLA_MOE_SMALL = dict(n_shared_experts=1, n_group=1, topk_group=1)
 
 def rope_families() -> list[str]:
     """Every causal-LM model type whose default config has rope parameters, in the installed transformers."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     found = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -104,9 +102,6 @@ def _values(model_type: str, default) -> dict:
 @functools.cache
 def build(model_type: str):
     """(model, None) for a family that builds, else (None, reason). fp32, eval mode, seed 0."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         default = CONFIG_MAPPING[model_type]()
@@ -124,3 +119,90 @@ def build(model_type: str):
         except Exception as error:  # noqa: BLE001 - the reason is the finding
             return None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
     return model.float().eval(), None
+
+
+# The static scalings real checkpoints of these families ship, on the tiny models (shipped_model builds them).
+SHIPPED = {
+    # family: (shipped rope_parameters, original L recorded, base)
+    "qwen3": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L}, L),
+    "llama": (
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": L,
+        },
+        L,
+    ),
+    # DeepSeek's yarn with mscale = mscale_all_dim: its MLA attention computes a softmax scale from them
+    "deepseek_v3": (
+        {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": L,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        L,
+    ),
+    # DeepSeek V2's published yarn x40 (mscale = mscale_all_dim = 0.707), its rotary returning complex freqs_cis
+    "deepseek_v2": (
+        {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": L,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+        L,
+    ),
+    "gpt_oss": (
+        {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": L,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },
+        L,
+    ),
+    "phi3": (
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.5 * i for i in range(8)],
+            "original_max_position_embeddings": L,
+            "factor": 4.0,
+        },
+        L,
+    ),
+}
+
+
+def rebuilt_with(family: str, change, **from_config):
+    """The tiny model of `family` rebuilt from its config values after `change(values)` edits them in place, its
+    weights kept."""
+    model, _ = build(family)
+    values = model.config.to_dict()
+    change(values)
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    rebuilt = AutoModelForCausalLM.from_config(config, **from_config).eval()
+    rebuilt.load_state_dict(model.state_dict())
+    return rebuilt
+
+
+def shipped_model(family):
+    """The tiny model of `family` with SHIPPED's rope parameters and the tiny model's weights."""
+    shipped, _ = SHIPPED[family]
+
+    def change(values):
+        values["rope_parameters"] = {**shipped, "rope_theta": float(values["rope_parameters"]["rope_theta"])}
+        values["max_position_embeddings"] = 4 * L
+
+    return rebuilt_with(family, change)

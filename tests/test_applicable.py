@@ -11,8 +11,8 @@ from ctxext.errors import CtxextError
 from ctxext.methods import METHODS
 from ctxext.patching.applicable import applicable_methods, skeleton
 from ctxext.patching.families import rope_layout
-from tests.family_models import build
-from tests.test_search import run_cli
+from tests.family_models import build, shipped_model
+from tests.helpers import run_cli
 
 # one family of each layout: plain, per-type rotary with sliding layers, interleaved angles, NoPE layers, partial
 # rotary, angles laid out once with attention sinks, MoE
@@ -94,8 +94,6 @@ def test_patch_refuses_from_the_config_before_any_weights_load(tmp_path, capsys)
 def test_cli_says_which_methods_keep_a_shipped_scaling(tmp_path, capsys):
     """On a model that ships llama3 x8, the remapping methods are listed as keeping it and the frequency methods as
     composing with it, as `patch` does on the real model (the oracle: what its rotary module keeps or composes)."""
-    from tests.test_families import shipped_model
-
     model = shipped_model("llama")
     model.config.save_pretrained(tmp_path / "llama3")
     code, out, err = run_cli(capsys, "methods", "--model", tmp_path / "llama3")

@@ -30,7 +30,7 @@ from ctxext.methods.attention import (
 from ctxext.patching.attention import set_attention_tuning
 from ctxext.patching.reference import per_cell_attention
 from ctxext.patching.remap_kernel import rerope_attention
-from tests.conftest import FAMILIES, save_tiny_checkpoint, tiny_model
+from tests.helpers import FAMILIES, save_tiny_checkpoint, tiny_model
 
 SEQ = 40  # tokens in the model-level tests: past the windows below and past L = 16
 L_SHORT = 16  # original length of the tiny models where log-n must act

@@ -20,11 +20,21 @@ from ctxext.errors import CtxextError
 from ctxext.methods.remapping import DualChunkParams
 from ctxext.patching import remap_kernel
 from ctxext.patching.attention import set_attention_tuning
-from ctxext.patching.remap_kernel import band_and_far_ranges, pick_backend, remapped_attention
-from tests.conftest import FAMILIES, tiny_model
-from tests.test_remapping import RELATIVE, L, naive_forward, reference_model
+from ctxext.patching.remap_kernel import band_and_far_ranges, pick_backend
+from tests.helpers import (
+    FAMILIES,
+    RELATIVE,
+    REMAP_L,
+    REMAP_SEQ,
+    assert_same_gradients,
+    kernel_gradients,
+    naive_forward,
+    reference_model,
+    tiny_model,
+)
 
-SEQ = 56
+L = REMAP_L
+SEQ = REMAP_SEQ
 FAMILY_NAMES = list(FAMILIES)
 IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
 BACKENDS = ("lse", "blockwise", "flex", "naive")
@@ -206,47 +216,6 @@ def test_kernel_gradients_match_autograd_through_naive(monkeypatch, backend, lay
     got = kernel_gradients(backend, lo, hi, query_block=4, padding=4)
     want = kernel_gradients("naive", lo, hi, query_block=4, padding=4)
     assert_same_gradients(got, want, atol=1e-4)
-
-
-def kernel_gradients(kernel, lo, hi, query_block, padding=0, heads=4, seed=7, scale=0.4):
-    """(output, [dq per region, dk per region, dv]) of `kernel` on seeded random inputs for the region bounds lo/hi:
-    batch 2, grouped-query attention over 2 key heads, row 1 left-padded by `padding` keys (none if 0)."""
-    regions, q_len = lo.shape
-    k_len = int(hi.max())
-    generator = torch.Generator().manual_seed(seed)
-    batch, kv_heads, dim = 2, 2, 8
-    queries = [torch.randn(batch, heads, q_len, dim, generator=generator) for _ in range(regions)]
-    keys = [torch.randn(batch, kv_heads, k_len, dim, generator=generator) for _ in range(regions)]
-    value = torch.randn(batch, kv_heads, k_len, dim, generator=generator)
-    weights = torch.randn(batch, heads, q_len, dim, generator=generator)
-    allowed = None
-    if padding:
-        allowed = torch.ones(batch, k_len, dtype=torch.bool)
-        allowed[1, :padding] = False
-    inputs = [t.clone().requires_grad_(True) for t in (*queries, *keys, value)]
-    out = remapped_attention(
-        inputs[:regions],
-        inputs[regions : 2 * regions],
-        inputs[-1],
-        lo,
-        hi,
-        scale=scale,
-        allowed=allowed,
-        query_block=query_block,
-        kernel=kernel,
-    )
-    (out * weights).sum().backward()
-    return out.detach(), [t.grad for t in inputs]
-
-
-def assert_same_gradients(got, want, atol):
-    (out, grads), (out_naive, grads_naive) = got, want
-    torch.testing.assert_close(out, out_naive, atol=atol, rtol=atol)
-    regions = (len(grads) - 1) // 2
-    names = [f"q{r}" for r in range(regions)] + [f"k{r}" for r in range(regions)] + ["v"]
-    for name, g, w in zip(names, grads, grads_naive):
-        assert torch.isfinite(w).all() and w.abs().max() > 1e-3, name  # the oracle's gradient is real
-        torch.testing.assert_close(g, w, atol=atol, rtol=atol, msg=name)
 
 
 # ------------------------------------------------------------------------ 5. model-level gradients

@@ -7,7 +7,7 @@ import pytest
 
 from ctxext.cli import main
 from ctxext.patching import remap_kernel
-from tests.conftest import tiny_config
+from tests.helpers import tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,7 @@ import yaml
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import ctxext
-from ctxext.cli import main
-from tests.conftest import save_tiny_checkpoint, tiny_model
+from tests.helpers import run_cli, save_tiny_checkpoint, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,12 +29,6 @@ def digest(folder: Path) -> str:
         if f.is_file():
             h.update(f.read_bytes())
     return h.hexdigest()
-
-
-def run_cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_patch_writes_a_complete_checkpoint_and_leaves_the_source_alone(source, tmp_path, capsys):

@@ -15,10 +15,17 @@ from ctxext.compare import CompareRequest, RowNumbers, needle_tier, rank_rows, r
 from ctxext.compare.ranking import mean_ratio
 from ctxext.compare.searches import better_half, fit_trials, rung_trials
 from ctxext.eval.setup import DataOptions, RuntimeOptions
-from tests.conftest import save_tiny_checkpoint, tiny_model
+from tests.helpers import (
+    compare_request,
+    compare_table,
+    page_numbers,
+    save_smollm2_llama,
+    save_tiny_checkpoint,
+    tiny_model,
+    write_compare_inputs,
+)
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = "yarn,rerope,self_extend"  # a frequency method vLLM serves, and two it does not
 
 
 # ------------------------------------------------------------------------------------- ranking, pure
@@ -83,32 +90,7 @@ def test_successive_halving_schedule():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """Tiny llama and qwen3 checkpoints (L = 64) and five documents of 600 words."""
-    import random
-
-    root = tmp_path_factory.mktemp("compare")
-    models = {f: save_tiny_checkpoint(root / f, tiny_model(f, seed=1)) for f in ("llama", "qwen3")}
-    docs = root / "docs"
-    docs.mkdir()
-    rng = random.Random(0)
-    for name in "abcde":
-        # repeated phrases: something a model can pick up from context
-        phrases = [" ".join(f"w{rng.randint(1, 255)}" for _ in range(6)) for _ in range(12)]
-        (docs / f"{name}.txt").write_text(" ".join(rng.choice(phrases) for _ in range(100)))
-    return {"root": root, "models": models, "docs": docs}
-
-
-def request(tiny, family, out, **extra):
-    values = dict(
-        model=str(tiny["models"][family]),
-        lengths=[128],
-        output=out,
-        data=DataOptions(text_files=[str(tiny["docs"])]),
-        methods=METHODS.split(","),
-        held_out_docs=2,
-        trials=2,
-        runtime=RuntimeOptions(device="cpu", dtype="fp32", progress=False),
-    )
-    return CompareRequest(**{**values, **extra})
+    return write_compare_inputs(tmp_path_factory.mktemp("compare"))
 
 
 def expected_recommendation(results: dict, target: str) -> str | None:
@@ -133,7 +115,7 @@ def test_end_to_end_the_recommendation_follows_the_numbers(tiny, family, tmp_pat
     from ctxext.eval.perplexity import sliding_window_nll
     from ctxext.loading import load_model, load_tokenizer
 
-    result = run_compare(request(tiny, family, tmp_path / "out"))
+    result = run_compare(compare_request(tiny, family, tmp_path / "out"))
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results == json.loads(json.dumps(result.results, default=str))
     assert {"report.md", "results.csv", "comparison.png"} <= {p.name for p in (tmp_path / "out").iterdir()}
@@ -165,7 +147,7 @@ def test_write_best_writes_a_checkpoint_that_reloads_with_the_recommended_rows_l
     from ctxext.loading import load_model
 
     written = tmp_path / "best"
-    result = run_compare(request(tiny, "llama", tmp_path / "out", write_best=f"vllm:{written}", search=False))
+    result = run_compare(compare_request(tiny, "llama", tmp_path / "out", write_best=f"vllm:{written}", search=False))
     pick = result.results["recommendations"]["vllm"]
     assert pick["label"] == "yarn"  # the only method of the three that vLLM serves exactly
     ids = torch.randint(1, 256, (1, 128), generator=torch.Generator().manual_seed(0))
@@ -189,13 +171,6 @@ def cli(*args, env=None, cwd=REPO):
     )
 
 
-def table(out: Path) -> dict:
-    results = json.loads((out / "results.json").read_text())
-    # the recommendation is left out: at equal ratios it falls to the measured prefill times (test_end_to_end)
-    rows = {r["label"]: (r["perplexity"], r["passkey"], r["configs"], r["tier"]) for r in results["rows"]}
-    return {**rows, "native": results["native"], "searches": results["searches"]}
-
-
 @pytest.mark.slow  # `make test-slow`: CI's second step
 def test_a_killed_compare_resumes_to_the_table_of_an_uninterrupted_run(tiny, tmp_path, one_torch_thread):
     args = [str(tiny["models"]["qwen3"]), "--lengths", "128", "--text-file", str(tiny["docs"]), "--method",
@@ -210,8 +185,8 @@ def test_a_killed_compare_resumes_to_the_table_of_an_uninterrupted_run(tiny, tmp
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-2000:]
     assert "(" in out and out.count(" @ 128 on ") < 2 * 3 + 2  # the 4 kept cells were not computed again
-    run_compare(request(tiny, "qwen3", tmp_path / "whole", methods=["yarn", "rerope"]))
-    assert table(tmp_path / "resumed") == table(tmp_path / "whole")
+    run_compare(compare_request(tiny, "qwen3", tmp_path / "whole", methods=["yarn", "rerope"]))
+    assert compare_table(tmp_path / "resumed") == compare_table(tmp_path / "whole")
 
 
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny, tmp_path, capsys):
@@ -254,12 +229,11 @@ def test_full_searches_write_the_page_layout_and_a_report_only_run_rebuilds_it(t
 
     from ctxext.compare.request import FullSearch
     from ctxext.compare.searches import read_history
-    from tests.test_compare_methods import page_numbers
 
     page = tmp_path / "page" / "comparison.md"
     cache = tmp_path / "cache"
     kinds = [FullSearch("ppl", 2), FullSearch("needle-ppl", 1, ("rerope",))]
-    asked = request(tiny, "llama", None, methods=["yarn", "rerope"], cache=cache, page=page, full_searches=kinds,
+    asked = compare_request(tiny, "llama", None, methods=["yarn", "rerope"], cache=cache, page=page, full_searches=kinds,
                     passkey_lengths=[128])  # fmt: skip
     result = run_compare(asked)
     assert result.results["failed"] == {}
@@ -308,7 +282,7 @@ def test_a_compare_killed_inside_a_search_trial_resumes_to_the_table_of_an_unint
 
     methods = "yarn,rerope,self_extend"
     whole = tmp_path / "whole"
-    run_compare(request(tiny, "llama", whole, methods=methods.split(","), trials=4))
+    run_compare(compare_request(tiny, "llama", whole, methods=methods.split(","), trials=4))
     expected = trials_by_study(whole)
     total, screened = sum(map(len, expected.values())), len(expected)  # the screen: trial 0 of each study
 
@@ -339,7 +313,7 @@ def test_a_compare_killed_inside_a_search_trial_resumes_to_the_table_of_an_unint
     resumed = cli(*args)
     _, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-2000:]
-    assert table(out) == table(whole)
+    assert compare_table(out) == compare_table(whole)
     final = trials_by_study(out)
     assert without_seconds(final) == without_seconds(expected)  # the same trials, the interrupted one run again
     for name, before in kept.items():
@@ -464,10 +438,9 @@ def test_tasks_give_each_row_lm_evals_own_scores_and_answers_at_each_length(
     from lm_eval.tasks import TaskManager
 
     from ctxext.cli import main
-    from tests.test_tasks import save_ruler_llama
 
     length, limit = 1024, 2
-    checkpoint = save_ruler_llama(tmp_path / "ruler", smollm2_path, 512, attention_std=0.3)
+    checkpoint = save_smollm2_llama(tmp_path / "ruler", smollm2_path, 512, attention_std=0.3)
     docs = tmp_path / "docs"
     docs.mkdir()
     rng = random.Random(0)

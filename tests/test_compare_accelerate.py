@@ -3,21 +3,18 @@
 import collections
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from ctxext.compare import run_compare
-from tests.test_compare import REPO, request, table, tiny  # noqa: F401  (fixture)
+from tests.helpers import REPO, compare_request, compare_table, free_port, write_compare_inputs
 
 
-def free_port() -> int:
-    """A port for the processes' rendezvous that no other job on this machine is using now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_compare_inputs(tmp_path_factory.mktemp("compare"))
 
 
 def cell_processes(cells) -> collections.Counter:
@@ -28,9 +25,9 @@ def cell_processes(cells) -> collections.Counter:
 
 
 @pytest.mark.slow  # `make test-slow`: CI's second step
-def test_two_processes_share_the_cells_and_give_the_table_of_one(tiny, tmp_path, one_torch_thread):  # noqa: F811
+def test_two_processes_share_the_cells_and_give_the_table_of_one(tiny, tmp_path, one_torch_thread):
     methods = "yarn,rerope"
-    run_compare(request(tiny, "qwen3", tmp_path / "one", methods=methods.split(",")))
+    run_compare(compare_request(tiny, "qwen3", tmp_path / "one", methods=methods.split(",")))
     args = [str(tiny["models"]["qwen3"]), "--lengths", "128", "--text-file", str(tiny["docs"]), "--method",
             methods, "--held-out-docs", "2", "--trials", "2", "--device", "cpu", "--dtype", "fp32",
             "--no-progress", "-o", str(tmp_path / "two")]  # fmt: skip
@@ -50,7 +47,8 @@ def test_two_processes_share_the_cells_and_give_the_table_of_one(tiny, tmp_path,
     one = json.loads((tmp_path / "one" / "results.json").read_text())
     two = json.loads((tmp_path / "two" / "results.json").read_text())
     assert (one["processes"], two["processes"]) == (1, 2)
-    assert table(tmp_path / "two") == table(tmp_path / "one")  # perplexities, passkey, searched configs, searches
+    # perplexities, passkey, searched configs, searches
+    assert compare_table(tmp_path / "two") == compare_table(tmp_path / "one")
     for same in ("failed", "missing", "effective_length", "documents"):
         assert two[same] == one[same], same
     assert launched.stdout.count("report:") == 1  # only the main process reports and writes

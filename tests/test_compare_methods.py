@@ -13,7 +13,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from ctxext.outputs import CellCache, content_fingerprint
-from tests.conftest import save_tiny_checkpoint, tiny_model
+from tests.helpers import page_numbers, save_tiny_checkpoint, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 CELLS = REPO / "docs" / "comparison_cells"
@@ -94,21 +94,6 @@ def page_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def page_numbers(text: str) -> dict:
-    """What the page says with numbers: every table row (by table and label) and every searched-parameters line;
-    not the header, the machines or the run time."""
-    found, table = {}, "main"
-    for line in text.splitlines():
-        if re.fullmatch(r"\*\*\d+k\*\*", line):
-            table = line  # the per-document table of that length
-        elif line.startswith("| ") and not line.startswith("| method "):
-            label = line.split(" | ")[0][2:]
-            found[(table, label)] = line
-        elif re.match(r"- .+ at \d+k: ", line):
-            found[("searched parameters", line.split(": ")[0])] = line
-    return found
 
 
 def test_the_page_rebuilt_from_the_committed_cells_is_the_committed_page(tmp_path, smollm2_path, monkeypatch):

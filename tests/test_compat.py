@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ctxext import compat
-from tests.conftest import FAMILIES, tiny_config, tiny_model
+from tests.helpers import FAMILIES, tiny_config, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ctxext.eval.data import tokens_fingerprint
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 

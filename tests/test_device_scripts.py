@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.helpers import save_smollm2_llama
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device" / "weights_digest.py"
 
 
@@ -116,9 +118,8 @@ def test_the_queue_skips_what_its_deadline_leaves_no_time_for_and_still_sends_th
 def tiny_ruler_model(tmp_path_factory, smollm2_path):
     """A random 2-layer LLaMA with SmolLM2's tokenizer (RULER sizes its prompts with it), L = 512 (STRING's defaults need L > 388): at the
     queue's 1024 tokens the remapping methods run past their first region."""
-    from tests.test_tasks import save_ruler_llama
-
-    return save_ruler_llama(tmp_path_factory.mktemp("queue-tiny"), smollm2_path, 512)
+    pytest.importorskip("lm_eval")  # the queue's `ctxext tasks` steps
+    return save_smollm2_llama(tmp_path_factory.mktemp("queue-tiny"), smollm2_path, 512)
 
 
 def cache_files(root: Path) -> dict:

@@ -9,8 +9,10 @@ import torch
 
 import ctxext
 from ctxext.patching.attention import set_attention_tuning
-from tests.conftest import FAMILIES, save_tiny_checkpoint, tiny_model
-from tests.test_remapping import SEQ, L, naive_forward
+from tests.helpers import FAMILIES, REMAP_L, REMAP_SEQ, naive_forward, save_tiny_checkpoint, tiny_model
+
+L = REMAP_L
+SEQ = REMAP_SEQ
 
 PAIRS = 8  # the tiny models' head_dim 16
 LAYERS = 2

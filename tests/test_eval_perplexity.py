@@ -8,41 +8,7 @@ import torch
 from ctxext import patch
 from ctxext.errors import CtxextError
 from ctxext.eval.perplexity import plan_windows, sliding_window_nll
-from tests.conftest import tiny_model
-
-
-def naive_nll(model, ids, window, stride, bos_token_id=None, per_window=None):
-    """The HF docs loop ("Perplexity of fixed-length models"), full logits and labels, BOS prepended YaRN-style.
-
-    The loss-token count is taken from the shifted labels (the docs subtract one per window, which is off by
-    one for every window after the first, whose first label is already -100).
-    """
-    ids = ids.unsqueeze(0)
-    span = window - 1 if bos_token_id is not None else window
-    n = ids.shape[1]
-    if stride == window:  # truncate mode: the loop run on the first window only
-        n = span
-        ids = ids[:, :n]
-    total, count, prev_end = 0.0, 0, 0
-    with torch.no_grad():
-        for begin in range(0, n, stride):
-            end = min(begin + span, n)
-            trg_len = end - prev_end
-            input_ids = ids[:, begin:end]
-            if bos_token_id is not None:
-                input_ids = torch.cat([torch.tensor([[bos_token_id]]), input_ids], dim=1)
-            labels = input_ids.clone()
-            labels[:, :-trg_len] = -100
-            out = model(input_ids, labels=labels)
-            n_loss = int((labels[:, 1:] != -100).sum())
-            total += float(out.loss) * n_loss
-            count += n_loss
-            if per_window is not None:
-                per_window.append((float(out.loss) * n_loss, n_loss))
-            prev_end = end
-            if end == n:
-                break
-    return total, count
+from tests.helpers import naive_nll, tiny_model
 
 
 def test_matches_naive_loop_every_family(family):

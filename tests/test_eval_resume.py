@@ -4,15 +4,11 @@ failure the finished cells are written with the error, and the same command comp
 import json
 
 import pytest
-import torch
 
 import ctxext.eval.runner as runner
 from ctxext.cli import main
 from ctxext.config import MethodConfig
-from tests.conftest import save_tiny_checkpoint, tiny_model
-
-LENGTHS = (32, 48)
-METHODS = ("linear", "ntk", "yarn")  # with the baseline: none, linear x2, ntk x2, yarn x2
+from tests.helpers import EVAL_SWEEP_LENGTHS, eval_sweep_argv, save_tiny_checkpoint, tiny_model, write_random_words
 
 
 @pytest.fixture(scope="module")
@@ -22,17 +18,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("texts")
-    ids = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(0))
-    (folder / "a.txt").write_text(" ".join(f"w{int(i)}" for i in ids))
-    return folder
-
-
-def argv(checkpoint, texts, out, *extra):
-    methods = [a for m in METHODS for a in ("--method", m)]
-    lengths = ",".join(map(str, LENGTHS))
-    common = ["--factor", "2", "--lengths", lengths, "--stride", "16", "--text-file", str(texts), "--dtype", "fp32"]
-    return ["eval", str(checkpoint), *methods, *common, "--no-progress", "-o", str(out), *extra]
+    return write_random_words(tmp_path_factory.mktemp("texts"))
 
 
 @pytest.fixture
@@ -62,18 +48,18 @@ def test_a_failed_method_keeps_the_finished_cells_and_the_rerun_computes_only_th
 
     monkeypatch.setattr(MethodConfig, "apply", failing)
     with pytest.raises(RuntimeError, match="simulated"):
-        main(argv(checkpoint, texts, out))
+        main(eval_sweep_argv(checkpoint, texts, out))
     partial = json.loads((out / "results.json").read_text())
     assert partial["complete"] is False and "simulated" in partial["error"]
     kept = {(r["method"], r["length"]) for r in partial["results"]}
-    assert kept == {(m, n) for m in ("none", "linear x2") for n in LENGTHS}
-    assert partial["missing_cells"] == [f"{m} @ {n}" for m in ("ntk x2", "yarn x2") for n in LENGTHS]
+    assert kept == {(m, n) for m in ("none", "linear x2") for n in EVAL_SWEEP_LENGTHS}
+    assert partial["missing_cells"] == [f"{m} @ {n}" for m in ("ntk x2", "yarn x2") for n in EVAL_SWEEP_LENGTHS]
     windows = {r["length"]: r["windows"] for r in partial["results"] if r["method"] == "none"}
     assert len(forwards) == 2 * sum(windows.values())
 
     monkeypatch.setattr(MethodConfig, "apply", real_apply)
     forwards.clear()
-    assert main(argv(checkpoint, texts, out)) == 0  # the same command, no --overwrite
+    assert main(eval_sweep_argv(checkpoint, texts, out)) == 0  # the same command, no --overwrite
     resumed = json.loads((out / "results.json").read_text())
     assert resumed["complete"] is True and resumed["error"] is None and resumed["missing_cells"] == []
     assert len(forwards) == 2 * sum(windows.values())  # ntk and yarn only
@@ -81,7 +67,7 @@ def test_a_failed_method_keeps_the_finished_cells_and_the_rerun_computes_only_th
     assert not (tmp_path / ".out.cells").exists()  # the output is complete: its cells go
 
     # The resumed table is the table of one uninterrupted run.
-    assert main(argv(checkpoint, texts, tmp_path / "fresh", "--no-cache")) == 0
+    assert main(eval_sweep_argv(checkpoint, texts, tmp_path / "fresh", "--no-cache")) == 0
     fresh = json.loads((tmp_path / "fresh" / "results.json").read_text())
     assert [(r["method"], r["length"], r["nll_sum"]) for r in resumed["results"]] == [
         (r["method"], r["length"], r["nll_sum"]) for r in fresh["results"]
@@ -91,17 +77,17 @@ def test_a_failed_method_keeps_the_finished_cells_and_the_rerun_computes_only_th
 
 def test_a_complete_output_is_not_replaced_without_overwrite(checkpoint, texts, tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(argv(checkpoint, texts, out, "--no-cache")) == 0
-    assert main(argv(checkpoint, texts, out, "--no-cache")) == 2
+    assert main(eval_sweep_argv(checkpoint, texts, out, "--no-cache")) == 0
+    assert main(eval_sweep_argv(checkpoint, texts, out, "--no-cache")) == 2
     assert "already exists" in capsys.readouterr().err
 
 
 def test_a_shared_cache_dir_grows_a_table_without_recomputing(checkpoint, texts, tmp_path, forwards):
     cells = tmp_path / "cells"
-    assert main(argv(checkpoint, texts, tmp_path / "one", "--cache-dir", str(cells))) == 0
+    assert main(eval_sweep_argv(checkpoint, texts, tmp_path / "one", "--cache-dir", str(cells))) == 0
     first = len(forwards)
     forwards.clear()
-    assert main(argv(checkpoint, texts, tmp_path / "two", "--cache-dir", str(cells))) == 0
+    assert main(eval_sweep_argv(checkpoint, texts, tmp_path / "two", "--cache-dir", str(cells))) == 0
     assert first > 0 and forwards == []
     two = json.loads((tmp_path / "two" / "results.json").read_text())
     assert all(r["cached"] for r in two["results"]) and len(list(cells.glob("*.json"))) == 8

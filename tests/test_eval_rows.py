@@ -6,7 +6,7 @@ import yaml
 
 from ctxext.errors import CtxextError
 from ctxext.eval.rows import MethodSelection, method_rows
-from tests.conftest import tiny_config
+from tests.helpers import tiny_config
 
 SEARCHED = {"method": "yarn", "factor": 4, "beta_fast": 16, "beta_slow": 2, "attention_factor": 0.9}
 
@@ -85,7 +85,7 @@ def test_a_loaded_checkpoint_is_one_row_and_a_dynamic_one_is_computed_statelessl
 def test_a_rows_check_runs_before_its_method_is_patched_in():
     from ctxext.config import MethodConfig
     from ctxext.eval.rows import EvalMethod
-    from tests.conftest import tiny_model
+    from tests.helpers import tiny_model
 
     model = tiny_model("llama")
     seen = []

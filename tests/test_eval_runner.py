@@ -8,8 +8,7 @@ from ctxext.errors import CtxextError
 from ctxext.eval.data import Document, tokens_fingerprint
 from ctxext.eval.options import parse_lengths, parse_stride
 from ctxext.eval.runner import EvalMethod, plan_lengths, run_perplexity
-from tests.conftest import tiny_model
-from tests.test_eval_perplexity import naive_nll
+from tests.helpers import naive_nll, tiny_model
 
 
 def docs(*lengths):

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ctxext import assets
 from ctxext.eval.perplexity import sliding_window_nll
-from tests.test_eval_perplexity import naive_nll
+from tests.helpers import naive_nll
 
 
 @pytest.fixture(scope="module")

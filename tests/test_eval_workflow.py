@@ -16,11 +16,21 @@ from ctxext.eval import (
     evaluate_passkey,
     evaluate_perplexity,
 )
-from tests.test_eval_resume import argv, checkpoint, texts  # noqa: F401  (fixtures)
+from tests.helpers import eval_sweep_argv, save_tiny_checkpoint, tiny_model, write_random_words
 
 
-def test_evaluate_perplexity_returns_what_ctxext_eval_writes(checkpoint, texts, tmp_path):  # noqa: F811
-    assert main(argv(checkpoint, texts, tmp_path / "cli", "--no-cache")) == 0
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_model("llama"))
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    return write_random_words(tmp_path_factory.mktemp("texts"))
+
+
+def test_evaluate_perplexity_returns_what_ctxext_eval_writes(checkpoint, texts, tmp_path):
+    assert main(eval_sweep_argv(checkpoint, texts, tmp_path / "cli", "--no-cache")) == 0
     written = json.loads((tmp_path / "cli" / "results.json").read_text())
     request = PerplexityRequest(
         model=str(checkpoint),
@@ -54,7 +64,7 @@ def test_requests_are_checked_before_any_model_loads(tmp_path):
         evaluate_passkey(PasskeyRequest(model="no-such-model", trials=0))
 
 
-def test_evaluate_passkey_returns_what_ctxext_passkey_writes(checkpoint, tmp_path):  # noqa: F811
+def test_evaluate_passkey_returns_what_ctxext_passkey_writes(checkpoint, tmp_path):
     common = [
         "--lengths",
         "160",

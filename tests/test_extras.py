@@ -8,7 +8,7 @@ import pytest
 
 from ctxext.cli import main
 from ctxext.extras import EXTRAS
-from tests.conftest import save_tiny_checkpoint, tiny_model
+from tests.helpers import save_tiny_checkpoint, tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from ctxext.errors import CtxextError
 from ctxext.patching import rope_layout
 from ctxext.patching.families import attention_of, has_attention_sinks, rope_parameters_of, value_head_dim
 from ctxext.patching.reference import per_cell_attention
-from tests.family_models import L, build, rope_families
+from tests.family_models import SHIPPED, L, build, rebuilt_with, rope_families, shipped_model
 
 FAMILIES = rope_families()
 # Defects found by this matrix and not fixed yet: each test below is expected to fail on them (strict, so a fix
@@ -317,20 +317,6 @@ def assert_self_extend_matches_the_per_cell_reference(model, name: str) -> None:
 
 
 # ------------------------------------------------------------------ one rotary module per base (Granite SWA)
-def rebuilt_with(family: str, change, **from_config):
-    """The tiny model of `family` rebuilt from its config values after `change(values)` edits them in place, its
-    weights kept."""
-    from transformers import AutoConfig
-
-    model, _ = build(family)
-    values = model.config.to_dict()
-    change(values)
-    config = AutoConfig.for_model(values.pop("model_type"), **values)
-    rebuilt = AutoModelForCausalLM.from_config(config, **from_config).eval()
-    rebuilt.load_state_dict(model.state_dict())
-    return rebuilt
-
-
 def granite_swa_with(layer_rope_theta):
     """The tiny granite_swa model rebuilt with a base per layer (0: NoPE), its weights kept."""
     return rebuilt_with(
@@ -455,7 +441,7 @@ def test_a_remapping_method_is_recorded_with_the_familys_default_type_and_reload
 def test_ctxext_patch_writes_the_form_the_family_reloads(family, tmp_path, capsys):
     """The command line rewrites config.json for serving; for these families it keeps what `patch` recorded."""
     from ctxext.cli import main
-    from tests.conftest import save_tiny_checkpoint
+    from tests.helpers import save_tiny_checkpoint
 
     model, _ = build(family)  # shared with other tests: unpatched again at the end
     save_tiny_checkpoint(tmp_path / "in", model)
@@ -762,69 +748,6 @@ def test_a_model_without_rope_is_one_line():
 
 
 # ------------------------------------------------------------------------ what models ship
-SHIPPED = {
-    # family: (shipped rope_parameters, original L recorded, base)
-    "qwen3": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L}, L),
-    "llama": (
-        {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": L,
-        },
-        L,
-    ),
-    # DeepSeek's yarn with mscale = mscale_all_dim: its MLA attention computes a softmax scale from them
-    "deepseek_v3": (
-        {
-            "rope_type": "yarn",
-            "factor": 40.0,
-            "original_max_position_embeddings": L,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-        },
-        L,
-    ),
-    # DeepSeek V2's published yarn x40 (mscale = mscale_all_dim = 0.707), its rotary returning complex freqs_cis
-    "deepseek_v2": (
-        {
-            "rope_type": "yarn",
-            "factor": 40.0,
-            "original_max_position_embeddings": L,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "mscale": 0.707,
-            "mscale_all_dim": 0.707,
-        },
-        L,
-    ),
-    "gpt_oss": (
-        {
-            "rope_type": "yarn",
-            "factor": 32.0,
-            "original_max_position_embeddings": L,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "truncate": False,
-        },
-        L,
-    ),
-    "phi3": (
-        {
-            "rope_type": "longrope",
-            "short_factor": [1.0 + 0.1 * i for i in range(8)],
-            "long_factor": [2.0 + 0.5 * i for i in range(8)],
-            "original_max_position_embeddings": L,
-            "factor": 4.0,
-        },
-        L,
-    ),
-}
-
-
 @pytest.mark.parametrize("family", sorted(SHIPPED))
 def test_a_shipped_scaling_is_read_and_replaced_when_asked_counting_from_its_L_and_base(family, request):
     """The old behaviour, asked for with replace_shipped: the method replaces the shipped scaling, from L0."""
@@ -861,17 +784,6 @@ def test_a_shipped_scaling_is_read_and_replaced_when_asked_counting_from_its_L_a
     torch.testing.assert_close(inv_freq.double(), expected, atol=1e-6, rtol=1e-5)
 
 
-def shipped_model(family):
-    """The tiny model of `family` with SHIPPED's rope parameters and the tiny model's weights."""
-    shipped, _ = SHIPPED[family]
-
-    def change(values):
-        values["rope_parameters"] = {**shipped, "rope_theta": float(values["rope_parameters"]["rope_theta"])}
-        values["max_position_embeddings"] = 4 * L
-
-    return rebuilt_with(family, change)
-
-
 def gemma3_with_linear_global_layers():
     """The tiny gemma3_text model with Gemma 3's shipped form: linear x8 on the full-attention layers only."""
 
@@ -892,7 +804,7 @@ def test_a_remapping_method_keeps_the_static_scaling_the_model_shipped(family, t
     saved from Python and the one `ctxext patch` writes reload with the patched logits, and unpatch restores the
     model."""
     from ctxext.cli import main
-    from tests.conftest import save_tiny_checkpoint
+    from tests.helpers import save_tiny_checkpoint
 
     model = gemma3_with_linear_global_layers() if family == "gemma3_text" else shipped_model(family)
     shipped = json.dumps(model.config.rope_parameters, sort_keys=True)

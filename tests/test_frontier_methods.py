@@ -20,8 +20,7 @@ from ctxext.methods.frequency import proportional_fraction
 from ctxext.patching.families import own_partial_rotary_factor
 from ctxext.patching.rope_types import rope_parameters_for
 from ctxext.serving.engines import engine_rope, engine_table, read_served_model
-from tests.conftest import save_tiny_checkpoint, tiny_config, tiny_model
-from tests.test_roundtrip import LOGIT_TOLERANCE, reload_in_fresh_process
+from tests.helpers import LOGIT_TOLERANCE, reload_in_fresh_process, save_tiny_checkpoint, tiny_config, tiny_model
 
 
 def ours(name, rotary_dim, base, original, **params):

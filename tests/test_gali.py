@@ -12,8 +12,15 @@ import torch
 import ctxext
 from ctxext.methods.remapping import GaliParams, gali_exact_keys, gali_group
 from ctxext.patching.attention import set_attention_tuning
-from tests.conftest import FAMILIES, save_tiny_checkpoint, tiny_model
-from tests.test_remapping import decoded_and_full_logits, gali_positions, gali_relative, reference_model
+from tests.helpers import (
+    FAMILIES,
+    decoded_and_full_logits,
+    gali_positions,
+    gali_relative,
+    reference_model,
+    save_tiny_checkpoint,
+    tiny_model,
+)
 
 L = 32
 SEQ = 100  # past L: far keys 1/2, 1/3 and 1/4 apart with w = 3

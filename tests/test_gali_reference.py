@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ctxext
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "gali_reference.json").read_text())
 TOLERANCE = 1e-5  # fp32 logits of two implementations of the same sums

@@ -10,9 +10,8 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ctxext.cli import main
-from tests.conftest import save_tiny_checkpoint
 from tests.family_models import build
+from tests.helpers import run_cli, save_tiny_checkpoint
 
 FULL_BASE, SLIDING_BASE = 1e6, 1e4
 
@@ -42,12 +41,6 @@ def gemma3_linear_global():
 def gemma3(tmp_path_factory):
     """A Gemma-3-shaped tiny checkpoint (with a 256-word tokenizer)."""
     return save_tiny_checkpoint(tmp_path_factory.mktemp("gemma3"), gemma3_linear_global())
-
-
-def run_cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 # --------------------------------------------------------------------------- 1. export --check, per layer type base

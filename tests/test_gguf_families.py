@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ctxext.serving.gguf import ARCHITECTURES, SLIDING_LAYERS_UNSCALED
-from tests.test_search import run_cli
+from tests.helpers import run_cli
 
 gguf = pytest.importorskip("gguf")
 
@@ -163,8 +163,8 @@ def test_the_engine_table_maps_families_to_architectures_ctxext_writes():
 
 def test_a_patched_gemma2_checkpoint_is_exact_in_llama_cpp_and_a_per_pair_stablelm_is_not(tmp_path, capsys):
     from ctxext.serving.engines import engine_table, read_served_model
-    from tests.conftest import save_tiny_checkpoint
     from tests.family_models import build
+    from tests.helpers import save_tiny_checkpoint
 
     rows = {}
     for family, method in (("gemma2", "yarn"), ("stablelm", "ntk_by_parts")):

@@ -10,7 +10,7 @@ import pytest
 
 from ctxext.errors import CtxextError
 from ctxext.loading import describe_failure, load_config, load_model, load_tokenizer
-from tests.conftest import save_tiny_checkpoint, tiny_model
+from tests.helpers import save_tiny_checkpoint, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ import torch
 
 import ctxext
 from ctxext.methods import compute_inv_freq, get_method
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 L = 16  # the "original" length for log-n; the sequences are longer
 SEQ = 48

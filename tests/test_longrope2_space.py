@@ -22,9 +22,7 @@ from ctxext.search.longrope import (
     recorded_critical_dim,
 )
 from ctxext.search.loop import best_trial
-from tests.conftest import save_tiny_checkpoint, tiny_model
-from tests.test_search import run_cli
-from tests.test_search_longrope import assert_reloads_in_plain_transformers_as_patched
+from tests.helpers import assert_reloads_in_plain_transformers_as_patched, run_cli, save_tiny_checkpoint, tiny_model
 
 pytest.importorskip("optuna")
 pytest.importorskip("cma")

@@ -9,7 +9,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ctxext.errors import CtxextError
 from ctxext.methods import METHODS, compute_inv_freq, get_method
-from tests.conftest import tiny_config
+from tests.helpers import tiny_config
 
 D, BASE, L = 64, 10000.0, 4096
 

@@ -21,20 +21,30 @@ from ctxext.train.mixed_window import (
     is_short_micro_batch,
     micro_batch_index,
 )
-
-from .conftest import tiny_model
-from .test_finetune import (  # noqa: F401  (module fixtures, shared)
+from tests.helpers import (
     REPO,
     assert_same_numbers,
-    env,
-    one_thread,
+    child_process_env,
     read_metrics,
-    texts,
-    tiny_checkpoint,
+    save_bpe_llama,
+    tiny_model,
+    write_finetune_texts,
     write_recipe,
 )
 
 L = 64
+pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A random 2-layer LLaMA (L = 64) with a small BPE tokenizer, saved like any checkpoint."""
+    return save_bpe_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    return write_finetune_texts(tmp_path_factory.mktemp("texts"))
 
 
 # ------------------------------------------------------------------------------------------- the switch
@@ -127,7 +137,7 @@ def test_a_short_micro_batch_holds_the_same_tokens_cut_at_the_short_length():
 MIXED = {"enabled": True, "short_fraction": 0.5}
 
 
-def mixed_recipe(folder, tiny_checkpoint, texts, name, **changes):  # noqa: F811
+def mixed_recipe(folder, tiny_checkpoint, texts, name, **changes):
     changes = {
         "train__max_steps": 4,
         "eval": {"every": 2, "dataset": None, "text_files": [str(texts[1])], "lengths": [256, 64], "stride": 64},
@@ -138,14 +148,14 @@ def mixed_recipe(folder, tiny_checkpoint, texts, name, **changes):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def mixed_run(tmp_path_factory, tiny_checkpoint, texts):  # noqa: F811
+def mixed_run(tmp_path_factory, tiny_checkpoint, texts):
     folder = tmp_path_factory.mktemp("mixed")
     recipe = mixed_recipe(folder, tiny_checkpoint, texts, "reference")
     assert ctxext_main(["finetune", "--recipe", str(recipe), "--no-progress"]) == 0
     return folder, folder / "reference"
 
 
-def test_the_first_step_trains_one_long_and_one_short_micro_batch(mixed_run, tiny_checkpoint):  # noqa: F811
+def test_the_first_step_trains_one_long_and_one_short_micro_batch(mixed_run, tiny_checkpoint):
     """Step 1's loss (LoRA still a no-op) is the mean of the patched model's loss on micro-batch 0 (256 tokens)
     and the unpatched model's on micro-batch 1, cut into 64-token sequences."""
     import json
@@ -184,7 +194,7 @@ class Stop(Exception):
 
 
 @pytest.mark.slow  # `make test-slow`: CI's second step
-def test_a_resumed_mixed_run_gives_the_uninterrupted_metrics(mixed_run, tiny_checkpoint, texts):  # noqa: F811
+def test_a_resumed_mixed_run_gives_the_uninterrupted_metrics(mixed_run, tiny_checkpoint, texts):
     from ctxext.train.loop import finetune
     from ctxext.train.recipe import load_recipe
 
@@ -222,8 +232,8 @@ def test_a_resumed_mixed_run_gives_the_uninterrupted_metrics(mixed_run, tiny_che
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(
     tmp_path,
-    tiny_checkpoint,  # noqa: F811
-    texts,  # noqa: F811
+    tiny_checkpoint,
+    texts,
     capsys,
     changes,
     flags,
@@ -237,10 +247,10 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(
     assert not output.exists()
 
 
-def test_bad_input_from_the_command_line(tmp_path, tiny_checkpoint, texts):  # noqa: F811
+def test_bad_input_from_the_command_line(tmp_path, tiny_checkpoint, texts):
     recipe = write_recipe(tmp_path, tiny_checkpoint, texts, tmp_path / "out", method={"method": "none"})
     command = [sys.executable, "-m", "ctxext", "finetune", "--recipe", str(recipe), "--mixed-window"]
-    run = subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True)
+    run = subprocess.run(command, cwd=REPO, env=child_process_env(), capture_output=True, text=True)
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ctxext finetune: error:"), run.stderr

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ctxext.methods import compute_inv_freq, get_method
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 TOL = 1e-6
 

@@ -10,7 +10,7 @@ import torch
 
 import ctxext
 from ctxext.eval.passkey import answer_nll, build_prompt, plan_trials
-from tests.test_search import run_cli
+from tests.helpers import run_cli
 
 pytest.importorskip("optuna")
 

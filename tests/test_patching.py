@@ -8,7 +8,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import ctxext
 from ctxext.errors import CtxextError
 from ctxext.patching import ScaledRotaryEmbedding
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 L = 64
 TOKENS = torch.randint(0, 256, (2, 5 * L), generator=torch.Generator().manual_seed(1))

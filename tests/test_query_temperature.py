@@ -16,7 +16,7 @@ from ctxext.methods.attention import query_temperature_scale
 from ctxext.patching.attention import installed_settings
 from ctxext.patching.families import rotary_host
 from tests.family_models import L, build
-from tests.test_search import run_cli
+from tests.helpers import run_cli
 
 BETA = 0.3
 
@@ -80,7 +80,7 @@ def test_on_ministral3_it_is_written_as_the_family_key_and_plain_transformers_re
 
 
 def test_cli_records_it_and_the_checkpoint_applies_it(tmp_path, capsys):
-    from tests.conftest import save_tiny_checkpoint
+    from tests.helpers import save_tiny_checkpoint
 
     llama, _ = build("llama")
     source = save_tiny_checkpoint(tmp_path / "llama", llama)
@@ -99,7 +99,7 @@ def test_cli_records_it_and_the_checkpoint_applies_it(tmp_path, capsys):
 
 @pytest.mark.parametrize("value", ["-0.1", "nan", "true"])
 def test_bad_beta_is_one_line_and_writes_nothing(tmp_path, capsys, value):
-    from tests.conftest import save_tiny_checkpoint
+    from tests.helpers import save_tiny_checkpoint
 
     source = save_tiny_checkpoint(tmp_path / "llama", build("llama")[0])
     capsys.readouterr()  # the save's progress bar

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ctxext.compare.serving import engine_support
-from tests.conftest import tiny_config
+from tests.helpers import tiny_config
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 COLUMNS = ("transformers", "vllm+sglang", "llama.cpp", "ctxext")
@@ -64,7 +64,7 @@ def test_each_cell_is_what_the_engine_table_says(methods, cells):
 
 def test_export_gives_every_verdict_its_evidence_word(tmp_path, capsys):
     from ctxext.cli import main
-    from tests.conftest import save_tiny_checkpoint, tiny_model
+    from tests.helpers import save_tiny_checkpoint, tiny_model
 
     source = save_tiny_checkpoint(tmp_path / "src", tiny_model("llama"))
     for method, words in {"yarn": ["tested", "measured", "measured", "measured"], "rerope": ["tested", "read"]}.items():

@@ -16,7 +16,7 @@ from ctxext.patching.remap_kernel import (
     bound_jumps,
     remapped_attention,
 )
-from tests.test_backends import assert_same_gradients, kernel_gradients
+from tests.helpers import assert_same_gradients, kernel_gradients
 
 
 def region_bounds(regions, q_len: int, k_len: int) -> tuple[torch.Tensor, torch.Tensor]:

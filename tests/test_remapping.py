@@ -1,16 +1,16 @@
 """The position-remapping methods (SelfExtend, Dual Chunk Attention, STRING, and ReRoPE on the same kernel)
-against a naive per-cell reference written here.
+against a naive per-cell reference.
 
-The oracle: the relative-position matrix r'(i, j) from each method's formula (docs/METHODS.md), then every
-score as (query rotated by r') . (unrotated key) in float64, scaled by the attention factor squared, then one
-causal softmax. It shares nothing with ctxext's regions or kernel.
+The oracle (tests/helpers.py, `reference_model`): the relative-position matrix r'(i, j) from each method's formula
+(docs/METHODS.md), then every score as (query rotated by r') . (unrotated key) in float64, scaled by the
+attention factor squared, then one causal softmax (ctxext.patching.reference.per_cell_attention, held to
+transformers' RoPE attention in tests/test_reference.py). It shares nothing with ctxext's regions or kernel.
 """
 
 import copy
 import gc
 import json
 import math
-import types
 import weakref
 
 import pytest
@@ -23,122 +23,20 @@ from ctxext.errors import CtxextError
 from ctxext.methods import get_method
 from ctxext.patching.attention import KeptKeys, installed_settings, kept_keys_bytes, set_attention_tuning
 from ctxext.patching.attention import regions as attention_regions
-from ctxext.patching.reference import per_cell_attention
-from tests.conftest import FAMILIES, save_tiny_checkpoint, tiny_model
+from tests.helpers import (
+    FAMILIES,
+    RELATIVE,
+    REMAP_L,
+    REMAP_SEQ,
+    decoded_and_full_logits,
+    reference_model,
+    save_tiny_checkpoint,
+    self_extend_relative,
+    tiny_model,
+)
 
-L = 32  # the tiny models' original length: log-n acts past it
-SEQ = 56
-
-
-# ------------------------------------------------------------------------------ formulas, written out
-def self_extend_relative(i, j, group_size, window):
-    r = i - j
-    return torch.where(r < window, r, i // group_size - j // group_size + window - window // group_size)
-
-
-def dual_chunk_relative(i, j, chunk_size, local_window):
-    c = chunk_size - local_window
-    same = i // c == j // c
-    previous = i // c == j // c + 1
-    r_previous = torch.clamp(i % c + c, max=chunk_size) - j % c
-    r_older = min(2 * c - 1, chunk_size) - j % c
-    return torch.where(same, i - j, torch.where(previous, r_previous, r_older))
-
-
-def string_relative(i, j, shifted_offset, local_value, attention_factor=None):
-    r = i - j
-    return torch.where(r < shifted_offset, r, r - shifted_offset + local_value)
-
-
-def rerope_relative(i, j, window, k=None):
-    r = (i - j).double()
-    return torch.where(r < window, r, window + (r - window) / k if k else torch.full_like(r, window))
-
-
-def gali_positions(T: int, R: int, w: int) -> list[float]:
-    """The positions GALI gives T tokens over the range 0..R-1 (local window w), by its greedy rule as a loop:
-    the first integer positions take g tokens each, 1/g apart, until the range holds all T tokens; the last
-    tokens keep the remaining integer positions."""
-    if T <= R:
-        return [float(t) for t in range(T)]
-    g = math.ceil((T - w) / (R - w))
-    shared = 0  # integer positions that hold g tokens each
-    while R - shared + g * shared < T:
-        shared += 1
-    squeezed = T - (R - shared)  # tokens at positions m / g
-    return [m / g for m in range(squeezed)] + [float(p) for p in range(shared, R)]
-
-
-def gali_relative(i, j, local_window, position_range=L):
-    """r'(i, j): query i reads the position list of its own length i + 1 (0 above the diagonal). Fractional
-    values are scored by interpolation (reference_model passes interpolate=True)."""
-    n = int(max(i.max(), j.max())) + 1
-    relative = torch.zeros(n, n, dtype=torch.float64)
-    for q in range(n):
-        at = gali_positions(q + 1, position_range, local_window)
-        relative[q, : q + 1] = at[q] - torch.tensor(at, dtype=torch.float64)
-    return relative[i.expand(-1, j.shape[-1]), j.expand(i.shape[0], -1)]
-
-
-RELATIVE = {
-    "gali": gali_relative,
-    "self_extend": self_extend_relative,
-    "dual_chunk": dual_chunk_relative,
-    "string": string_relative,
-    "rerope": rerope_relative,
-    "leaky_rerope": rerope_relative,
-}
-
-
-def naive_forward(relative_fn, inv_freq, attention_factor, logn_length, positions=None, interpolate=False):
-    """An attention forward built from r'(i, j): rotate each query by r' per cell, dot with the raw key.
-
-    `positions`: the tokens' real positions (gapped ones, as PoSE gives); default 0..n-1. Causality is by
-    token order either way. `interpolate` (GALI): a fractional r' scores the linear interpolation of the
-    scores at floor(r') and floor(r') + 1."""
-
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kw):
-        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        q, k = self.q_proj(hidden_states).view(shape), self.k_proj(hidden_states).view(shape)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2).double(), k.transpose(1, 2).double()
-        v = self.v_proj(hidden_states).view(shape).transpose(1, 2).double()
-        n = q.shape[2]
-        at = torch.arange(n) if positions is None else positions
-        if logn_length:
-            q = (
-                q
-                * torch.tensor(
-                    [max(1.0, math.log(p + 1) / math.log(logn_length)) for p in at.tolist()], dtype=torch.float64
-                )[None, None, :, None]
-            )
-        relative = relative_fn(at[:, None], at[None]).double()  # (n, n), or (n, n, d/2): one r' per pair (DPE)
-        causal = torch.arange(n)[None] <= torch.arange(n)[:, None]  # by token order, gapped positions or not
-        every_cell = torch.ones(n, n, dtype=torch.bool) if interpolate else None
-        attended = per_cell_attention(
-            q, k, v, relative, inv_freq, self.scaling, attention_factor, visible=causal, interpolated=every_cell
-        )
-        out = attended.to(hidden_states.dtype).transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)
-        return self.o_proj(out), None
-
-    return forward
-
-
-def reference_model(family, method, params, logn):
-    model = tiny_model(family, max_position_embeddings=L)
-    factor = params.get("attention_factor", 1.0) if method == "string" else 1.0
-    formula_params = {k: v for k, v in params.items() if k != "attention_factor"}
-    forward = naive_forward(
-        lambda i, j: RELATIVE[method](i, j, **formula_params),
-        model.model.rotary_emb.inv_freq,
-        factor,
-        L if logn else None,
-        interpolate=method == "gali",
-    )
-    for layer in model.model.layers:
-        layer.self_attn.forward = types.MethodType(forward, layer.self_attn)
-    return model
+L = REMAP_L  # the tiny models' original length: log-n acts past it
+SEQ = REMAP_SEQ
 
 
 # ------------------------------------------------------------------------------------ model oracle
@@ -201,24 +99,6 @@ DECODE = [
     ("llama", "dpe", {"window": 6, "group_scales": [2, 4, 8, 16]}, False),
     ("qwen3", "dpe", {"window": 5, "group_scales": [3, 9], "selected_pairs": [[0, 1, 6], [2, 3, 4, 7]]}, True),
 ]
-
-
-def decoded_and_full_logits(model, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy decoding of `new_tokens` after a seeded 12-token prompt through the KV cache, and the same positions'
-    logits from one full forward over the generated sequence."""
-    prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        generated = model.generate(
-            prompt,
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-        decoded = torch.stack(generated.logits, dim=1)
-        full = model(generated.sequences).logits[:, prompt.shape[1] - 1 : -1]
-    return decoded, full
 
 
 @pytest.mark.parametrize("family,method,params,logn", DECODE)

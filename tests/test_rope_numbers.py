@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from ctxext.cli import main
 from ctxext.patching.rope_types import with_float_numbers
 from ctxext.serving.forms import with_both_spellings
-from tests.conftest import save_tiny_checkpoint, tiny_model
+from tests.helpers import save_tiny_checkpoint, tiny_model
 
 FLOATS = (
     "factor",

@@ -15,11 +15,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 import ctxext
 from ctxext.patching import attention, families
+from ctxext.patching.attention import install as attention_install
 from ctxext.patching.families import RopeLayout
 from ctxext.patching.record import model_rope_record, rope_record
 from ctxext.patching.refusals import RULES, AttentionRequest, first_refusal
-from tests.conftest import save_tiny_checkpoint, tiny_model
 from tests.family_models import build
+from tests.helpers import save_tiny_checkpoint, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 patch = importlib.import_module("ctxext.patching.patch")  # the module (the package exports a function of its name)
@@ -208,7 +209,7 @@ def test_planning_a_patch_probes_the_model_once(monkeypatch):
         return wrapper
 
     wrappers = {name: counted(name, getattr(families, name)) for name in calls}
-    for module in (families, patch, attention):
+    for module in (families, patch, attention_install):
         for name in calls:
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, wrappers[name])

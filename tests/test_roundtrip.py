@@ -5,16 +5,11 @@ load after `import ctxext`. The rotary cos/sin must match bit for bit. Logits ar
 rounding only: a matmul's last bits can depend on memory alignment (MKL without CNR), which differs between
 processes, and a clean-clone CI run once saw that on one of 14 checkpoints."""
 
-import json
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
 import ctxext
-from tests.conftest import tiny_model
+from tests.helpers import LOGIT_TOLERANCE, reload_in_fresh_process, tiny_model
 
 NATIVE = {
     "linear": ("linear", {"factor": 4.0}),
@@ -34,34 +29,6 @@ CTXEXT_ONLY = {
     "linear_dynamic": ("linear", {"factor": 4.0, "dynamic": True}),
     "theta": ("theta", {"factor": 4.0, "new_base": 1e6}),
 }
-LOGIT_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
-RELOAD = textwrap.dedent("""
-    import json, sys, torch
-    if sys.argv[1] == "with-ctxext":
-        import ctxext
-    from transformers import AutoModelForCausalLM
-    tokens = torch.load(sys.argv[2], weights_only=True)
-    out = {"ctxext_imported": "ctxext" in sys.modules}
-    for name, path in json.loads(sys.argv[3]).items():
-        model = AutoModelForCausalLM.from_pretrained(path).eval()
-        with torch.no_grad():
-            logits = model(tokens).logits
-            cos, sin = model.model.rotary_emb(logits, torch.arange(tokens.shape[1])[None])
-            torch.save({"logits": logits, "cos": cos, "sin": sin}, path + "/reloaded.pt")
-        out[name] = model.config.rope_parameters["rope_type"]
-    print(json.dumps(out))
-""")
-
-
-def reload_in_fresh_process(mode, tokens_path, checkpoints):
-    result = subprocess.run(
-        [sys.executable, "-c", RELOAD, mode, str(tokens_path), json.dumps(checkpoints)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("mode,cases", [("plain", NATIVE), ("with-ctxext", CTXEXT_ONLY)])

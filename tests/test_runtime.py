@@ -23,7 +23,7 @@ from ctxext.runtime import (
     resolve_dtype,
     training_precision,
 )
-from tests.test_finetune import free_port
+from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

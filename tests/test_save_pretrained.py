@@ -13,7 +13,7 @@ import yaml
 
 import ctxext
 from ctxext.errors import CtxextError
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 # Methods whose in-memory rope type is ctxext's own, and whose native form is one of transformers' types.
 CASES = {

@@ -13,31 +13,17 @@ import torch
 import torch.nn.functional as F
 
 import ctxext
-from ctxext.cli import main
 from ctxext.errors import CtxextError
 from ctxext.methods import METHODS, get_method
 from ctxext.search.loop import best_trial, propose_tpe, scalar_search
 from ctxext.search.space import Range, build_space, searchable_fields
 from ctxext.search.store import TrialStore
-from tests.conftest import save_tiny_checkpoint, tiny_model
+from tests.helpers import run_cli, save_tiny_checkpoint, tiny_model, trials_of, write_documents
 
 pytest.importorskip("optuna")
 pytest.importorskip("cma")
 
 WORDS = 256
-
-
-def run_cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def write_documents(folder, documents):
-    folder.mkdir(parents=True, exist_ok=True)
-    for index, ids in enumerate(documents):
-        (folder / f"doc{index}.txt").write_text(" ".join(f"w{int(i)}" for i in ids))
-    return folder
 
 
 def naive_perplexity(model, documents, window):
@@ -598,8 +584,6 @@ def test_a_parameter_the_model_rejects_is_an_invalid_trial_and_any_other_patch_e
     )  # fmt: skip
     lines = err.strip().splitlines()  # --no-progress: transformers' loading bar is off too
     assert code == 2 and len(lines) == 1 and "error: self_extend cannot run with sliding-window" in lines[0], err
-    from tests.test_search_distributed import trials_of
-
     trials = trials_of(out / "study.journal")
     assert len(trials) == 2 and trials[0].state.name == "FAIL" and "sliding-window" in trials[0].user_attrs["error"]
     assert "state" not in trials[0].user_attrs and trials[1].state.name == "WAITING"  # queued for a resume

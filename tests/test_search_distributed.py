@@ -20,10 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import save_tiny_checkpoint, tiny_model
-from tests.test_search import run_cli
+from tests.helpers import run_cli, save_tiny_checkpoint, tiny_model, trials_of
 
-optuna = pytest.importorskip("optuna")
+pytest.importorskip("optuna")
 pytest.importorskip("cma")
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,21 +80,6 @@ def finish(process, log, timeout=300):
         process.kill()
         raise
     assert code == 0, Path(log.name).read_text()[-3000:]
-
-
-def load_study(storage):
-    if "://" not in str(storage):
-        from optuna.storages.journal import JournalFileBackend, JournalStorage
-
-        storage = JournalStorage(JournalFileBackend(str(storage)))
-    return optuna.load_study(study_name="ctxext-search", storage=storage)
-
-
-def trials_of(storage) -> list:
-    try:
-        return load_study(storage).get_trials(deepcopy=False)
-    except (KeyError, FileNotFoundError):
-        return []  # the study is not created yet
 
 
 def pause_mid_trial(process, storage, after: int = 0, timeout: float = 240) -> int:

@@ -1,9 +1,6 @@
 """`ctxext search --method longrope`: monotone per-pair factors, CMA-ES, and a checkpoint plain transformers loads."""
 
 import json
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -11,12 +8,11 @@ import torch
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-import ctxext
 from ctxext.cli import main
 from ctxext.search.longrope import factors_from, is_monotone, knot_positions, start_factors
 from ctxext.search.loop import best_trial, longrope_search
 from ctxext.search.store import TrialStore
-from tests.conftest import save_tiny_checkpoint, tiny_model
+from tests.helpers import assert_reloads_in_plain_transformers_as_patched, save_tiny_checkpoint, tiny_model
 
 pytest.importorskip("optuna")
 pytest.importorskip("cma")
@@ -162,26 +158,3 @@ def test_cma_es_finds_the_planted_curve_and_resumes_exactly(tmp_path):
     assert [(t["params"], t["value"]) for t in resumed] == [(t["params"], t["value"]) for t in whole]
     with pytest.raises(Exception, match="does not match this search"):
         longrope_search(start, [4.0] * 32, counting, log, trials=91, seed=1, knots=6, upper=8.0)
-
-
-def assert_reloads_in_plain_transformers_as_patched(checkpoint, long_factor, tmp_path):
-    """A searched longrope checkpoint, loaded by plain transformers in a process that never imports ctxext, gives
-    the logits of `ctxext.patch` with the same long factors, past L and within it (the short factors)."""
-    tokens = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(1))
-    torch.save(tokens, tmp_path / "tokens.pt")
-    script = textwrap.dedent(f"""
-        import sys, torch
-        from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained({str(checkpoint)!r}).eval()
-        tokens = torch.load({str(tmp_path / "tokens.pt")!r}, weights_only=True)
-        with torch.no_grad():
-            torch.save({{"long": model(tokens).logits, "short": model(tokens[:, :50]).logits}},
-                       {str(tmp_path / "logits.pt")!r})
-        assert not any(name == "ctxext" or name.startswith("ctxext.") for name in sys.modules)
-    """)
-    subprocess.run([sys.executable, "-c", script], check=True, env={"HF_HUB_OFFLINE": "1", "PATH": ""}, cwd=tmp_path)
-    plain = torch.load(tmp_path / "logits.pt", weights_only=True)
-    reference = ctxext.patch(tiny_model("llama"), "longrope", factor=4.0, long_factor=long_factor)
-    with torch.no_grad():
-        torch.testing.assert_close(plain["long"], reference(tokens).logits, rtol=0, atol=1e-5)
-        torch.testing.assert_close(plain["short"], reference(tokens[:, :50]).logits, rtol=0, atol=1e-5)

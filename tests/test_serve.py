@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ctxext.cli import main
-from tests.conftest import save_tiny_checkpoint, tiny_model
+from tests.helpers import free_port, save_tiny_checkpoint, tiny_model
 
 openai = pytest.importorskip("openai", reason="the serve extra: pip install 'ctxext[serve]'")
 
@@ -24,12 +24,6 @@ openai = pytest.importorskip("openai", reason="the serve extra: pip install 'ctx
 PROMPT = " ".join(f"w{(i * 17) % 256}" for i in range(120))
 NEW_TOKENS = 8
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("localhost", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +53,7 @@ def server(checkpoints):
     from ctxext.serve import plan_serve, start_server
 
     _, patched = checkpoints
-    plan = plan_serve(str(patched), "localhost", free_port(), "cpu", "fp32")
+    plan = plan_serve(str(patched), "localhost", free_port("localhost"), "cpu", "fp32")
     running = start_server(plan, blocking=False)
     client = openai.OpenAI(base_url=f"http://localhost:{plan.port}/v1", api_key="none", max_retries=20)
     yield client, str(patched)
@@ -94,7 +88,7 @@ def serve_cli(capsys, *argv) -> tuple[int, str]:
 
 
 def test_a_missing_checkpoint_is_one_line(tmp_path, capsys):
-    code, err = serve_cli(capsys, tmp_path / "nowhere", "--port", free_port())
+    code, err = serve_cli(capsys, tmp_path / "nowhere", "--port", free_port("localhost"))
     assert code == 2 and err.count("\n") == 1 and "does not exist" in err
 
 
@@ -121,12 +115,12 @@ def test_an_unknown_method_record_is_one_line(break_record, checkpoints, tmp_pat
     config = json.loads((broken / "config.json").read_text())
     break_record(config)
     (broken / "config.json").write_text(json.dumps(config))
-    code, err = serve_cli(capsys, broken, "--port", free_port())
+    code, err = serve_cli(capsys, broken, "--port", free_port("localhost"))
     assert code == 2 and err.count("\n") == 1 and "no_such_method" in err
 
 
 def test_continuous_batching_is_refused_for_an_attention_level_method(checkpoints, capsys):
-    code, err = serve_cli(capsys, checkpoints[1], "--port", free_port(), "--continuous-batching")
+    code, err = serve_cli(capsys, checkpoints[1], "--port", free_port("localhost"), "--continuous-batching")
     assert code == 2 and err.count("\n") == 1 and "self_extend" in err
 
 
@@ -136,7 +130,7 @@ def test_continuous_batching_serves_a_frequency_method(checkpoints, tmp_path):
 
     yarn = tmp_path / "yarn"
     assert main(["patch", str(checkpoints[0]), "--method", "yarn", "--factor", "2", "-o", str(yarn)]) == 0
-    plan = plan_serve(str(yarn), "localhost", free_port(), "cpu", "fp32", continuous_batching=True)
+    plan = plan_serve(str(yarn), "localhost", free_port("localhost"), "cpu", "fp32", continuous_batching=True)
     running = start_server(plan, blocking=False)
     try:
         client = openai.OpenAI(base_url=f"http://localhost:{plan.port}/v1", api_key="none", max_retries=20)

@@ -2,24 +2,18 @@
 with self_extend, is the answer `ctxext passkey` gives for the same prompt."""
 
 import json
-import socket
 
 import pytest
 import torch
 
 from ctxext.cli import main
 from ctxext.eval.passkey import NEW_TOKENS, build_prompt
+from tests.helpers import free_port
 
 openai = pytest.importorskip("openai", reason="the serve extra: pip install 'ctxext[serve]'")
 
 LENGTH = 9000  # past SmolLM2's L = 8192
 DEPTH = 0.5
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("localhost", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -53,7 +47,7 @@ def test_a_passkey_past_L_through_the_server_is_ctxext_passkeys_answer(smollm2_p
     text = tokenizer.decode(ids)
     assert torch.equal(torch.tensor(tokenizer(text).input_ids), ids), "the prompt's text must give back its tokens"
 
-    plan = plan_serve(str(patched), "localhost", free_port(), "cpu", "fp32")
+    plan = plan_serve(str(patched), "localhost", free_port("localhost"), "cpu", "fp32")
     running = start_server(plan, blocking=False)
     try:
         client = openai.OpenAI(base_url=f"http://localhost:{plan.port}/v1", api_key="none", max_retries=20, timeout=900)

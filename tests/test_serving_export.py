@@ -8,9 +8,7 @@ import yaml
 
 from ctxext.checkpoint import write_patched_checkpoint
 from ctxext.config import load_method_config
-from tests.conftest import save_tiny_checkpoint, tiny_model
-from tests.test_search import run_cli
-from tests.test_serving_forms import load_in_plain_transformers
+from tests.helpers import load_in_plain_transformers, run_cli, save_tiny_checkpoint, tiny_model
 
 
 def patched(tmp_path, family, name, method, format="native", **params):

@@ -9,9 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ctxext.serving.engines import engine_table, read_served_model
-from tests.conftest import save_tiny_checkpoint
 from tests.family_models import build
-from tests.test_search import run_cli
+from tests.helpers import run_cli, save_tiny_checkpoint
 
 
 def patched(tmp_path, capsys, family, *argv):

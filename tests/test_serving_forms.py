@@ -4,9 +4,6 @@ on all four families, and a `ctxext search` result. The oracle is `ctxext.patch`
 formulas); the loaded model computes its frequencies with transformers' code from the written config.json."""
 
 import json
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -16,7 +13,14 @@ from ctxext.checkpoint import write_patched_checkpoint
 from ctxext.config import load_method_config
 from ctxext.methods import get_method, per_pair_factors
 from ctxext.serving.forms import rope_form, with_both_spellings
-from tests.conftest import FAMILIES, save_tiny_checkpoint, tiny_model
+from tests.helpers import (
+    FAMILIES,
+    load_in_plain_transformers,
+    run_cli,
+    save_tiny_checkpoint,
+    tiny_model,
+    write_documents,
+)
 
 # (method, parameters, the native rope type the checkpoint must use). L = 64 for the tiny models.
 CASES = {
@@ -36,31 +40,6 @@ CASES = {
     "llama3": ("llama3", {"factor": 8.0}, "llama3"),
     "dynamic_ntk": ("dynamic_ntk", {"factor": 2.0}, "dynamic"),
 }
-LOAD_PLAIN = textwrap.dedent("""
-    import json, sys, torch
-    from transformers import AutoModelForCausalLM
-    tokens = torch.load(sys.argv[1], weights_only=True)
-    for path in json.loads(sys.argv[2]):
-        model = AutoModelForCausalLM.from_pretrained(path).eval()
-        with torch.no_grad():  # short (inside L) and long; longrope switches its factor set past L
-            logits = {n: model(tokens[:, :n]).logits for n in (40, tokens.shape[1])}
-        torch.save(logits, path + "/plain.pt")
-    print(json.dumps({"ctxext_imported": "ctxext" in sys.modules}))
-""")
-
-
-def load_in_plain_transformers(tmp_path, checkpoints):
-    tokens = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(5))
-    torch.save(tokens, tmp_path / "tokens.pt")
-    result = subprocess.run(
-        [sys.executable, "-c", LOAD_PLAIN, str(tmp_path / "tokens.pt"), json.dumps([str(c) for c in checkpoints])],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"ctxext_imported": False}
-    return tokens
 
 
 def assert_both_spellings(config: dict, rope_type: str):
@@ -112,8 +91,8 @@ def test_every_static_frequency_method_loads_in_plain_transformers_with_the_patc
 
 
 def test_a_search_result_is_written_in_its_native_form(tmp_path, capsys):
-    from tests.test_search import run_cli, write_documents
-
+    pytest.importorskip("optuna")  # the search extra
+    pytest.importorskip("cma")
     source = save_tiny_checkpoint(tmp_path / "source", tiny_model("llama", seed=1))
     g = torch.Generator().manual_seed(0)
     docs = write_documents(tmp_path / "docs", [torch.randint(0, 256, (300,), generator=g) for _ in range(3)])

@@ -16,7 +16,7 @@ import torch
 
 from ctxext.methods import get_method
 from ctxext.serving.gguf import ROPE_FREQS, gguf_rope
-from tests.test_search import run_cli
+from tests.helpers import run_cli
 
 gguf = pytest.importorskip("gguf")
 

@@ -23,8 +23,8 @@ from ctxext.cli import main
 from ctxext.patching.families import module_frequencies
 from ctxext.patching.patch import plan_patch
 from ctxext.patching.record import model_rope_record
-from tests.conftest import save_tiny_checkpoint
 from tests.family_models import build
+from tests.helpers import save_tiny_checkpoint
 
 L0 = 32
 LLAMA3 = {

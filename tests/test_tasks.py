@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("lm_eval")
 
 from ctxext.cli import main  # noqa: E402
+from tests.helpers import save_smollm2_llama  # noqa: E402
 
 LENGTH = 4096
 LIMIT = 2
@@ -26,40 +27,7 @@ def ruler_checkpoint(tmp_path_factory, smollm2_path):
     (with the usual small init every method gives the same text). Its scores are 0, so the samples'
     answers carry the test.
     """
-    return save_ruler_llama(tmp_path_factory.mktemp("ruler-tiny"), smollm2_path, 2048, attention_std=0.3)
-
-
-def save_ruler_llama(path, smollm2_path, original_length: int, attention_std: float | None = None):
-    """A random 2-layer LLaMA (L = `original_length`) with SmolLM2's tokenizer, saved to `path`; its attention
-    projections drawn with `attention_std` where given."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=original_length,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    if attention_std is not None:
-        with torch.no_grad():
-            for layer in model.model.layers:
-                attention = layer.self_attn
-                for projection in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj):
-                    projection.weight.normal_(0, attention_std)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_smollm2_llama(tmp_path_factory.mktemp("ruler-tiny"), smollm2_path, 2048, attention_std=0.3)
 
 
 def lm_eval_reference(checkpoint, method: str | None, task_manager) -> dict:

@@ -10,7 +10,13 @@ evaluate = pytest.importorskip("evaluate")
 
 from ctxext.cli import main  # noqa: E402
 from ctxext.tasks.perplexity import evaluate_module_path  # noqa: E402
-from tests.conftest import save_tiny_checkpoint, tiny_model  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    DYNAMIC_DOC_TOKENS,
+    DYNAMIC_FACTOR,
+    DYNAMIC_STRIDE,
+    save_tiny_checkpoint,
+    tiny_model,
+)
 
 WINDOW, STRIDE = 48, 16
 
@@ -84,8 +90,6 @@ def test_evaluate_module_scores_a_saved_dynamic_checkpoint_as_ctxext_eval_does(m
     dynamic update would score the short document after the long one at the long one's scale)."""
     import torch
 
-    from tests.test_eval_dynamic import DOC_TOKENS, FACTOR, STRIDE
-
     model = tiny_model("llama", max_position_embeddings=64)
     with torch.no_grad():
         for layer in model.model.layers:  # sharp attention: frequencies change the loss well above fp32 noise
@@ -93,23 +97,25 @@ def test_evaluate_module_scores_a_saved_dynamic_checkpoint_as_ctxext_eval_does(m
             layer.self_attn.k_proj.weight.mul_(8.0)
     checkpoint = save_tiny_checkpoint(tmp_path / "sharp", model)
     patched = tmp_path / "patched"
-    assert main(["patch", str(checkpoint), "--method", method, "--factor", str(FACTOR), "-o", str(patched)]) == 0
+    patch_argv = ["patch", str(checkpoint), "--method", method, "--factor", str(DYNAMIC_FACTOR), "-o", str(patched)]
+    assert main(patch_argv) == 0
     generator = torch.Generator().manual_seed(0)
     folder = tmp_path / "texts"
     folder.mkdir()
     texts = []
-    for name, n in DOC_TOKENS.items():  # the second is shorter than the window: scored in one shorter window
+    for name, n in DYNAMIC_DOC_TOKENS.items():  # the second is shorter than the window: scored in one shorter window
         texts.append(" ".join(f"w{int(i)}" for i in torch.randint(0, 256, (n,), generator=generator)))
         (folder / name).write_text(texts[-1])
     window = 160
-    eval_argv = ["eval", str(patched), "--lengths", str(window), "--stride", str(STRIDE), "--short-docs", "truncate"]
-    eval_argv += ["--text-file", str(folder), "--dtype", "fp32", "--no-baseline", "--no-progress"]
+    eval_argv = ["eval", str(patched), "--lengths", str(window), "--stride", str(DYNAMIC_STRIDE)]
+    eval_argv += ["--short-docs", "truncate", "--text-file", str(folder), "--dtype", "fp32", "--no-baseline"]
+    eval_argv += ["--no-progress"]
     assert main([*eval_argv, "-o", str(tmp_path / "out")]) == 0
     (row,) = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
 
     module = evaluate.load(evaluate_module_path())
     ours = module.compute(
-        predictions=texts, model=str(patched), window=window, stride=STRIDE, short_docs="truncate", dtype="fp32"
+        predictions=texts, model=str(patched), window=window, stride=DYNAMIC_STRIDE, short_docs="truncate", dtype="fp32"
     )
     assert (ours["windows"], ours["tokens_scored"]) == (row["windows"], row["tokens_scored"])
     assert ours["nll_sum"] == pytest.approx(row["nll_sum"], rel=1e-6)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ctxext
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 L = 16  # the tiny models' original length: both threads' lengths lie past it

@@ -10,7 +10,7 @@ from ctxext.config import MethodConfig
 from ctxext.errors import CtxextError
 from ctxext.train.recipe import recipe_from_mapping
 from ctxext.validate import boolean, choice, number, string_list, whole_number
-from tests.conftest import tiny_model
+from tests.helpers import tiny_model
 
 
 def test_a_whole_number_written_as_a_float_is_accepted_everywhere_patch_accepts_it():
