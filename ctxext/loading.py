@@ -1,4 +1,5 @@
-"""Loading models and tokenizers as clear one-line errors (ctxext.runtime picks device, dtype and attention).
+"""Loading models and tokenizers as clear one-line errors (ctxext.runtime picks device, dtype and attention;
+ctxext.dispatch places a model over several devices, CPU and disk).
 
 A load that fails is one line that names what could not be loaded and why: the error's type and first line, and
 the innermost error it wraps (a JSON syntax error behind transformers' "not a valid JSON file", say), each
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
+from .dispatch import Placement, check_placement, offload_folder, remove_folder
 from .errors import CtxextError, first_line
 
 CAUSE_CHARS = 200  # each error's part of a one-line load error is shortened to this
@@ -73,22 +76,43 @@ def load_model(
     device: torch.device | str = "cpu",
     attn_implementation: str | None = None,
     progress: bool = True,
+    placement: Placement | None = None,
 ):
     """A causal LM from a local directory or a hub id, as a clear CtxextError when it cannot be loaded.
-    `progress` False: without transformers' own bars (loading weights, downloads), as --no-progress promises."""
+    `progress` False: without transformers' own bars (loading weights, downloads), as --no-progress promises.
+    `placement` (ctxext.dispatch): accelerate places the model over devices, CPU and disk by its map, checked
+    against the model's config before any weight loads; the model is then not moved to `device`."""
     check_model_source(name_or_path)
+    if placement is not None:
+        check_placement(placement, load_config(name_or_path))
     bars_were_on = transformers_logging.is_progress_bar_enabled()
     if not progress:
         transformers_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn_implementation)
+        model = _from_pretrained(name_or_path, dtype, attn_implementation, placement)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as error:
         # RuntimeError: weights whose shapes differ from the config's; SafetensorError: a damaged weights file
         raise CtxextError(f"could not load model '{name_or_path}': {describe_failure(error)}") from error
     finally:
         if bars_were_on and not progress:
             transformers_logging.enable_progress_bar()
-    return model.to(device).eval()
+    return model.eval() if placement is not None else model.to(device).eval()
+
+
+def _from_pretrained(name_or_path: str, dtype, attn_implementation: str | None, placement: Placement | None):
+    """transformers' load; with a placement, accelerate's dispatch, and an offload folder that goes with the model."""
+    if placement is None:
+        return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn_implementation)
+    folder = offload_folder()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=dtype, attn_implementation=attn_implementation, **placement.loading_arguments(folder)
+        )
+    except BaseException:
+        remove_folder(folder)
+        raise
+    weakref.finalize(model, remove_folder, folder)
+    return model
 
 
 # Files any of which means a checkpoint directory has a tokenizer (fast, sentencepiece, BPE, WordPiece, tiktoken,

@@ -18,6 +18,7 @@ from accelerate.utils import broadcast_object_list, gather_object, parse_flag_fr
 from transformers.utils import is_flash_attn_2_available
 
 from .compat import reset_accelerate_state
+from .dispatch import Placement, check_machine, execution_device
 from .errors import CtxextError, first_line
 
 DTYPES = {
@@ -123,9 +124,14 @@ def attention_implementation(requested: str, device: torch.device, half_precisio
     return "sdpa"
 
 
-def inference_runtime(device: str, dtype: str, attn_implementation: str, processes: Processes) -> dict:
-    """device, dtype and attention implementation for evaluation, with the reason for the dtype."""
-    chosen = processes.device_for(device)
+def inference_runtime(
+    device: str, dtype: str, attn_implementation: str, processes: Processes, placement: Placement | None = None
+) -> dict:
+    """device, dtype and attention implementation for evaluation, with the reason for the dtype. With a
+    `placement` (--device-map), the device is the one it runs on first (ctxext.dispatch.execution_device), and
+    the placement rides along under "placement" for the load."""
+    check_machine(placement, device, processes.world_size)
+    chosen = processes.device_for(device) if placement is None else execution_device(placement)
     torch_dtype = resolve_dtype(dtype, chosen)
     return {
         "device": chosen,
@@ -134,6 +140,7 @@ def inference_runtime(device: str, dtype: str, attn_implementation: str, process
         "attn_implementation": attention_implementation(
             attn_implementation, chosen, torch_dtype in (torch.bfloat16, torch.float16)
         ),
+        "placement": placement,
     }
 
 

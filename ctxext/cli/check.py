@@ -6,7 +6,7 @@ import argparse
 
 from ..errors import CtxextError
 from .aliases import add_alias
-from .common import HelpFormatter, parse_lengths
+from .common import HelpFormatter, add_placement_arguments, parse_lengths
 
 HELP = "check that the attention-level methods run exactly here, under every attention implementation"
 DESCRIPTION = """\
@@ -96,6 +96,12 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "-o", "--output", metavar="DIR", help="write results.json (as --json) and the two tables (tables.txt) to DIR"
     )
+    placement = parser.add_argument_group(
+        "a device map for --model",
+        "check a map before a long eval: against the model's architecture (every weight placed, every module named "
+        "exists) and this machine (devices present, memory there); the agreement and cost models still run on --device",
+    )
+    add_placement_arguments(placement, help_suffix=" (checked here against --model, which it needs)")
     add_alias(parser, "--methods", "--method")
 
 
@@ -109,6 +115,7 @@ def run(args) -> int:
         raise CtxextError(f"--layers and --repeats must be >= 1, got {args.layers} and {args.repeats}")
     if args.output is not None:
         check_output_dir(args.output, [], overwrite=False)
+    _check_device_map(args)
     options = CheckOptions(
         device=args.device,
         model=args.model,
@@ -128,6 +135,22 @@ def run(args) -> int:
     failed = [f"{row.method} under {row.implementation}" for row in result.agreement if not row.ok]
     print("\n" + ("all methods agree with the reference" if not failed else f"DISAGREEMENT: {', '.join(failed)}"))
     return 1 if failed else 0
+
+
+def _check_device_map(args) -> None:
+    """--device-map/--max-memory: checked against --model's architecture and this machine, and said so."""
+    from ..check import load_shape
+    from ..dispatch import check_machine, check_placement, placement_from_flags
+
+    placement = placement_from_flags(args.device_map, args.max_memory)
+    if placement is None:
+        return
+    if args.model is None:
+        raise CtxextError("--device-map is checked against a model's architecture: give --model")
+    check_machine(placement, "auto", 1)
+    check_placement(placement, load_shape(args.model))
+    what = "the explicit map" if placement.explicit else f"--device-map {placement.device_map}"
+    print(f"device map: {what} fits {args.model} on this machine (every weight placed, the devices here)\n")
 
 
 def _tables(result, options) -> str:

@@ -252,8 +252,8 @@ def add_data_arguments(parser) -> None:
 def add_runtime_arguments(
     parser, bos: bool = True, progress_help: str = "no progress bar", decoding: bool = False
 ) -> None:
-    """--device/--dtype/--attn-implementation (ctxext.runtime picks them), --no-progress, --bos unless `bos` is
-    False (commands that do not build windows themselves), and --no-kept-keys where `decoding` (commands that
+    """--device/--dtype/--attn-implementation (ctxext.runtime picks them), --device-map/--max-memory (a model larger
+    than one device), --no-progress, --bos unless `bos` is False (commands that do not build windows themselves), and --no-kept-keys where `decoding` (commands that
     generate)."""
     group = parser.add_argument_group("runtime (picked automatically; override if needed)")
     group.add_argument(
@@ -280,6 +280,7 @@ def add_runtime_arguments(
             default="auto",
             help="start each window with BOS: auto = when the tokenizer adds BOS (default)",
         )
+    add_placement_arguments(group)
     group.add_argument("--no-progress", action="store_true", help=progress_help)
     if decoding:
         group.add_argument(
@@ -289,3 +290,27 @@ def add_runtime_arguments(
             "between decode steps: no extra memory (by default one copy of the keys per key rule) but slower "
             "decoding (each step rotates every cached key again); the answers are the same",
         )
+
+
+DEVICE_MAP_HELP = (
+    "a model larger than one device, placed by accelerate instead of --device: auto or balanced (the layers "
+    "spread evenly over the GPUs, then CPU memory, then disk), sequential (GPU 0 filled first, then 1, ..., then "
+    "CPU, then disk), or an explicit map as JSON or a JSON file, module name -> device (a GPU index, cuda:N, mps, "
+    "cpu or disk), e.g. "
+    '\'{"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu", "model.layers.2": "disk", '
+    '"model.norm": 0, "lm_head": 0}\'; every weight needs a device. Modules on cpu or disk are offloaded: their '
+    "weights wait in CPU memory or on disk and run on the map's first GPU (on the CPU where the map names none), "
+    "so disk offload is slow. Checked against the model's config before any weight loads"
+)
+MAX_MEMORY_HELP = (
+    "with --device-map auto/balanced/sequential: the most each device may hold, e.g. 0=20GiB,1=20GiB,cpu=60GiB "
+    "(GPU index or cuda:N, cpu, mps; sizes like 20GiB, 500MiB, 16GB) or the same as a JSON object; what fits "
+    "nowhere goes to disk. Leave room on each GPU for activations"
+)
+
+
+def add_placement_arguments(group, help_suffix: str = "") -> None:
+    """--device-map and --max-memory (ctxext.dispatch): accelerate's big-model dispatch, for every command that
+    loads a model to evaluate it; `help_suffix` says what the command does with them where it differs."""
+    group.add_argument("--device-map", metavar="MAP", default=None, help=DEVICE_MAP_HELP + help_suffix)
+    group.add_argument("--max-memory", metavar="LIMITS", default=None, help=MAX_MEMORY_HELP + help_suffix)

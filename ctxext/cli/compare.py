@@ -166,8 +166,7 @@ def request_from_args(args):
     """The CompareRequest the flags ask for (parsed here; checked by the library)."""
     from ..compare.request import CompareRequest, parse_budget, parse_full_search, parse_methods
     from ..eval.options import parse_depths, parse_lengths
-    from ..eval.setup import RuntimeOptions
-    from .evaluation import data_options
+    from .evaluation import data_options, runtime_options
 
     def names(text):
         return None if text is None else [n.strip() for n in text.split(",") if n.strip()]
@@ -198,7 +197,7 @@ def request_from_args(args):
         model_name=args.model_name,
         tasks=names(args.tasks),
         task_limit=args.task_limit,
-        runtime=RuntimeOptions(args.device, args.dtype, args.attn_implementation, args.bos, not args.no_progress),
+        runtime=runtime_options(args),
     )
 
 

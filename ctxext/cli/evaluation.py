@@ -16,7 +16,15 @@ def runtime_options(args):
         bos=getattr(args, "bos", "auto"),
         progress=not args.no_progress,
         kept_keys=not getattr(args, "no_kept_keys", False),
+        placement=placement_from_args(args),
     )
+
+
+def placement_from_args(args):
+    """--device-map and --max-memory as a ctxext.dispatch.Placement (None: neither given)."""
+    from ..dispatch import placement_from_flags
+
+    return placement_from_flags(args.device_map, args.max_memory)
 
 
 def data_options(args):

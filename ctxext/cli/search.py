@@ -224,11 +224,10 @@ def request_from_args(args):
     from ..config import read_yaml_mapping
     from ..errors import CtxextError
     from ..eval.options import parse_depths, parse_lengths, parse_stride
-    from ..eval.setup import RuntimeOptions
     from ..search.plan import LongropeOptions, SearchRequest, default_objective, split_space_argument
     from ..search.space import parse_param_names
     from .common import method_config_from_args
-    from .evaluation import data_options
+    from .evaluation import data_options, runtime_options
 
     lengths = parse_lengths(args.lengths)
     if len(lengths) != 1:
@@ -269,7 +268,7 @@ def request_from_args(args):
         select_pairs=args.select_pairs,
         top_pairs=args.top_pairs,
         data=data_options(args),
-        runtime=RuntimeOptions(args.device, args.dtype, args.attn_implementation, args.bos, not args.no_progress),
+        runtime=runtime_options(args),
         resume=args.resume,
         overwrite=args.overwrite,
         storage=args.storage,

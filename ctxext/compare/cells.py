@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..config import MethodConfig
+from ..dispatch import input_device
 from ..errors import CtxextError
 from ..eval.data import Document, tokens_fingerprint
 from ..eval.passkey import plan_trials, run_passkey
@@ -128,7 +129,7 @@ class Cells:
         if found is not None or not self.compute:
             return found
         model = self.model_loader()
-        device = next(model.parameters()).device
+        device = input_device(model)
         began = time.perf_counter()
         with peak_memory(device) as memory:
             if native_L:

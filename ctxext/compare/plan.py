@@ -354,6 +354,7 @@ def dtype_label(dtype) -> str:
 
 def plan_compare(request: CompareRequest, measure=measured_flops) -> ComparePlan:
     """The plan of a compare, or a one-line CtxextError; reads the config, tokenizer and documents, no weights."""
+    from ..dispatch import check_placement
     from ..eval.setup import bos_choice
     from ..loading import check_model_source, load_config, load_tokenizer
     from ..patching.families import check_supported
@@ -378,7 +379,9 @@ def plan_compare(request: CompareRequest, measure=measured_flops) -> ComparePlan
     check_outputs(request, write_best)
     rt = request.runtime
     processes = Processes(cpu=rt.device == "cpu" or None)
-    runtime = inference_runtime(rt.device, rt.dtype, rt.attn_implementation, processes)
+    runtime = inference_runtime(rt.device, rt.dtype, rt.attn_implementation, processes, rt.placement)
+    if rt.placement is not None:  # a bad map fails here, before any cell or search is written
+        check_placement(rt.placement, model_config)
     check_passkey_lengths(request.passkey_lengths, lengths, L)
     plan = ComparePlan(
         request=request,

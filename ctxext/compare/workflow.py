@@ -124,6 +124,7 @@ class Session:
                 device=runtime["device"],
                 attn_implementation=runtime["attn_implementation"],
                 progress=self.request.runtime.progress,
+                placement=runtime["placement"],
             )
         return self.model
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..dispatch import input_device
 from ..errors import CtxextError
 from ..runtime import Processes
 from .perplexity import evaluation_mode
@@ -99,7 +100,7 @@ def answer_nll(model: nn.Module, tokenizer, trial: Trial, bos_token_id: int | No
     answer = tokenizer(f" {trial.key}.", add_special_tokens=False).input_ids
     prompt = build_prompt(tokenizer, trial.length - len(answer), trial.depth, trial.key, bos_token_id)
     ids = torch.cat([prompt, torch.tensor(answer, dtype=torch.long)])[None]
-    device = next(model.parameters()).device
+    device = input_device(model)
     with evaluation_mode(model), torch.inference_mode():
         # the logits at the last len(answer) + 1 positions; all but the last predict the answer's tokens
         logits = model(ids.to(device), logits_to_keep=len(answer) + 1, use_cache=False).logits[0, :-1]
@@ -109,7 +110,7 @@ def answer_nll(model: nn.Module, tokenizer, trial: Trial, bos_token_id: int | No
 
 def generate_answer(model: nn.Module, tokenizer, prompt: torch.Tensor) -> str:
     """Greedy decoding of NEW_TOKENS tokens after the prompt, decoded to text."""
-    device = next(model.parameters()).device
+    device = input_device(model)
     inputs = prompt.to(device).unsqueeze(0)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     output = model.generate(

@@ -84,8 +84,7 @@ def evaluate_passkey(request: PasskeyRequest, report=None) -> PasskeyResult:
     if processes.is_main and report is not None:
         report(
             f"ctxext passkey: {request.trials} trials x {len(request.depths)} depths x {len(request.lengths)} "
-            f"lengths x {len(methods)} methods; {session.runtime['dtype']} ({session.runtime['dtype_reason']}) on "
-            f"{session.runtime['device']}"
+            f"lengths x {len(methods)} methods; {session.runtime_line()}"
         )
         for line in session.beyond_training_notes(request.lengths):
             report(line)

@@ -14,9 +14,16 @@ later window scores only the tokens no earlier window scored. Perplexity is exp(
 With `bos_token_id`, each window is BOS + (window - 1) text tokens (as YaRN's script does); BOS is context
 only, never a target, and the first text token is then scored too.
 
-Memory: the full logits of a window (window x vocab floats: 3.2 GB for a 16k window of a 49k vocabulary)
-are never made. The decoder returns hidden states; only the positions that predict scored tokens go
-through the LM head, in chunks, each reduced to a summed cross-entropy straight away.
+Memory: for the families whose logits are lm_head(last hidden state) (`PLAIN_HEAD_FAMILIES`: Llama, Mistral,
+Qwen 2/3 and their MoE, Mixtral, SmolLM3, OLMo 2), the full logits of a window (window x vocab floats: 3.2 GB for
+a 16k window of a 49k vocabulary, 67 GB at 128k with Llama 3's 128k vocabulary) are never made. The decoder
+returns hidden states (window x hidden); only the positions that predict scored tokens go through the LM head,
+LM_HEAD_CHUNK at a time, each chunk reduced to a summed cross-entropy straight away, so at most
+LM_HEAD_CHUNK x vocab logits exist at once, whatever the window. Other families (soft-capped or scaled logits:
+Gemma 2/3, Cohere, Granite, ...) go through the model's own forward with logits_to_keep = scored + 1: stride + 1
+rows for most windows, but the whole window for the first window of each document and in one-pass mode.
+Under accelerate's dispatch (ctxext.dispatch) the same holds: each chunk of hidden states goes to the LM head's
+execution device (its hook moves it), and the chunk's targets follow the logits there.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..dispatch import input_device
 from ..errors import CtxextError
 from ..validate import whole_number
 
@@ -127,8 +135,7 @@ def _window_input(ids: torch.Tensor, window: Window, bos_token_id: int | None, d
 
 def window_nll(model: nn.Module, ids: torch.Tensor, window: Window, bos_token_id: int | None = None) -> float:
     """Summed NLL (nats, float64) of the `window.scored` targets at the end of one window. No grad, no cache."""
-    device = next(model.parameters()).device
-    inputs = _window_input(ids, window, bos_token_id, device)
+    inputs = _window_input(ids, window, bos_token_id, input_device(model))
     targets = inputs[0, -window.scored :]
     # Position p predicts token p+1, so the targets' predictors are the `scored` positions before the last.
     first_predictor = inputs.shape[1] - window.scored - 1
@@ -141,8 +148,8 @@ def window_nll(model: nn.Module, ids: torch.Tensor, window: Window, bos_token_id
     total = 0.0
     for start in range(first_predictor, inputs.shape[1] - 1, LM_HEAD_CHUNK):
         stop = min(start + LM_HEAD_CHUNK, inputs.shape[1] - 1)
-        logits = head(hidden[start:stop]).float()
-        chunk_targets = inputs[0, start + 1 : stop + 1]
+        logits = head(hidden[start:stop]).float()  # on the head's device (dispatched: its execution device)
+        chunk_targets = inputs[0, start + 1 : stop + 1].to(logits.device)
         total += float(F.cross_entropy(logits, chunk_targets, reduction="sum").double())
         del logits
     return total

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..compat import hub_commit
+from ..dispatch import placement_summary
 from ..errors import CtxextError
 from ..loading import load_config
 from ..outputs import content_fingerprint
@@ -50,9 +51,11 @@ class EvalSession:
 
     def runtime_line(self) -> str:
         runtime, world = self.runtime, self.processes.world_size
+        placed = placement_summary(self.model)
         return (
             f"{runtime['dtype']} ({runtime['dtype_reason']}) on {runtime['device']}, "
             f"{runtime['attn_implementation']}{f', {world} processes' if world > 1 else ''}"
+            f"{f'; {placed}' if placed else ''}"
         )
 
     def beyond_training_notes(self, lengths: list[int]) -> list[str]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .. import patching
+from ..dispatch import Placement, input_device
 from ..errors import CtxextError
 from ..loading import check_model_source, load_model, load_tokenizer
 from ..patching.record import rope_record
@@ -23,7 +24,9 @@ from .options import check_bos
 class RuntimeOptions:
     """device, dtype and attention implementation ('auto': ctxext.runtime picks), BOS in front of each window
     ('auto': when the tokenizer adds one), whether to show a progress bar, and whether attention-level methods
-    keep their rotated keys between decode steps (False: less memory, slower decoding, the same results)."""
+    keep their rotated keys between decode steps (False: less memory, slower decoding, the same results).
+    `placement` (--device-map/--max-memory, ctxext.dispatch): accelerate spreads the model over devices, CPU and
+    disk instead of putting it on `device`."""
 
     device: str = "auto"
     dtype: str = "auto"
@@ -31,6 +34,7 @@ class RuntimeOptions:
     bos: str = "auto"
     progress: bool = True
     kept_keys: bool = True
+    placement: Placement | None = None
 
 
 @dataclass
@@ -66,7 +70,9 @@ def load_model_and_tokenizer(name: str, runtime: RuntimeOptions, processes) -> t
     """(model, tokenizer, runtime dict) for a checkpoint or hub id on the device, dtype and attention the
     runtime picks (ctxext.runtime.inference_runtime)."""
     check_model_source(name)
-    resolved = inference_runtime(runtime.device, runtime.dtype, runtime.attn_implementation, processes)
+    resolved = inference_runtime(
+        runtime.device, runtime.dtype, runtime.attn_implementation, processes, runtime.placement
+    )
     tokenizer = load_tokenizer(name)
     model = load_model(
         name,
@@ -74,6 +80,7 @@ def load_model_and_tokenizer(name: str, runtime: RuntimeOptions, processes) -> t
         device=resolved["device"],
         attn_implementation=resolved["attn_implementation"],
         progress=runtime.progress,
+        placement=runtime.placement,
     )
     return model, tokenizer, resolved
 
@@ -112,7 +119,17 @@ def model_description(name: str, model, runtime: dict) -> dict:
         "dtype_reason": runtime["dtype_reason"],
         "device": str(runtime["device"]),
         "attn_implementation": runtime["attn_implementation"],
+        **placement_description(model, runtime.get("placement")),
     }
+
+
+def placement_description(model, placement: Placement | None) -> dict:
+    """For a model accelerate placed (--device-map): the placement asked for and the map it placed (a strategy that
+    found room on one device places the whole model there: {"": device}); {} without a placement."""
+    if placement is None:
+        return {}
+    placed = getattr(model, "hf_device_map", None) or {"": str(input_device(model))}
+    return {"placement": {**placement.describe(), "placed": dict(placed)}}
 
 
 def rope_parameters(config) -> dict:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..dispatch import input_device
 from ..errors import CtxextError
 from .families import rotary_dim, rotary_host
 
@@ -37,7 +38,7 @@ def pair_contributions(model: nn.Module, input_ids: torch.Tensor) -> torch.Tenso
             hooks.append(source.register_forward_hook(keep))
     try:
         with torch.no_grad():
-            model(input_ids.to(next(model.parameters()).device), use_cache=False)
+            model(input_ids.to(input_device(model)), use_cache=False)
     finally:
         for hook in hooks:
             hook.remove()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from ..dispatch import held_device
 from ..errors import CtxextError
 from ..methods import Method, MethodParams, get_method
 from ..methods.attention import AttentionSettings, check_original_length_for_logn, check_query_temperature
@@ -127,7 +129,7 @@ def patch(
         composed_keys=plan.composed,
     )
     scaled.undo = undo
-    scaled.to(next(host.parameters()).device)
+    scaled.to(rotary_device(host))
     host.rotary_emb = scaled
     undo.per_base_rotaries = replace_per_base_rotaries(host, scaled)
     if layout.latent_attention:  # the softmax scale MLA attention computed from the rope parameters at build time
@@ -137,6 +139,12 @@ def patch(
     )
     install_attention(host, plan.attention, layers=plan.layers, layout=layout)
     return model
+
+
+def rotary_device(host: nn.Module) -> torch.device:
+    """Where the model's rotary module lives: its buffers' device, else the first weight's that is not offloaded to
+    disk (accelerate leaves those on the meta device: ctxext.dispatch.held_device)."""
+    return held_device(itertools.chain(host.rotary_emb.buffers(), host.parameters()))
 
 
 def family_rotary(original: nn.Module, config) -> nn.Module:

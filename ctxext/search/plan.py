@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import MethodConfig
+from ..dispatch import check_placement
 from ..errors import CtxextError
 from ..eval.data import tokens_fingerprint
 from ..eval.passkey import plan_trials
@@ -273,8 +274,14 @@ def plan_search(request: SearchRequest) -> SearchPlan:
         passkey = {"trials": request.passkey_trials, "depths": sorted(set(request.passkey_depths))}
     runtime = request.runtime
     resolved = inference_runtime(
-        runtime.device, runtime.dtype, runtime.attn_implementation, Processes(cpu=runtime.device == "cpu" or None)
+        runtime.device,
+        runtime.dtype,
+        runtime.attn_implementation,
+        Processes(cpu=runtime.device == "cpu" or None),
+        runtime.placement,
     )
+    if runtime.placement is not None:  # a bad map fails here, before the study is written
+        check_placement(runtime.placement, model_config)
     settings = _settings(request, config, L, fixed, start, space, longrope, passkey, resolved, calibration, held_out)
     settings = dataclasses.replace(settings, pair_selection=selection)
     return SearchPlan(

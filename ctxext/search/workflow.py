@@ -96,6 +96,7 @@ def load_search_model(plan: SearchPlan):
         device=runtime["device"],
         attn_implementation=runtime["attn_implementation"],
         progress=plan.request.runtime.progress,
+        placement=runtime["placement"],
     )
 
 
