@@ -20,9 +20,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-import platform
 import statistics
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +28,7 @@ from pathlib import Path
 import torch
 
 from .errors import CtxextError
+from .memory import PeakMemory
 from .methods.remapping import BlendedKeyRotation, PerPairRotation
 from .patching import reference
 from .patching.families import module_frequencies
@@ -387,65 +386,6 @@ class CostRow:
     peak_mb: float
     x_native_time: float | None = None
     x_native_memory: float | None = None
-
-
-class PeakMemory:
-    """Peak memory over a block, in MB above what was in use at its start: CUDA's allocator statistics on a
-    GPU; on the CPU the process's resident set (Linux: its high-water mark, reset at the start; elsewhere
-    sampled every millisecond). Small blocks are invisible on the CPU, where freed memory is reused."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def __enter__(self):
-        gc.collect()
-        self._poller = None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.before = torch.cuda.memory_allocated(self.device)
-            return self
-        self.before = self.peak = _resident_bytes("VmRSS")
-        try:
-            with open("/proc/self/clear_refs", "w") as clear:
-                clear.write("5")  # resets VmHWM to the current resident set
-        except OSError:
-            self._stop = threading.Event()
-            self._poller = threading.Thread(target=self._poll, daemon=True)
-            self._poller.start()
-        return self
-
-    def _poll(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _resident_bytes("VmRSS"))
-            time.sleep(0.001)
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device)
-        elif self._poller is None:
-            self.peak = _resident_bytes("VmHWM")
-        else:
-            self._stop.set()
-            self._poller.join()
-        self.megabytes = max(0.0, (self.peak - self.before) / 2**20)
-        return False
-
-
-def _resident_bytes(field: str) -> int:
-    """VmRSS or VmHWM from /proc/self/status (Linux); elsewhere the peak resident set from getrusage."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    scale = 1 if platform.system() == "Darwin" else 1024  # macOS reports bytes, Linux KiB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
 def measure_cost(model, tokens, device, backward: bool, repeats: int = 1) -> tuple[float, float]:

@@ -11,14 +11,9 @@ config, length, keys}.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import threading
 import time
-from pathlib import Path
-
-import torch
 
 from ..config import MethodConfig
 from ..dispatch import input_device
@@ -26,6 +21,7 @@ from ..errors import CtxextError
 from ..eval.data import Document, tokens_fingerprint
 from ..eval.passkey import plan_trials, run_passkey
 from ..eval.perplexity import sliding_window_nll, text_tokens_per_window
+from ..memory import PeakMemory
 from ..outputs import CellCache
 from ..search.loop import InvalidParams
 from ..search.objective import checked_method, score_perplexity
@@ -52,45 +48,6 @@ def perplexity_key(config: dict | None, document: str, length: int, tokens: str,
 
 def passkey_key(config: dict | None, length: int, trials) -> dict:
     return {"kind": "passkey", "config": config, "length": length, "keys": [(t.depth, t.key) for t in trials]}
-
-
-@contextlib.contextmanager
-def peak_memory(device):
-    """Yields a dict that gets `peak_memory_bytes` (above what was in use before) and `memory_kind`: CUDA's
-    allocator peak on a GPU; on a CPU the resident set, sampled every 2 ms (allocations between samples are missed)."""
-    found = {}
-    if getattr(device, "type", str(device)) == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        start = torch.cuda.memory_allocated(device)
-        yield found
-        torch.cuda.synchronize(device)
-        found.update(peak_memory_bytes=torch.cuda.max_memory_allocated(device) - start, memory_kind="cuda allocated")
-        return
-    statm = Path("/proc/self/statm")
-    if not statm.is_file():
-        yield found
-        return
-    page = os.sysconf("SC_PAGE_SIZE")
-
-    def resident() -> int:
-        return int(statm.read_text().split()[1]) * page
-
-    start, peak, done = resident(), [0], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], resident())
-            done.wait(0.002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        yield found
-    finally:
-        done.set()
-        sampler.join()
-        found.update(peak_memory_bytes=max(0, max(peak[0], resident()) - start), memory_kind="cpu resident (sampled)")
 
 
 class Cells:
@@ -131,13 +88,19 @@ class Cells:
         model = self.model_loader()
         device = input_device(model)
         began = time.perf_counter()
-        with peak_memory(device) as memory:
+        with PeakMemory(device) as memory:
             if native_L:
                 nll, tokens = sliding_window_nll(model, ids, native_L, native_L // 2, self.bos_id)
             else:
                 nll, tokens = score_one_window(model, config, document.name, ids, length, self.bos_id)
         seconds = time.perf_counter() - began
-        value = {"nll_sum": nll, "tokens": tokens, "seconds": seconds, **memory}
+        value = {
+            "nll_sum": nll,
+            "tokens": tokens,
+            "seconds": seconds,
+            "peak_memory_bytes": memory.bytes,
+            "memory_kind": memory.kind,
+        }
         return self._store(key, value, f"{label} @ {length} on {document.name}: {math.exp(nll / tokens):.3f}")
 
     def passkey(self, label: str, config: dict, length: int, depths: list[float], keys_per_depth: int):

@@ -236,10 +236,28 @@ def write_report(session, rows, written: Path | None = None, final: bool = True)
     return results
 
 
+def recommendation_record(session, target: str, row, pick, serving: dict, baseline) -> dict:
+    """results.json's record of the row chosen for one serving target: its numbers, method file and commands."""
+    lengths = session.plan.lengths
+    longest = max(lengths)
+    method_file = Path(session.request.output or ".") / METHODS_DIR / f"{slug(pick.label)}-{longest}.yaml"
+    written_name = f"{Path(session.request.model.rstrip('/')).name}-{pick.label.split()[0]}-{_k(longest)}"
+    return {
+        "label": pick.label,
+        "config": row.configs[longest],
+        "ratios": {str(n): pick.ratios[n] for n in lengths},
+        "passkey": {str(n): list(result) for n, result in pick.passkey.items()},
+        "tier": TIERS[needle_tier(pick.passkey, baseline)],
+        "mean_ratio": mean_ratio(pick.ratios),
+        "serving": serving[pick.label].get(target, {}),
+        "method_file": str(method_file),
+        "commands": serve_commands(target, session.request.model, str(method_file), longest, written_name),
+    }
+
+
 def report_results(session, rows, written: Path | None = None) -> dict:
     """results.json's record of the rows from the cells so far (pure: nothing written)."""
     plan, measured = session.plan, session.measured
-    out = Path(session.request.output or ".")
     docs = [d.name for d in plan.held_out]
     lengths, longest = plan.lengths, max(plan.lengths)
     table = table_numbers(rows, measured, docs, lengths)
@@ -250,25 +268,12 @@ def report_results(session, rows, written: Path | None = None) -> dict:
     ranked = rank_rows(numbers, baseline)
     chosen = recommend(numbers, baseline, TARGETS)
     by_label = {r.label: r for r in rows}
-    recommendations = {}
-    for target, pick in chosen.items():
-        if pick is None:
-            recommendations[target] = None
-            continue
-        row = by_label[pick.label]
-        method_file = out / METHODS_DIR / f"{slug(pick.label)}-{longest}.yaml"
-        written_name = f"{Path(session.request.model.rstrip('/')).name}-{pick.label.split()[0]}-{_k(longest)}"
-        recommendations[target] = {
-            "label": pick.label,
-            "config": row.configs[longest],
-            "ratios": {str(n): pick.ratios[n] for n in lengths},
-            "passkey": {str(n): list(result) for n, result in pick.passkey.items()},
-            "tier": TIERS[needle_tier(pick.passkey, baseline)],
-            "mean_ratio": mean_ratio(pick.ratios),
-            "serving": serving[pick.label].get(target, {}),
-            "method_file": str(method_file),
-            "commands": serve_commands(target, session.request.model, str(method_file), longest, written_name),
-        }
+    recommendations = {
+        target: None
+        if pick is None
+        else recommendation_record(session, target, by_label[pick.label], pick, serving, baseline)
+        for target, pick in chosen.items()
+    }
     effective = effective_lengths(measured, [r.label for r in rows], plan.passkey_lengths)
     results = {
         "protocol": protocol(session),
