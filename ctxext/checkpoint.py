@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import yaml
 
 from . import __version__
 from .errors import CtxextError
-
-if TYPE_CHECKING:
-    from .serving.forms import RopeForm
+from .loading import load_config, load_model, load_tokenizer
+from .outputs import atomic_output_dir, check_output_dir
+from .patching import applied_method
+from .patching.applicable import skeleton
+from .patching.pair_selection import select_pairs, selection_record
+from .patching.patch import check_not_shorter, recorded_rope_parameters, shipped_rope
+from .serving.forms import FORMATS, RopeForm, write_config_for_serving
 
 NO_TOKENIZER = "none in the source (no tokenizer files), none written"  # ctxext.yaml's `tokenizer` then
 
@@ -60,11 +67,6 @@ def write_patched_checkpoint(
     rope form where one exists (`format='native'`, see ctxext.serving.forms), in both config spellings.
     `pair_selection` (calibration text file, k): DPE's selected pairs, the top k per layer by |q||k| on the text
     (ctxext.patching.pair_selection), measured on the unpatched model and recorded with the method."""
-    from .loading import load_model, load_tokenizer
-    from .outputs import check_output_dir
-    from .patching import applied_method
-    from .serving.forms import FORMATS
-
     if format not in FORMATS:
         raise CtxextError(f"unknown --format '{format}'; choose one of: {', '.join(FORMATS)}")
 
@@ -113,8 +115,6 @@ def check_tokenizer_for_pairs(tokenizer, pair_selection: tuple[str, int] | None,
 
 def checkpoint_record(source: str, method_config, model, applied: dict, format: str, form: RopeForm, extra: dict):
     """What ctxext.yaml records: the source, the method and its parameters, the lengths, how it was written."""
-    from .patching.patch import recorded_rope_parameters, shipped_rope
-
     return {
         "source_model": source,
         "ctxext_version": __version__,
@@ -133,10 +133,6 @@ def check_source(source: str, method_config):
     layout cannot take, a shape the method cannot take), before any weights load: `patch`'s own checks, asked of
     a meta-device skeleton of the model; and a result shorter than the model's trained context, unless asked for.
     The plan (ctxext.patching.patch.PatchPlan), which says what the patch does to the model's context."""
-    from .loading import load_config
-    from .patching.applicable import skeleton
-    from .patching.patch import check_not_shorter
-
     plan = method_config.plan(skeleton(load_config(source)))
     check_not_shorter(plan, method_config.allow_shorter)
     return plan
@@ -144,10 +140,6 @@ def check_source(source: str, method_config):
 
 def with_selected_pairs(model, tokenizer, method_config, pair_selection: tuple[str, int], original_length: int):
     """(`method_config` with DPE's `selected_pairs` measured on the unpatched `model`, the record of how)."""
-    import dataclasses
-
-    from .patching.pair_selection import select_pairs, selection_record
-
     text, k = pair_selection
     how = selection_record(text, k, method_config.original_max_position_embeddings or original_length)
     chosen = select_pairs(model, tokenizer, Path(text).read_text(encoding="utf-8"), k, how["max_tokens"])
@@ -160,13 +152,6 @@ def save_checkpoint(
 ) -> RopeForm:
     """Write weights, config.json in `format`, tokenizer (unless None) and ctxext.yaml (`record(form)`) to
     `output`, atomically; the rope form written."""
-    import json
-
-    import yaml
-
-    from .outputs import atomic_output_dir
-    from .serving.forms import write_config_for_serving
-
     with atomic_output_dir(output, protected, overwrite) as staging:
         model.save_pretrained(staging)
         form = write_config_for_serving(model, staging, format)
@@ -186,9 +171,6 @@ def save_pretrained(model, output: str | Path, tokenizer=None, overwrite: bool =
     keeps ctxext's own type), the tokenizer when given, and ctxext.yaml saying what was applied; atomically.
     `model.save_pretrained` instead writes the in-memory form, ctxext's own `ctxext_*` types for most methods.
     Returns the rope form written (ctxext.serving.forms.RopeForm)."""
-    from .patching import applied_method
-    from .serving.forms import FORMATS
-
     if format not in FORMATS:
         raise CtxextError(f"unknown format '{format}'; choose one of: {', '.join(FORMATS)}")
     applied = applied_method(model)

@@ -49,14 +49,14 @@ if TYPE_CHECKING:
 # kernel merges regions with. Public scaled_dot_product_attention does not return it. Without the op, `pick_backend`
 # takes "blockwise" on the CPU, whose blocks then score with plain float32 matmuls (the log-sum-exp computed).
 def cpu_attention_with_lse_available() -> bool:
-    import torch
+    import torch  # noqa: PLC0415 (out of `import ctxext` and --help, which import compat)
 
     return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 
 
 def cpu_attention_with_lse(query, key, value, bias, scale):
     """(output, log-sum-exp) of softmax attention on CPU; bias is additive (or None)."""
-    import torch
+    import torch  # noqa: PLC0415 (out of `import ctxext` and --help, which import compat)
 
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, 0.0, False, attn_mask=bias, scale=scale
@@ -116,7 +116,7 @@ def module_with_attention_implementation(module: torch.nn.Module, implementation
 # type; ctxext's own types need one. There is no public registry for rope-parameter validators. If the naming
 # changed, configs with ctxext's rope types would load with a warning and without their parameters checked.
 def add_rope_validator(rope_type: str, validator) -> None:
-    from transformers.modeling_rope_utils import RotaryEmbeddingConfigMixin
+    from transformers.modeling_rope_utils import RotaryEmbeddingConfigMixin  # noqa: PLC0415 (out of `import ctxext` and --help, which import compat)
 
     setattr(RotaryEmbeddingConfigMixin, f"_validate_{rope_type}_rope_parameters", validator)
 
@@ -132,7 +132,7 @@ def hub_commit(name_or_path: str, config=None, cache_dir: str | Path | None = No
     commit = getattr(config, "_commit_hash", None)
     if commit:
         return commit
-    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415 (out of `import ctxext` and --help, which import compat)
 
     try:
         cached = try_to_load_from_cache(str(name_or_path), "config.json", cache_dir=cache_dir)
@@ -147,7 +147,7 @@ def hub_commit(name_or_path: str, config=None, cache_dir: str | Path | None = No
 # before a fine-tune) starts clean. accelerate has no public reset. If they went, a second Accelerator in one
 # process would fail with an AttributeError (or inherit the first one's settings).
 def reset_accelerate_state() -> None:
-    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.state import AcceleratorState, GradientState  # noqa: PLC0415 (out of `import ctxext` and --help, which import compat)
 
     AcceleratorState._reset_state()
     GradientState._reset_state()

@@ -15,14 +15,17 @@ sections (temporal, height, width) each rotary pair reads. The methods' math nev
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
+import logging
 import math
 
 import torch
 from torch import nn
 
 from ..errors import CtxextError
+from ..methods.frequency import rope_inv_freq
 
 FULL = "full_attention"  # transformers' name of a layer that attends to every earlier token
 SECTIONS = 3  # multimodal RoPE's position sections: temporal, height, width
@@ -107,9 +110,6 @@ def config_refusal(config, rope_parameters: dict) -> str | None:
     config nests them), in one line, or None where it takes them. Asked of the class's own `validate_rope`, which
     transformers runs when the config is built, loaded and saved (Phi-3's takes only 'default' and 'longrope';
     PhiMoE's needs `short_mscale` and `long_mscale` beside any scaled type, which its rotary reads), on a copy."""
-    import copy
-    import logging
-
     if not callable(getattr(config, "validate_rope", None)):
         return None
     trial = copy.deepcopy(config)
@@ -363,8 +363,6 @@ def _meta_layout(rotary: nn.Module, layer_type: str | None) -> str:
     of what it returns on the meta device: "complex" for one complex tensor, else rotate-half assumed. A copy is
     called: a rotary's forward may cache state (transformers' longrope keeps `long_inv_freq`), which would stay on
     the meta device in the model being loaded."""
-    import copy
-
     try:
         with torch.no_grad():
             out = _rotary_call(copy.deepcopy(rotary), layer_type, device="meta")
@@ -444,8 +442,6 @@ def _filled_copy(rotary: nn.Module, inv_freq: torch.Tensor) -> tuple[nn.Module, 
     CPU copy whose inv_freq is made up: which section a pair reads does not depend on its frequency."""
     if not inv_freq.is_meta:
         return rotary, inv_freq
-    import copy
-
     made_up = 1.0 / (2.0 + torch.arange(inv_freq.shape[0], dtype=torch.float32))
     probe = copy.deepcopy(rotary).to_empty(device="cpu")
     probe.inv_freq = made_up.clone()
@@ -585,8 +581,6 @@ def _window(module: nn.Module, config, layer_type: str) -> int | None:
 
 def rotary_wavelengths(model: nn.Module) -> list[float] | None:
     """Each rotary pair's wavelength in tokens, 2*pi / theta_i, at the model's plain base (None without one)."""
-    from ..methods.frequency import rope_inv_freq
-
     config = _unwrap(model).config
     rope_parameters = rope_parameters_of(config)
     if rope_parameters.get("rope_theta") is None:

@@ -36,10 +36,16 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from .. import compat
 from ..errors import CtxextError
 from .reference import naive_backend
+
+try:  # torch 2.9+: flex_attention's `return_aux`; before it, `return_lse`
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:
+    AuxRequest = None
 
 QUERY_BLOCK = 256  # queries per block; measured on CPU: 256 beat 512-2048 (less masked waste per block)
 FLEX_BLOCK = 128  # flex_attention's block size
@@ -334,8 +340,6 @@ _compiled_flex = None
 def _flex_attention(device_type: str):
     """flex_attention, compiled where torch can compile it with `return_lse` (not on CPU, torch 2.13)."""
     global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
-
     if device_type == "cpu":  # eager: torch's math form, for tests and `ctxext check` at small sizes
 
         def eager_flex_attention(*args, **kwargs):
@@ -352,8 +356,6 @@ def _flex_attention(device_type: str):
 def region_block_mask(plan: RegionPlan, region: int, device):
     """flex_attention's BlockMask for one region: blocks wholly inside every row's range are full (no
     mask_mod), blocks at a ragged edge (or with padding) partial; mask_mod tests the exact bounds."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     q_len, k_len, size = plan.q_len, plan.k_len, FLEX_BLOCK
     q_blocks, k_blocks = -(-q_len // size), -(-k_len // size)
     pad = q_blocks * size - q_len
@@ -397,9 +399,7 @@ def region_block_mask(plan: RegionPlan, region: int, device):
 
 def _flex_with_lse(attend, query, key, value, block_mask, scale, gqa: bool):
     """(output, log-sum-exp) from flex_attention: `return_aux` where torch has it (2.9+), else `return_lse`."""
-    try:
-        from torch.nn.attention.flex_attention import AuxRequest
-    except ImportError:
+    if AuxRequest is None:
         return attend(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_lse=True)
     out, aux = attend(
         query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True)

@@ -21,13 +21,22 @@ ctxext, it is the child: `python engine_rope.py ENGINE JOBS.json [ENGINE_ROOT]`.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
+
+import torch
+from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 ENGINE_VERSIONS = {"vllm": "0.33.0", "sglang": "0.5.23"}
 ENGINES = tuple(ENGINE_VERSIONS)
@@ -97,8 +106,6 @@ def _stub(name: str, module: ModuleType | None = None, **attributes) -> ModuleTy
 
 def _package_dir(name: str) -> Path:
     """Where package `name` is, without importing it."""
-    import importlib.util
-
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(f"No module named '{name}'")
@@ -158,8 +165,8 @@ def _torch_path(rope):
 def vllm_builder():
     """A function job -> rotate(positions, q, k), with vLLM's get_config and get_rope, built as its model code does."""
     model_config = _install_vllm_stubs()
-    from vllm.model_executor.layers import rotary_embedding
-    from vllm.transformers_utils.config import get_config, set_default_rope_theta
+    from vllm.model_executor.layers import rotary_embedding  # noqa: PLC0415 (optional: vLLM is no dependency; imported once STUBS are in place)
+    from vllm.transformers_utils.config import get_config, set_default_rope_theta  # noqa: PLC0415 (optional: vLLM is no dependency; imported once STUBS are in place)
 
     def build(job: dict):
         serving = job["serving"]["vllm"]
@@ -188,8 +195,7 @@ def vllm_builder():
 def sglang_builder():
     """A function job -> rotate(positions, q, k), with SGLang's get_rope, built as its model code does."""
     _install_sglang_stubs()
-    from sglang.srt.layers.rotary_embedding import factory
-    from transformers import AutoConfig
+    from sglang.srt.layers.rotary_embedding import factory  # noqa: PLC0415 (optional: SGLang is no dependency; imported once STUBS are in place)
 
     def build(job: dict):
         config = AutoConfig.from_pretrained(job["checkpoint"])
@@ -223,11 +229,6 @@ def sglang_builder():
 def transformers_builder():
     """A function job -> rotate(positions, q, k) for one request, with plain transformers' rotary embedding of the
     checkpoint's model class, a fresh one per request (its dynamic and longrope state are per sequence)."""
-    import importlib
-
-    import torch
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     def build(job: dict):
         config = AutoConfig.from_pretrained(job["checkpoint"])
@@ -261,15 +262,11 @@ BUILDERS = {"vllm": vllm_builder, "sglang": sglang_builder, "transformers": tran
 
 
 def _last_line(error: BaseException) -> str:
-    import traceback
-
     return traceback.format_exception_only(type(error), error)[-1].strip()
 
 
 def _run_job(build, engine: str, job: dict) -> dict:
     """{scenario name: (q, k) rotated} for one job."""
-    import torch
-
     inputs = torch.load(job["inputs"], weights_only=True)
     rotate = build(job)
     out = {}
@@ -288,8 +285,6 @@ def _run_job(build, engine: str, job: dict) -> dict:
 def child(engine: str, jobs_file: str, root: str = "") -> int:
     """The child process: load `engine` (from `root` when given, else as installed), then run every job without an
     output; `JOBS.ready` says the engine loaded, each job's `.pt` (or `.error`, one line) that it ran."""
-    import torch
-
     if root:
         sys.path.insert(0, root)
     try:
@@ -376,7 +371,7 @@ class Target:
 def target_for(checkpoint, id: str | None = None, flags: bool = True) -> Target:
     """The target for a checkpoint ctxext wrote: L from its ctxext.yaml, each engine started as `ctxext export`
     prints (flags=False: with only the context length, none of the printed overrides)."""
-    from .engines import read_served_model, serving
+    from .engines import read_served_model, serving  # noqa: PLC0415 (this file also runs as a script outside the package; only the parent needs ctxext.serving.engines)
 
     model = read_served_model(checkpoint)
     L = (
@@ -393,8 +388,6 @@ def target_for(checkpoint, id: str | None = None, flags: bool = True) -> Target:
 
 def _write_inputs(target: Target, stem: Path) -> list[Scenario]:
     """Seeded unit-normal q and k for every scenario, shaped as the engines take them: [tokens, heads x head_dim]."""
-    import torch
-
     config = json.loads((Path(target.checkpoint) / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
@@ -443,8 +436,6 @@ def run_child(engine: str, jobs: list[dict], workdir: Path, root: str | None, ti
 
 
 def _exit_cause(engine: str, returncode: int, stderr: str) -> str:
-    import signal
-
     lines = [line for line in stderr.splitlines() if line.strip()]
     last = lines[-1].strip() if lines else "no message"
     if returncode < 0:
@@ -476,8 +467,6 @@ def run_parity(
 ) -> dict[str, dict[str, Finding]]:
     """{target id: {engine: Finding}}: each engine's child (from roots[engine], else as installed) and plain
     transformers' child over every target, compared."""
-    import torch
-
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     roots = roots or {}
@@ -495,8 +484,6 @@ def run_parity(
                 "scenarios": [asdict(scenario) for scenario in batches[target.id]],
             }
         )
-    from concurrent.futures import ThreadPoolExecutor
-
     children = [("transformers", None)] + [(engine, roots.get(engine)) for engine in engines]
     with ThreadPoolExecutor(len(children)) as pool:  # side by side: most of a child's time is importing its engine
         for done in [pool.submit(run_child, name, jobs, workdir, root, timeout) for name, root in children]:
@@ -525,13 +512,12 @@ def run_parity(
 
 def engine_importable(engine: str) -> bool:
     """Whether `engine` is installed in this Python (found without importing it)."""
-    import importlib.util
-
     return importlib.util.find_spec(engine) is not None
 
 
 if __name__ == "__main__":
-    # Run by path: the script's folder (ctxext/serving, with gguf.py among its files) must not shadow packages.
+    # Run by path: the script's folder (ctxext/serving, with gguf.py among its files) must not shadow packages
+    # (torch and transformers, imported above, import none of its names; the engines and their imports come after).
     if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
         sys.path.pop(0)
     sys.exit(child(*sys.argv[1:]))

@@ -16,12 +16,19 @@ multimodal-RoPE and DeepSeek code does with a rope type (`_type_the_family_code_
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from ..errors import CtxextError
-from ..methods import get_method
-from ..patching.families import own_partial_rotary_factor
+from ..methods import compute_inv_freq, get_method
+from ..methods.remapping import RemapParams
+from ..outputs import atomic_output_dir, check_output_dir
+from ..patching.families import is_nested, own_partial_rotary_factor
+from .forms import rope_form, with_both_spellings, with_family_keys
+from .gguf import describe, gguf_rope, is_gguf, read_gguf, self_extend_flags
 
 ENGINES = ("transformers", "vllm", "sglang", "llama.cpp")
 SERVED_BY_CTXEXT = "serve it with ctxext itself: ctxext serve DIR (OpenAI-compatible), or ctxext.patch then generate"
@@ -141,15 +148,11 @@ class ServedModel:
     @property
     def nested(self) -> bool:
         """rope_parameters nested by layer type (Gemma 3)."""
-        from ..patching.families import is_nested
-
         return is_nested(self.rope_parameters)
 
 
 def read_served_model(path) -> ServedModel:
     """Describe a checkpoint directory or a GGUF file, or a one-line CtxextError."""
-    from .gguf import describe, is_gguf, read_gguf
-
     path = Path(path)
     if is_gguf(path):
         model = describe(read_gguf(path), path)
@@ -163,8 +166,6 @@ def read_served_model(path) -> ServedModel:
     }
     record = None
     if (path / "ctxext.yaml").is_file():
-        import yaml
-
         record = yaml.safe_load((path / "ctxext.yaml").read_text())
     return ServedModel(
         path, "checkpoint", config.get("model_type", "?"), dict(rope), config.get("ctxext_attention"), record, config
@@ -200,8 +201,6 @@ def _attention_method(model: ServedModel) -> str | None:
 
 
 def _is_remapping(method: str) -> bool:
-    from ..methods.remapping import RemapParams
-
     return issubclass(get_method(method).params_cls, RemapParams)
 
 
@@ -515,8 +514,6 @@ VLLM_SGLANG_RULES = (
 
 
 def _llama_cpp(model: ServedModel) -> Support:
-    from .gguf import gguf_rope
-
     if model.kind == "gguf":
         how = (model.record or {}).get("written_as", "unpatched")
         return Support("llama.cpp", "exact", f"{how}; run it with a context (-c) up to the file's context_length")
@@ -543,8 +540,6 @@ def _llama_cpp(model: ServedModel) -> Support:
     L = int(model.record["original_max_position_embeddings"])
     base = float((model.record.get("rope_parameters") or model.rope_parameters)["rope_theta"])
     if spec.name == "self_extend":
-        from .gguf import self_extend_flags
-
         return Support(
             "llama.cpp",
             "approximate",
@@ -619,11 +614,6 @@ def export_checkpoint(model: ServedModel, engine: str, output, overwrite: bool =
     """Write a copy of the checkpoint whose config.json `engine` reads exactly (or, for SGLang's Dual Chunk
     Attention, its own approximation); returns how. A method the engine cannot read is a one-line CtxextError
     that names what is possible."""
-    import shutil
-
-    from ..outputs import atomic_output_dir, check_output_dir
-    from .forms import with_both_spellings
-
     check_exportable(model, engine)
     rope, extra, how = engine_rope(model, engine)
     check_output_dir(output, [model.path], overwrite)
@@ -645,8 +635,6 @@ def _longrope_switch_past(form, spec, params, model: ServedModel, L: int, base: 
     length: SGLang rotates the position it switches at as position 0, and with equal sets nothing else depends on it.
     The attention factor is written (and SGLang's short/long_mscale), as transformers computes it from L, so that
     transformers' load is the same."""
-    from ..methods import compute_inv_freq
-
     length = served_length(model)
     attention = form.rope_parameters.get("attention_factor")
     if attention is None:
@@ -684,8 +672,6 @@ def check_exportable(model: ServedModel, engine: str) -> None:
 
 def engine_rope(model: ServedModel, engine: str) -> tuple[dict, dict, str]:
     """The rope parameters `engine` reads for the method recorded in `model`, any extra config keys, and how."""
-    from .forms import rope_form, with_family_keys
-
     if model.nested:  # one rope form per layer type (Gemma 3): the written config.json is what the engine reads
         raise CtxextError(
             f"{model.path} records rope parameters nested by layer type ({model.family}), which `export --engine` "

@@ -19,13 +19,16 @@ ctxext's own types. config.json then carries both spellings: `rope_parameters` (
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import CtxextError
 from ..methods import Method, MethodParams
 from ..methods.frequency import yarn_mscale
 from ..methods.remapping import RemapParams
-from ..patching.families import FAMILY_ROPE_KEYS
+from ..patching import ScaledRotaryEmbedding, rotary_host
+from ..patching.families import FAMILY_ROPE_KEYS, config_refusal, is_nested, own_partial_rotary_factor
 from ..patching.rope_types import equal_sets_longrope, rope_parameters_for, with_float_numbers
 
 FORMATS = ("native", "ctxext")
@@ -138,9 +141,6 @@ def with_both_spellings(config: dict, rope_parameters: dict) -> dict:
 
 def model_rope_form(model, format: str = "native") -> RopeForm:
     """The rope form of whatever `ctxext.patch` applied to `model` (its config's own parameters if unpatched)."""
-    from ..patching import ScaledRotaryEmbedding, rotary_host
-    from ..patching.families import config_refusal, is_nested, own_partial_rotary_factor
-
     host = rotary_host(model)
     scaled = host.rotary_emb
     kept = _kept_scaling(scaled) if isinstance(scaled, ScaledRotaryEmbedding) and scaled.shipped else ""
@@ -199,11 +199,6 @@ def with_family_keys(form: RopeForm, rope_parameters: dict) -> RopeForm:
 def write_config_for_serving(model, folder, format: str = "native") -> RopeForm:
     """Rewrite `folder`/config.json, just written by `model.save_pretrained`, with the model's rope form in both
     spellings. The caller writes `folder` atomically; this only replaces one file inside it."""
-    import json
-    from pathlib import Path
-
-    from ..patching.families import is_nested
-
     form = model_rope_form(model, format)
     path = Path(folder) / "config.json"
     config = json.loads(path.read_text())

@@ -28,6 +28,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import gguf
+import numpy as np
+from tqdm import tqdm
+
 from ..errors import CtxextError
 from ..methods import Method, MethodParams, get_method, per_pair_factors
 from ..methods.frequency import yarn_mscale
@@ -210,8 +214,6 @@ def _magic(path: Path) -> bytes:
 
 def read_gguf(path):
     """A gguf.GGUFReader over `path`, or a one-line CtxextError for a missing, truncated or non-GGUF file."""
-    import gguf
-
     path = Path(path)
     if not path.is_file():
         raise CtxextError(f"GGUF file '{path}' does not exist")
@@ -305,8 +307,6 @@ class PatchedGguf:
 def patch_gguf(source, method_config, output, overwrite: bool = False, outtype: str = "same") -> PatchedGguf:
     """Write a copy of the GGUF file `source` with `method_config` in its rope keys (and rope_freqs), atomically.
     The source is never written to."""
-    import gguf
-
     if outtype not in OUTTYPES:
         raise CtxextError(f"unknown --outtype '{outtype}'; choose one of: {', '.join(OUTTYPES)}")
     source, output = Path(source), Path(output)
@@ -355,10 +355,6 @@ def patch_gguf(source, method_config, output, overwrite: bool = False, outtype: 
 
 
 def _write(reader, path: Path, arch: str, changed: dict, rope_freqs, outtype: str) -> None:
-    import gguf
-    import numpy as np
-    from tqdm import tqdm
-
     writer = gguf.GGUFWriter(path, arch=arch, endianess=reader.endianess)
     alignment = field_value(reader, "general.alignment")
     if alignment is not None:
@@ -403,9 +399,6 @@ def _write(reader, path: Path, arch: str, changed: dict, rope_freqs, outtype: st
 def _converted(tensor, outtype: str):
     """None to copy the tensor's bytes, else its values as f32/f16 (1-D tensors stay f32, as llama.cpp's converter
     keeps norms)."""
-    import gguf
-    import numpy as np
-
     if outtype == "same":
         return None
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
@@ -420,8 +413,6 @@ def _converted(tensor, outtype: str):
 
 
 def _value_type(value):
-    import gguf
-
     if isinstance(value, bool):
         return gguf.GGUFValueType.BOOL
     if isinstance(value, int):

@@ -15,6 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import CtxextError
 from ..extras import EXTRAS
 
@@ -27,7 +29,7 @@ class JudgeCrashed(CtxextError):
 
 def llama_cpp_available() -> bool:
     try:
-        import llama_cpp  # noqa: F401
+        import llama_cpp  # noqa: F401, PLC0415 (optional: the llamacpp extra)
     except ImportError:
         return False
     return True
@@ -73,11 +75,9 @@ def crash_finding(signal_number: int, what: str) -> str:
 def _nll_in_this_process(gguf_path, token_ids: list[int], n_threads: int | None) -> tuple[float, int]:
     """The scoring itself (the child's work). Memory: n x vocab float32 logits."""
     try:
-        from llama_cpp import Llama
+        from llama_cpp import Llama  # noqa: PLC0415 (optional: the llamacpp extra)
     except ImportError:
         raise CtxextError(f"llama.cpp is not installed here; {INSTALL_HINT}") from None
-    import numpy as np
-
     n = len(token_ids)
     llm = Llama(
         model_path=str(gguf_path),

@@ -22,9 +22,18 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
+import gguf
+import torch
+import transformers
+from huggingface_hub import try_to_load_from_cache
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from ..config import EXTENSION_KEYS, load_method_config
 from ..errors import CtxextError, first_line
 from ..patching.record import LayerTypeRope, RopeRecord, rope_record
+from .engine_rope import ENGINES, engine_importable, run_parity, target_for
 from .engines import ServedModel
+from .llamacpp import llama_cpp_nll
 
 # fp32 logits agree to float32 rounding of the frequencies (ctxext and transformers order the float32 operations
 # differently; one ulp of a frequency, through 30 layers of SmolLM2, moves logits by about 6e-5 where the method
@@ -45,16 +54,12 @@ PLAIN_LOGITS = textwrap.dedent("""
 
 
 def _random_ids(vocab_size: int, n_tokens: int):
-    import torch
-
     return torch.randint(0, vocab_size, (1, n_tokens), generator=torch.Generator().manual_seed(0))
 
 
 def _method_config(model: ServedModel):
     """The method as `ctxext patch` applied it: its parameters, L, and the layer types and extension it was asked
     for (ctxext.yaml's `layer_types`, `replace_shipped`, `target_length`)."""
-    from ..config import EXTENSION_KEYS, load_method_config
-
     spec, params = model.method_and_params()
     values = {k: v for k, v in params.to_dict().items() if v is not None and k not in spec.forced}
     L = model.record["original_max_position_embeddings"]
@@ -86,9 +91,6 @@ def source_rope(config, model: ServedModel) -> RopeRecord | None:
     """The rope record of the source as shipped: what ctxext.yaml recorded of it (`source_rope`), else its config
     where it is on this machine (a local checkpoint, or the hub cache: nothing is downloaded) and of the same
     family; else None."""
-    import transformers
-    from huggingface_hub import try_to_load_from_cache
-
     if model.record.get("source_rope"):
         return rope_record(config, model.record["source_rope"])
     source = model.record.get("source_model")
@@ -143,9 +145,6 @@ def plain_rope(rope: LayerTypeRope) -> dict:
 
 def transformers_parity(model: ServedModel, n_tokens: int) -> tuple[bool, str]:
     """(agrees, what was measured) for a checkpoint written by ctxext."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(model.path)
     ids = _random_ids(config.vocab_size, n_tokens)
     with tempfile.TemporaryDirectory() as scratch:
@@ -185,11 +184,6 @@ def transformers_parity(model: ServedModel, n_tokens: int) -> tuple[bool, str]:
 
 def llama_cpp_parity(model: ServedModel, n_tokens: int) -> tuple[bool, str]:
     """(agrees, what was measured) for a GGUF written by ctxext, where llama-cpp-python is installed."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from .llamacpp import llama_cpp_nll
-
     try:
         reference = AutoModelForCausalLM.from_pretrained(
             model.path.parent, gguf_file=model.path.name, dtype=torch.float32
@@ -213,8 +207,6 @@ def llama_cpp_parity(model: ServedModel, n_tokens: int) -> tuple[bool, str]:
 
 
 def _quantised(path) -> bool:
-    import gguf
-
     floats = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
     return any(t.tensor_type not in floats for t in gguf.GGUFReader(path).tensors)
 
@@ -223,8 +215,6 @@ def engine_rope_parity(model: ServedModel, row) -> tuple[bool | None, str]:
     """(agrees with the table's row, what was measured) for vLLM's or SGLang's own rotary code where that engine is
     installed here: ctxext.serving.engine_rope, in child processes, against plain transformers' load. (None, why)
     where nothing runs."""
-    from .engine_rope import engine_importable
-
     if row.level == "no" or model.kind != "checkpoint":
         return None, "nothing to check"
     if model.record is None:
@@ -244,8 +234,6 @@ def engine_rope_parity(model: ServedModel, row) -> tuple[bool | None, str]:
 @functools.lru_cache(maxsize=2)
 def _installed_engines_findings(path: str, config_text: str) -> dict:
     """Every installed engine's finding on the checkpoint at `path`, in one run (config_text keys the cache)."""
-    from .engine_rope import ENGINES, engine_importable, run_parity, target_for
-
     engines = tuple(engine for engine in ENGINES if engine_importable(engine))
     with tempfile.TemporaryDirectory() as scratch:
         return run_parity([target_for(path, "model")], engines, scratch)["model"]
