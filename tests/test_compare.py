@@ -202,6 +202,10 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny, tmp_path, capsys)
             "--lengths", "128", "--text-file", docs, "--method", "yarm"],
         "unknown method or preset 'servable:vlm'": ["--lengths", "128", "--text-file", docs, "--method",
                                                      "servable:vlm"],
+        "--page-notes goes under the page's table: give --page too": [
+            "--lengths", "128", "--text-file", docs, "--page-notes", str(one_doc)],
+        "--page-notes: no such file": ["--lengths", "128", "--text-file", docs, "--page", str(tmp_path / "p.md"),
+                                       "--page-notes", str(tmp_path / "notes.md")],
     }  # fmt: skip
     from ctxext.cli import main
 
@@ -249,8 +253,15 @@ def test_full_searches_write_the_page_layout_and_a_report_only_run_rebuilds_it(t
     first = page_numbers(page.read_text())
     assert ("main", "rerope (searched, needle-ppl)") in first
 
-    run_compare(replace(asked, report_only=True, page=tmp_path / "again.md"))
-    assert page_numbers((tmp_path / "again.md").read_text()) == first
+    notes = tmp_path / "notes.md"
+    notes.write_text("- **rerope**: a finding about a row that the cells cannot show.\n")
+    run_compare(replace(asked, report_only=True, page=tmp_path / "again.md", page_notes=notes))
+    again = (tmp_path / "again.md").read_text()
+    assert page_numbers(again) == first
+    table_end = again.index("\n\n", again.index("| method | parameters |"))  # the notes come right under the table
+    assert again[table_end:].startswith("\n\n## Notes on rows\n\n- **rerope**: a finding about a row")
+    assert json.loads((tmp_path / "again.json").read_text())["notes"] == notes.read_text()
+    assert "## Notes on rows" not in page.read_text()  # none without --page-notes
     assert sorted(p.name for p in (cache / "cells").iterdir()) == cells  # nothing computed again
 
 

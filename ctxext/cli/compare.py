@@ -59,6 +59,12 @@ def add_arguments(parser) -> None:
         metavar="PAGE.md",
         help="also write the one-page layout of docs/comparison.md (PAGE.md, PAGE.json, PAGE.png)",
     )
+    parser.add_argument(
+        "--page-notes",
+        metavar="NOTES.md",
+        help="markdown shown under the page's table as 'Notes on rows': findings the cells cannot show (e.g. a "
+        "method checked against its authors' code)",
+    )
     parser.add_argument("--model-name", metavar="NAME", help="how the report names the model (default: its folder)")
     parser.add_argument(
         "--write-best",
@@ -194,6 +200,7 @@ def request_from_args(args):
         full_searches=[parse_full_search(t) for t in args.full_search] if args.full_search else None,
         passkey_lengths=parse_lengths(args.passkey_lengths) if args.passkey_lengths else None,
         page=args.page,
+        page_notes=args.page_notes,
         model_name=args.model_name,
         tasks=names(args.tasks),
         task_limit=args.task_limit,

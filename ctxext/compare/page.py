@@ -10,19 +10,25 @@ The numbers are pure functions of the cells (`page_numbers`, `page_missing`); `p
 from __future__ import annotations
 
 import math
+import os
+import time
 from collections import Counter
 from pathlib import Path
 
+from ..outputs import atomic_write_text, new_figure, save_figure, write_json
+from ..tasks.report import EFFECTIVE_RULE
 from .ranking import recommend
 from .report import (
     baseline_accuracy,
     cost_numbers,
     describe_params,
     effective_lengths,
+    pruning_rule_for,
     row_numbers,
     serving_table,
     table_numbers,
 )
+from .searches import read_history
 from .serving import TARGET_NAMES, TARGETS
 
 NATIVE = "native"
@@ -73,8 +79,6 @@ def machines(measured) -> str:
 
 def search_totals(searches: Path) -> tuple[float, int]:
     """(seconds, trials) recorded by every search kept under `searches`."""
-    from .searches import read_history
-
     seconds, count = 0.0, 0
     for folder in sorted(searches.iterdir()) if searches.is_dir() else []:
         if folder.is_dir():
@@ -97,9 +101,6 @@ def objective_word(objective: str | None) -> str:
 # --------------------------------------------------------------------------------------------- the page
 def page_state(session, rows: list, path: Path) -> dict:
     """Everything the page at `path` shows, from the session's plan, cells and searches."""
-    import os
-    import time
-
     plan, request, measured = session.plan, session.request, session.measured
     docs = [d.name for d in plan.held_out]
     ordered = page_rows(rows, plan.methods)
@@ -127,6 +128,7 @@ def page_state(session, rows: list, path: Path) -> dict:
         "search_trials": trials,
         "run_seconds": time.perf_counter() - session.started,
         "cache": Path(os.path.relpath(request.cache_dir.resolve(), path.parent.resolve())).as_posix(),
+        "notes": Path(request.page_notes).read_text() if request.page_notes else None,
     }
 
 
@@ -166,8 +168,6 @@ def searched_line(state: dict) -> str:
     calibration = ", ".join(plan.data["calibration"]).replace("+", " + ")
     kinds = request.full_searches or []
     if not kinds:
-        from .report import pruning_rule_for
-
         return (
             f"- **Searched**: the screen and successive halving of `ctxext search` studies on calibration text the "
             f"table never scores ({calibration}, first N tokens), objective `{request.objective}`. "
@@ -294,8 +294,6 @@ SERVE_LINES = {
 
 
 def effective_lines(state: dict) -> list[str]:
-    from ..tasks.report import EFFECTIVE_RULE
-
     effective = state["effective"]
     if not effective:
         return []
@@ -366,10 +364,16 @@ def closing_lines(state: dict) -> list[str]:
     return lines + ([f"- ... and {len(missing) - 60} more"] if len(missing) > 60 else [])
 
 
+def notes_lines(state: dict) -> list[str]:
+    """--page-notes as given, under its own heading (nothing without it)."""
+    notes = state["notes"]
+    return ["## Notes on rows", "", notes.strip(), ""] if notes else []
+
+
 def page_markdown(state: dict) -> str:
     protocol = protocol_lines(state)
     lines = protocol[:2] + recommendation_lines(state) + protocol[2:]
-    lines += table_lines(state) + effective_lines(state) + parameter_lines(state)
+    lines += table_lines(state) + notes_lines(state) + effective_lines(state) + parameter_lines(state)
     lines += document_lines(state) + closing_lines(state)
     return "\n".join(lines) + "\n"
 
@@ -397,6 +401,7 @@ def page_json(state: dict) -> dict:
         "passkey": [{"label": k[0], "length": k[1], **v} for k, v in measured.passkey.items()],
         "effective_length": state["effective"],
         "missing": state["missing"],
+        "notes": state["notes"],
         "machine": state["machine"],
         "dtype": state["plan"].dtype_label,
         "cells": [
@@ -414,8 +419,6 @@ def page_json(state: dict) -> dict:
 
 def write_page(session, rows: list, path: Path, final: bool = True) -> dict:
     """PAGE (markdown), PAGE.json and, when `final`, PAGE.png from the cells so far; returns the JSON record."""
-    from ..outputs import atomic_write_text, write_json
-
     state = page_state(session, rows, path)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, page_markdown(state))
@@ -429,8 +432,6 @@ def write_page(session, rows: list, path: Path, final: bool = True) -> dict:
 def plot(state: dict, path: Path) -> None:
     """Held-out perplexity over native per row and length, on a log axis with each value written out: the methods
     worth choosing are within a few percent of native, which a linear bar chart cannot tell apart."""
-    from ..outputs import new_figure, save_figure
-
     table, lengths, L = state["table"], state["lengths"], state["plan"].L
     rows = [r for r in state["rows"] if any(r.label in table[n]["perplexity"] for n in lengths)]
     if not rows:

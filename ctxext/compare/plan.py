@@ -301,6 +301,16 @@ def check_request(request: CompareRequest) -> None:
         raise CtxextError(
             f"--page must name a .md file (its .json and .png are written beside it), got '{request.page}'"
         )
+    check_page_notes(request)
+
+
+def check_page_notes(request) -> None:
+    if request.page_notes is None:
+        return
+    if request.page is None:
+        raise CtxextError("--page-notes goes under the page's table: give --page too")
+    if not Path(request.page_notes).is_file():
+        raise CtxextError(f"--page-notes: no such file '{request.page_notes}' (a markdown file of notes on rows)")
 
 
 def check_lengths(lengths: list[int], L: int) -> None:

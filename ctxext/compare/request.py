@@ -69,6 +69,7 @@ class CompareRequest:
     full_searches: list[FullSearch] | None = None  # a fixed protocol instead of the screen and successive halving
     passkey_lengths: list[int] | None = None  # None: L (the unpatched model only) and every length
     page: str | Path | None = None  # also write the one-page layout (PAGE, its .json and .png) of docs/comparison.md
+    page_notes: str | Path | None = None  # markdown shown under the page's table as 'Notes on rows'
     model_name: str | None = None  # how the report names the model (None: the checkpoint's folder name)
     tasks: list[str] | None = None  # lm-eval tasks run per row and length (RULER: niah_single_1, ...); needs lm-eval
     task_limit: int | None = None  # samples per task cell (lm-eval's --limit: the first N; None: all of them)
