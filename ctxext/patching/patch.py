@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import warnings
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -100,10 +101,31 @@ def patch(
     except CtxextError as error:  # in memory it may be an experiment; `ctxext patch` refuses to write it
         warnings.warn(str(error), stacklevel=2)
     unpatch(model)
-    host, layout, L = plan.host, plan.layout, plan.original_length
+    apply_plan(plan)
+    return model
 
-    config = host.config
-    keys = plan.chosen or (None,)
+
+def apply_plan(plan: PatchPlan) -> None:
+    """Carry out a plan on its (unpatched) model: the config records the method, the scaled rotary replaces the
+    model's own (kept for `unpatch`), and the attention wrapper goes on where the method needs it."""
+    host, layout = plan.host, plan.layout
+    undo = _write_config(plan)
+    scaled = _scaled_rotary(plan)
+    scaled.undo = undo
+    scaled.to(rotary_device(host))
+    host.rotary_emb = scaled
+    undo.per_base_rotaries = replace_per_base_rotaries(host, scaled)
+    if layout.latent_attention:  # the softmax scale MLA attention computed from the rope parameters at build time
+        undo.latent_attention_scales = rescale_latent_attention(host, host.config)
+    record_attention_in_config(
+        host.config, plan.attention, None if plan.layers == layout.attention_layers() else plan.layers
+    )
+    install_attention(host, plan.attention, layers=plan.layers, layout=layout)
+
+
+def _write_config(plan: PatchPlan) -> PatchUndo:
+    """The plan's rope parameters and context written into the model's config; returns what undoes it."""
+    config = plan.host.config
     undo = PatchUndo(
         copy.deepcopy(config.rope_parameters),
         config.max_position_embeddings,
@@ -115,30 +137,28 @@ def patch(
         # Phi-3 keeps L outside its rope parameters too, and transformers' yarn, llama3 and longrope read that one
         # first (standardize_rope_params in modeling_rope_utils.py copies it over the rope parameters' own)
         undo.original_max_position_embeddings = config.original_max_position_embeddings
-        config.original_max_position_embeddings = plan.record.original_length if plan.extension.composed else L
-    scaled = ScaledRotaryEmbedding(
+        composed = plan.extension.composed
+        config.original_max_position_embeddings = plan.record.original_length if composed else plan.original_length
+    return undo
+
+
+def _scaled_rotary(plan: PatchPlan) -> ScaledRotaryEmbedding:
+    """ctxext's rotary module for the plan, around the model's own (read after the config is written: a composed
+    scaling is answered by the family's module built from the patched config)."""
+    host, layout = plan.host, plan.layout
+    keys = plan.chosen or (None,)
+    return ScaledRotaryEmbedding(
         plan.spec,
         plan.params,
         {key: (layout.rotary_dims[key], layout.bases[key]) for key in keys},
-        L,
+        plan.original_length,
         original=host.rotary_emb,
         angles=layout.angles,
         sections=layout.sections,
         shipped=plan.shipped,
-        composed=family_rotary(host.rotary_emb, config) if plan.composed else None,
+        composed=family_rotary(host.rotary_emb, host.config) if plan.composed else None,
         composed_keys=plan.composed,
     )
-    scaled.undo = undo
-    scaled.to(rotary_device(host))
-    host.rotary_emb = scaled
-    undo.per_base_rotaries = replace_per_base_rotaries(host, scaled)
-    if layout.latent_attention:  # the softmax scale MLA attention computed from the rope parameters at build time
-        undo.latent_attention_scales = rescale_latent_attention(host, config)
-    record_attention_in_config(
-        config, plan.attention, None if plan.layers == layout.attention_layers() else plan.layers
-    )
-    install_attention(host, plan.attention, layers=plan.layers, layout=layout)
-    return model
 
 
 def rotary_device(host: nn.Module) -> torch.device:
@@ -223,25 +243,13 @@ def plan_patch(
         original_max_position_embeddings = whole_number(
             "original_max_position_embeddings", original_max_position_embeddings
         )
-    remaps = issubclass(spec.params_cls, RemapParams)
-    given = spec.make_params(factor=1.0 if target_length is not None else factor, **params)
-    ext = extension(record, spec, given, keys, remaps, original_max_position_embeddings, replace_shipped)
-    method_params = spec.make_params(factor=factor_for(target_length, factor, ext.original_length), **params)
-    if ext.composed and layout.latent_attention:
-        raise CtxextError(
-            f"{spec.name} does not compose with the shipped {record.full.describe()} of multi-head latent attention "
-            "(its softmax scale is built from the shipped yarn's factor); use --replace-shipped"
-        )
+    ext, method_params = _extension_and_params(
+        record, layout, spec, keys, factor, target_length, original_max_position_embeddings, replace_shipped, params
+    )
     L = ext.original_length
     if logn:
         check_original_length_for_logn(L)
-    # The query temperature goes where the family's own attention reads it (Ministral 3's llama_4_scaling_beta),
-    # else into ctxext's attention wrapper.
-    native = query_temperature is not None and any(
-        NATIVE_QUERY_TEMPERATURE in record.of(key).parameters for key in keys
-    )
-    native_temperature = check_query_temperature(query_temperature) if native else None
-    wrapped_temperature = None if native else query_temperature
+    native_temperature, wrapped_temperature = _split_query_temperature(record, keys, query_temperature)
     attention = AttentionSettings.for_method(spec.name, method_params, logn, L, wrapped_temperature)
     check_shape(host.config, method_params, L)
     # A remapping method changes (query, key) distances, which a sliding layer within L never has past L; log-n
@@ -259,27 +267,42 @@ def plan_patch(
     written = rope_parameters_to_write(
         host, layout, keys, spec, method_params, L, native_temperature, shipped, composed_written
     )
-    new_context = L if follows_length(written) else int(round(L * method_params.factor))
-    if shipped:  # the kept scaling still reaches as far as it did
-        new_context = max(new_context, record.max_position_embeddings)
+    new_context = _context_after(written, shipped, record, L, method_params.factor)
     return PatchPlan(
-        host,
-        layout,
-        record,
-        ext,
-        chosen,
-        spec,
-        method_params,
-        L,
-        attention,
-        layers,
-        native_temperature,
-        written,
-        shipped,
-        tuple(composed_written),
-        new_context,
-        left_alone,
+        *(host, layout, record, ext, chosen, spec, method_params, L, attention, layers, native_temperature),
+        *(written, shipped, tuple(composed_written), new_context, left_alone),
     )
+
+
+def _extension_and_params(
+    record: RopeRecord, layout: RopeLayout, spec: Method, keys: tuple, factor, target_length, given_L, replace, params
+) -> tuple[Extension, MethodParams]:
+    """Where the method counts from (ctxext.patching.extension) and its parameters there: a --target-length turns
+    into the factor from that L."""
+    remaps = issubclass(spec.params_cls, RemapParams)
+    given = spec.make_params(factor=1.0 if target_length is not None else factor, **params)
+    ext = extension(record, spec, given, keys, remaps, given_L, replace)
+    method_params = spec.make_params(factor=factor_for(target_length, factor, ext.original_length), **params)
+    if ext.composed and layout.latent_attention:
+        raise CtxextError(
+            f"{spec.name} does not compose with the shipped {record.full.describe()} of multi-head latent attention "
+            "(its softmax scale is built from the shipped yarn's factor); use --replace-shipped"
+        )
+    return ext, method_params
+
+
+def _split_query_temperature(record: RopeRecord, keys: tuple, beta: float | None) -> tuple[float | None, float | None]:
+    """(beta for the family's own attention, beta for ctxext's wrapper): it goes where the family's own attention
+    reads it (Ministral 3's llama_4_scaling_beta), else into ctxext's attention wrapper."""
+    native = beta is not None and any(NATIVE_QUERY_TEMPERATURE in record.of(key).parameters for key in keys)
+    return (check_query_temperature(beta), None) if native else (None, beta)
+
+
+def _context_after(written: dict, shipped: tuple, record: RopeRecord, L: int, factor: float) -> int:
+    """max_position_embeddings after the patch: L x factor (L where the rope follows the length itself: dynamic),
+    and never less than the shipped reach where a shipped scaling stays."""
+    new_context = L if follows_length(written) else int(round(L * factor))
+    return max(new_context, record.max_position_embeddings) if shipped else new_context
 
 
 def _split_by_remapped_layers(chosen: tuple, layout: RopeLayout, layers: tuple) -> tuple[tuple, tuple]:
@@ -366,36 +389,19 @@ def rope_parameters_to_write(
     remapping method on shipped static scaling); those in `composed` get the parameters given there (a frequency
     method composed with a shipped scaling, ctxext.patching.compose), and where the config refuses them, the patch is
     refused. Read from the unpatched model's rope parameters."""
-    unpatched = unpatched_rope_parameters(host)
-    composed = composed or {}
-
-    def family_keys_kept(written: dict) -> dict:  # what the family's own code reads beside the rope type stays
-        for key, values in written.items():
-            kept = layer_rope_parameters(unpatched, key)
-            values.update({name: kept[name] for name in FAMILY_ROPE_KEYS if name in kept})
-            if native_temperature is not None:
-                values[NATIVE_QUERY_TEMPERATURE] = native_temperature
-        return written
-
-    def form(write) -> dict:
-        return {
-            key: copy.deepcopy(layer_rope_parameters(unpatched, key))
-            if key in shipped
-            else copy.deepcopy(composed[key])
-            if key in composed
-            else write(
-                spec,
-                method_params,
-                layout.rotary_dims[key],
-                layout.bases[key],
-                L,
-                own_partial_rotary_factor(layer_rope_parameters(unpatched, key)),
-            )
-            for key in keys
-        }
-
-    written = family_keys_kept(form(rope_parameters_for))
-    refusal = config_refusal(host.config, with_written(unpatched, written))
+    forms = RopeForms(
+        unpatched_rope_parameters(host),
+        layout,
+        keys,
+        spec,
+        method_params,
+        L,
+        native_temperature,
+        shipped,
+        composed or {},
+    )
+    written = forms.with_family_keys(forms.form(rope_parameters_for))
+    refusal = forms.refusal(host.config, written)
     if refusal is None:
         return written
     if composed:
@@ -403,20 +409,68 @@ def rope_parameters_to_write(
             f"{spec.name} composed with the shipped scaling cannot be recorded in this model's config ({refusal}); "
             "use --replace-shipped to replace the shipped scaling instead"
         )
-    if isinstance(method_params, RemapParams):  # plain frequencies: the family's own 'default' type says so
+    return _written_another_way(host.config, forms, refusal)
+
+
+@dataclass(frozen=True)
+class RopeForms:
+    """The rope parameters of each chosen layer type in one form (`rope_parameters_to_write`): the types in
+    `shipped` as the unpatched model has them, those in `composed` as given there, the others as `write` says."""
+
+    unpatched: dict
+    layout: RopeLayout
+    keys: tuple
+    spec: Method
+    method_params: MethodParams
+    L: int
+    native_temperature: float | None
+    shipped: tuple
+    composed: dict
+
+    def form(self, write) -> dict:
+        return {key: self._one(key, write) for key in self.keys}
+
+    def _one(self, key, write) -> dict | None:
+        own = layer_rope_parameters(self.unpatched, key)
+        if key in self.shipped:
+            return copy.deepcopy(own)
+        if key in self.composed:
+            return copy.deepcopy(self.composed[key])
+        dims, base = self.layout.rotary_dims[key], self.layout.bases[key]
+        return write(self.spec, self.method_params, dims, base, self.L, own_partial_rotary_factor(own))
+
+    def with_family_keys(self, written: dict) -> dict:
+        """What the family's own code reads beside the rope type stays (and its query temperature goes in)."""
+        for key, values in written.items():
+            kept = layer_rope_parameters(self.unpatched, key)
+            values.update({name: kept[name] for name in FAMILY_ROPE_KEYS if name in kept})
+            if self.native_temperature is not None:
+                values[NATIVE_QUERY_TEMPERATURE] = self.native_temperature
+        return written
+
+    def refusal(self, config, written: dict) -> str | None:
+        return config_refusal(config, with_written(self.unpatched, written))
+
+
+def _written_another_way(config, forms: RopeForms, refusal: str) -> dict:
+    """Where the config refuses ctxext's own form: a remapping method's plain frequencies as the family's own
+    'default' type; else the method as longrope with equal factor sets, with short/long mscales where needed."""
+    spec = forms.spec
+    if isinstance(forms.method_params, RemapParams):  # plain frequencies: the family's own 'default' type says so
         plain = get_method("none")
-        written = family_keys_kept(form(lambda _, __, *rest: rope_parameters_for(plain, plain.make_params(), *rest)))
-        if config_refusal(host.config, with_written(unpatched, written)) is None:
+        as_plain = forms.form(lambda _, __, *rest: rope_parameters_for(plain, plain.make_params(), *rest))
+        written = forms.with_family_keys(as_plain)
+        if forms.refusal(config, written) is None:
             return written
-    as_longrope = form(longrope_form)
+    as_longrope = forms.form(longrope_form)
     if any(values is None for values in as_longrope.values()):
         raise CtxextError(
             f"{spec.name} cannot be recorded in this model's config ({refusal}), and {why_no_longrope_form(spec)}, "
             "so no longrope with equal factor sets expresses it; use a static frequency method"
         )
     for candidate in (as_longrope, {key: with_mscales(values) for key, values in as_longrope.items()}):
-        candidate = family_keys_kept(candidate)
-        if config_refusal(host.config, with_written(unpatched, candidate)) is None:
+        candidate = forms.with_family_keys(candidate)
+        if forms.refusal(config, candidate) is None:
             return candidate
     raise CtxextError(f"{spec.name} cannot be recorded in this model's config, even as longrope: {refusal}")
 
