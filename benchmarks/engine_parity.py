@@ -1,10 +1,10 @@
 """vLLM's and SGLang's own rotary-embedding code against plain transformers, on the checkpoints `ctxext patch` writes.
 
 The engines are not installed: their wheels (vLLM 0.33.0, SGLang 0.5.23, pinned in
-ctxext.serving.engine_rope.ENGINE_VERSIONS) are downloaded once with `pip download --no-deps` into
+ctxext.verification.engine_rope.ENGINE_VERSIONS) are downloaded once with `pip download --no-deps` into
 $CTXEXT_CACHE_DIR/engines (else .cache/engines, git-ignored), and only their Python files are unpacked. SGLang's op
 base class needs msgspec, whose wheel is unpacked beside it. Only the rotary modules are imported; the stand-ins for
-unrelated imports are listed, each with its reason, in ctxext.serving.engine_rope.STUBS (and printed here).
+unrelated imports are listed, each with its reason, in ctxext.verification.engine_rope.STUBS (and printed here).
 
 For every static frequency method of ctxext, at its defaults and at other parameters (integer and float factors, a
 searched LongRoPE with short != long factors, dynamic NTK), on a tiny random LLaMA and Qwen2 (L = 256, head_dim 64),
@@ -41,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ctxext.serving.engine_rope import (  # noqa: E402
+from ctxext.verification.engine_rope import (  # noqa: E402
     ENGINE_VERSIONS,
     ENGINES,
     EXACT_TOLERANCE,

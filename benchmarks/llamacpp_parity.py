@@ -3,7 +3,7 @@
 
 Data: the first N tokens (default 16384) of Hamlet followed by Richard III, one window, every token scored:
 - llama.cpp: the patched file written with --outtype f32 (the Q4_1 weights dequantised, so that quantisation
-  does not blur the comparison), scored by llama-cpp-python (`ctxext.serving.llamacpp.llama_cpp_nll`);
+  does not blur the comparison), scored by llama-cpp-python (`ctxext.verification.llamacpp.llama_cpp_nll`);
 - ctxext: the transformers checkpoint converted from the same GGUF (identical weights), patched with the same
   method, fp32, one forward (`sliding_window_nll` with window = stride = N), as `ctxext eval --stride window`.
 The unpatched file is scored too: at 2x past L it should be far worse, which shows that the keys took effect.
@@ -37,7 +37,7 @@ LLAMA_CPP_SPEC = "llama-cpp-python==0.3.36"
 
 def install_llama_cpp() -> float | None:
     """Build and install llama-cpp-python into this Python if it is missing; the wall time of the build."""
-    from ctxext.serving.llamacpp import llama_cpp_available
+    from ctxext.verification.llamacpp import llama_cpp_available
 
     if llama_cpp_available():
         return None
@@ -65,7 +65,7 @@ def main() -> int:
     from ctxext.loading import load_tokenizer
     from ctxext.outputs import atomic_write_text
     from ctxext.serving.gguf import patch_gguf
-    from ctxext.serving.llamacpp import llama_cpp_nll
+    from ctxext.verification.llamacpp import llama_cpp_nll
 
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)

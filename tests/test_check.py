@@ -134,8 +134,8 @@ def test_the_help_names_the_methods_that_are_checked_by_default():
     import argparse
     import re
 
-    from ctxext.check import AGREEMENT_CASES, COST_CASES, CheckOptions
     from ctxext.cli import check as check_cli
+    from ctxext.verification.check import AGREEMENT_CASES, COST_CASES, CheckOptions
 
     parser = argparse.ArgumentParser()
     check_cli.add_arguments(parser)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ctxext.cli import main
-from ctxext.serving.engine_rope import ENGINES
+from ctxext.verification.engine_rope import ENGINES
 from tests.helpers import run_cli, save_tiny_checkpoint, tiny_model
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "engine_parity.py"
@@ -137,7 +137,7 @@ def test_an_engine_that_crashes_or_raises_is_a_one_line_finding(tmp_path):
     nothing on the third: each is one finding, and the run goes on past the crash."""
     from ctxext.checkpoint import write_patched_checkpoint
     from ctxext.config import load_method_config
-    from ctxext.serving.engine_rope import run_parity, target_for
+    from ctxext.verification.engine_rope import run_parity, target_for
 
     fake = tmp_path / "fake"
     for name, text in FAKE_VLLM.items():

@@ -72,7 +72,7 @@ def test_check_runs_on_a_qwen25_config_whose_token_ids_exceed_its_small_vocabula
 def test_the_shrunk_model_keeps_only_the_special_token_ids_inside_its_vocabulary():
     from transformers import AutoConfig
 
-    from ctxext.check import random_model
+    from ctxext.verification.check import random_model
 
     values = dict(QWEN25_CONFIG, pad_token_id=7, eos_token_id=[151645, 3])
     shape = AutoConfig.for_model(values.pop("model_type"), **values)

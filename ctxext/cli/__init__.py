@@ -19,6 +19,7 @@ import argparse
 import importlib
 import sys
 
+from .. import __version__
 from ..errors import CtxextError
 from .aliases import check_required
 from .common import Parser, split_method_params
@@ -63,8 +64,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def build_parser(command: str | None = None) -> tuple[Parser, Parser | None]:
     """The top-level parser, and the subparser of `command` with its arguments (the others stay empty)."""
-    from .. import __version__
-
     parser = Parser(
         prog="ctxext",
         description="Extend the context window of Hugging Face RoPE models: see what a model has, compare the "

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
+
+from tqdm.auto import tqdm
 
 from ..errors import CtxextError
 from .aliases import add_alias
@@ -106,10 +109,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from tqdm.auto import tqdm
-
-    from ..check import AGREEMENT_CASES, CheckOptions, run_check
     from ..outputs import check_output_dir
+    from ..verification.check import AGREEMENT_CASES, CheckOptions, run_check
 
     if args.layers < 1 or args.repeats < 1:
         raise CtxextError(f"--layers and --repeats must be >= 1, got {args.layers} and {args.repeats}")
@@ -139,8 +140,8 @@ def run(args) -> int:
 
 def _check_device_map(args) -> None:
     """--device-map/--max-memory: checked against --model's architecture and this machine, and said so."""
-    from ..check import load_shape
     from ..dispatch import check_machine, check_placement, placement_from_flags
+    from ..verification.check import load_shape
 
     placement = placement_from_flags(args.device_map, args.max_memory)
     if placement is None:
@@ -155,7 +156,7 @@ def _check_device_map(args) -> None:
 
 def _tables(result, options) -> str:
     """The machine line, the agreement table and (with lengths) the cost table, as printed."""
-    from ..check import agreement_table, cost_table
+    from ..verification.check import agreement_table, cost_table
 
     parts = [
         f"machine: {result.machine}; device {result.device}; shape {result.shape}",
@@ -174,8 +175,6 @@ def _tables(result, options) -> str:
 
 def _write_results(args, result, tables: str) -> None:
     """--json FILE, and -o DIR (results.json and tables.txt, written atomically)."""
-    import json
-
     from ..outputs import atomic_output_dir, atomic_write_text
 
     payload = json.dumps(result.to_dict(), indent=2) + "\n"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from ..config import TOP_LEVEL_KEYS, parse_value
+from ..config import TOP_LEVEL_KEYS, load_method_config, parse_value
 from ..errors import CtxextError
 from ..eval.options import DEFAULT_LENGTHS, parse_depths, parse_lengths, parse_stride  # noqa: F401  (the commands' helpers)
 
@@ -176,8 +176,6 @@ def method_overrides(args: argparse.Namespace) -> dict:
 
 def method_config_from_args(args: argparse.Namespace):
     """One MethodConfig from --config and flags (single-method commands)."""
-    from ..config import load_method_config
-
     overrides = method_overrides(args)
     if args.method is not None:
         overrides["method"] = args.method

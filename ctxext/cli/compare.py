@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import textwrap
 
+from ..eval.options import parse_depths, parse_lengths
 from .aliases import add_alias
 from .common import HelpFormatter, add_data_arguments, add_runtime_arguments
+from .evaluation import data_options, runtime_options
 
 HELP = "which method, at its defaults and searched, works for your model, and who serves it"
 DESCRIPTION = textwrap.fill(
@@ -171,8 +173,6 @@ def _add_scoring_arguments(parser) -> None:
 def request_from_args(args):
     """The CompareRequest the flags ask for (parsed here; checked by the library)."""
     from ..compare.request import CompareRequest, parse_budget, parse_full_search, parse_methods
-    from ..eval.options import parse_depths, parse_lengths
-    from .evaluation import data_options, runtime_options
 
     def names(text):
         return None if text is None else [n.strip() for n in text.split(",") if n.strip()]

@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from .common import DEFAULT_LENGTHS, add_data_arguments, add_method_arguments, add_runtime_arguments
+import sys
+from pathlib import Path
+
+from .common import (
+    DEFAULT_LENGTHS,
+    add_data_arguments,
+    add_method_arguments,
+    add_runtime_arguments,
+    method_selection,
+    parse_lengths,
+    parse_stride,
+)
+from .evaluation import data_options, invocation, runtime_options
 
 HELP = "sliding-window perplexity at several lengths, for several methods on the same tokens"
 DESCRIPTION = (
@@ -67,8 +79,6 @@ def add_arguments(parser) -> None:
 def request(args):
     """The PerplexityRequest the arguments ask for."""
     from ..eval.workflow import PerplexityRequest
-    from .common import method_selection, parse_lengths, parse_stride
-    from .evaluation import data_options, invocation, runtime_options
 
     return PerplexityRequest(
         model=args.model,
@@ -87,9 +97,6 @@ def request(args):
 
 
 def run(args) -> int:
-    import sys
-    from pathlib import Path
-
     from ..eval.workflow import evaluate_perplexity
 
     try:

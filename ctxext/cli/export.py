@@ -3,6 +3,11 @@ and a copy of the checkpoint written for one engine."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from ..errors import CtxextError
 from .common import HelpFormatter
 
 HELP = "which engines (vLLM, SGLang, llama.cpp, transformers) serve a patched model, checked"
@@ -43,10 +48,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    import json
-    from dataclasses import asdict
-
-    from ..errors import CtxextError
     from ..serving.engines import engine_table, evidence, export_checkpoint, read_served_model
 
     if (args.engine is None) != (args.output is None):
@@ -70,8 +71,6 @@ def run(args) -> int:
             print(f"  {'':<{width}}  {'':<11}  checked: {row.checked}")
     lengths = _print_lengths(model) if args.check else []
     if args.json:
-        from pathlib import Path
-
         from ..outputs import atomic_write_text
 
         engines = [{**asdict(r), "evidence": evidence(r.engine, r.level)} for r in rows]
@@ -83,8 +82,6 @@ def run(args) -> int:
 def _print_lengths(model) -> list[dict]:
     """Print the 'lengths' table of a checkpoint (the length each engine derives from its config.json, and what to
     pass to serve N = its max_position_embeddings); its rows, as dicts."""
-    from dataclasses import asdict
-
     from ..serving.lengths import engine_lengths, table_lines
 
     target = int(model.config.get("max_position_embeddings") or 0)
@@ -97,8 +94,8 @@ def _print_lengths(model) -> list[dict]:
 
 def _run_checks(model, rows, n_tokens) -> bool:
     """Run what can run here; fill each row's `checked`. True when a check disagreed."""
-    from ..serving.llamacpp import INSTALL_HINT, JudgeCrashed, llama_cpp_available
-    from ..serving.parity import engine_rope_parity, llama_cpp_parity, transformers_parity
+    from ..verification.llamacpp import INSTALL_HINT, JudgeCrashed, llama_cpp_available
+    from ..verification.parity import engine_rope_parity, llama_cpp_parity, transformers_parity
 
     failed = False
     for row in rows:

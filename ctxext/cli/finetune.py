@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from ..config import parse_value
+from ..errors import CtxextError
+from ..train.recipe import describe_keys, load_recipe, parse_overrides
 from .aliases import add_alias
 from .common import HelpFormatter
 
@@ -87,9 +90,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..errors import CtxextError
-    from ..train.recipe import describe_keys, load_recipe, parse_overrides
-
     if args.show_keys:
         print(describe_keys())
         return 0
@@ -107,8 +107,6 @@ def run(args) -> int:
 
 def mixed_window_overrides(args) -> dict:
     """--mixed-window, --short-fraction and --short-length as recipe overrides (validated with the recipe)."""
-    from ..config import parse_value
-
     overrides = {"mixed_window.enabled": True} if args.mixed_window else {}
     if args.short_fraction is not None:
         overrides["mixed_window.short_fraction"] = parse_value(args.short_fraction)

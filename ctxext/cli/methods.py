@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+from ..errors import CtxextError
 from .common import HelpFormatter
 
 HELP = "list the scaling methods and their parameters (--model: which apply to a model, and its rope layout)"
@@ -31,8 +35,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..errors import CtxextError
-
     if args.model is None:
         if args.layer_types or args.json:
             raise CtxextError("--layer-types and --json describe a model: add --model MODEL")
@@ -58,9 +60,6 @@ def _list_methods(verbose: bool) -> int:
 
 
 def _describe_model(model_name: str, layer_types, json_path) -> int:
-    import json
-    from pathlib import Path
-
     from ..loading import load_config
     from ..outputs import atomic_write_text
     from ..patching.applicable import applicable_methods, skeleton

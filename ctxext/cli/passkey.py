@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from .aliases import add_alias
-from .common import DEFAULT_LENGTHS, add_method_arguments, add_runtime_arguments
+from .common import (
+    DEFAULT_LENGTHS,
+    add_method_arguments,
+    add_runtime_arguments,
+    method_selection,
+    parse_depths,
+    parse_lengths,
+)
+from .evaluation import invocation, runtime_options
 
 HELP = "passkey retrieval accuracy per length and depth (Landmark/YaRN format)"
 DESCRIPTION = (
@@ -46,8 +56,6 @@ def add_arguments(parser) -> None:
 def request(args):
     """The PasskeyRequest the arguments ask for."""
     from ..eval.passkey_workflow import PasskeyRequest
-    from .common import method_selection, parse_depths, parse_lengths
-    from .evaluation import invocation, runtime_options
 
     return PasskeyRequest(
         model=args.model,
@@ -64,8 +72,6 @@ def request(args):
 
 
 def run(args) -> int:
-    from pathlib import Path
-
     from ..eval.passkey_workflow import evaluate_passkey
 
     result = evaluate_passkey(request(args), report=lambda line: print(line, flush=True))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .common import HelpFormatter, add_method_arguments, add_pair_selection_arguments
+from ..errors import CtxextError
+from .common import HelpFormatter, add_method_arguments, add_pair_selection_arguments, method_config_from_args
 
 HELP = "apply a method to a checkpoint and save the patched checkpoint"
 DESCRIPTION = (
@@ -53,10 +54,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..errors import CtxextError
     from ..patching.pair_selection import check_pair_selection
     from ..serving.gguf import is_gguf
-    from .common import method_config_from_args
 
     method_config = method_config_from_args(args)
     pair_selection = check_pair_selection(args.select_pairs, args.top_pairs, method_config.method, method_config.params)

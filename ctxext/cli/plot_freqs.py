@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from ..config import MethodConfig
+from ..errors import CtxextError
 from .aliases import add_alias
-from .common import add_method_arguments
+from .common import add_method_arguments, method_mappings
 
 HELP = "plot theta'_i/theta_i per pair for one or more methods"
 DEFAULT_ORIGINAL_LENGTH = 4096  # L when neither --original-max-position-embeddings nor a method YAML gives one
@@ -24,12 +28,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from pathlib import Path
-
-    from ..config import MethodConfig
-    from ..errors import CtxextError
     from ..freqplot import frequency_ratios, plot_frequency_ratios
-    from .common import method_mappings
 
     mappings = method_mappings(args)
     if mappings is None:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import textwrap
 
+from ..config import read_yaml_mapping
+from ..errors import CtxextError
+from ..eval.options import parse_depths, parse_lengths, parse_stride
+from ..search.space import parse_param_names
 from .aliases import add_alias
 from .common import (
     HelpFormatter,
@@ -11,7 +15,9 @@ from .common import (
     add_method_arguments,
     add_pair_selection_arguments,
     add_runtime_arguments,
+    method_config_from_args,
 )
+from .evaluation import data_options, runtime_options
 
 HELP = "search a method's parameters (LongRoPE's per-pair factors too) on your model and data; resumable"
 DESCRIPTION = (
@@ -221,13 +227,7 @@ def _add_longrope_arguments(parser) -> None:
 
 def request_from_args(args):
     """The SearchRequest the flags ask for (parsed here; checked by the library)."""
-    from ..config import read_yaml_mapping
-    from ..errors import CtxextError
-    from ..eval.options import parse_depths, parse_lengths, parse_stride
     from ..search.plan import LongropeOptions, SearchRequest, default_objective, split_space_argument
-    from ..search.space import parse_param_names
-    from .common import method_config_from_args
-    from .evaluation import data_options, runtime_options
 
     lengths = parse_lengths(args.lengths)
     if len(lengths) != 1:

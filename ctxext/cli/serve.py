@@ -47,7 +47,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..serve import plan_serve, start_server  # noqa: PLC0415  (torch and transformers: not at --help)
+    from ..serve import plan_serve, start_server  # torch and transformers: not at --help
 
     plan = plan_serve(args.model, args.host, args.port, args.device, args.dtype, args.continuous_batching)
     print(plan.describe(), flush=True)

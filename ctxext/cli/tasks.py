@@ -4,8 +4,10 @@ method, side by side."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from .common import add_method_arguments, add_runtime_arguments
+from .common import add_method_arguments, add_runtime_arguments, method_selection, parse_lengths
+from .evaluation import invocation, runtime_options
 
 HELP = "lm-evaluation-harness tasks (RULER, LongBench v2, babilong, ...) under several methods, side by side"
 DESCRIPTION = (
@@ -89,8 +91,6 @@ def add_arguments(parser) -> None:
 def request(args: argparse.Namespace):
     """The TasksRequest the arguments ask for."""
     from ..tasks.workflow import TasksRequest, parse_batch_size, parse_task_names
-    from .common import method_selection, parse_lengths
-    from .evaluation import invocation, runtime_options
 
     return TasksRequest(
         model=args.model,
@@ -111,8 +111,6 @@ def request(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from ..tasks.report import EFFECTIVE_RULE
     from ..tasks.workflow import run_tasks
 

@@ -12,10 +12,27 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from transformers.utils import cached_file
+
+from ..config import MethodConfig
+from ..dispatch import check_placement
 from ..errors import CtxextError
-from ..outputs import check_output_dir, check_overlap
+from ..eval.perplexity import text_tokens_per_window
+from ..eval.setup import bos_choice
+from ..loading import check_model_source, load_config, load_tokenizer
+from ..methods import METHODS, get_method
+from ..outputs import check_output_dir, check_overlap, content_fingerprint
+from ..patching.applicable import skeleton, why_not
+from ..patching.families import check_supported
+from ..patching.record import rope_record
+from ..runtime import Processes, inference_runtime
+from ..search.objective import check_objective
+from ..search.space import searchable_fields
+from .report import RESULTS_FILE
 from .request import NEEDS_FINE_TUNING, PRESETS, CompareRequest, format_seconds, parse_write_best
 from .searches import search_start
+from .serving import engine_support
 from .tasks import check_tasks
 
 NONE = "none"  # the unpatched model at each length: a row of every table (and the cost reference)
@@ -63,9 +80,6 @@ def default_config(method: str, length: int, L: int) -> dict | None:
 
 def is_searchable(method: str) -> bool:
     """Whether the method declares a parameter to search beyond the factor (longrope: its per-pair factors)."""
-    from ..methods import get_method
-    from ..search.space import searchable_fields
-
     if method == "longrope":
         return True
     if method == NONE:
@@ -76,9 +90,6 @@ def is_searchable(method: str) -> bool:
 def why_not_applicable(method: str, frame, lengths: list[int], L: int, dim: int, base: float) -> str | None:
     """Why `method` cannot run on this model at these lengths, or None: the checks `patch` makes, asked of `frame`,
     the model's meta-device skeleton (its families, layer types, layout and shape)."""
-    from ..config import MethodConfig
-    from ..patching.applicable import why_not
-
     if method == NONE:
         return None
     for length in lengths:
@@ -97,10 +108,6 @@ def select_methods(
     asked: list[str] | None, model_config, lengths: list[int], L: int, dim: int, base: float
 ) -> tuple[list[str], dict[str, str]]:
     """(the methods compared, 'none' first; {method: why not}) for --methods `asked` (None: every one that applies)."""
-    from ..methods import METHODS
-    from ..patching.applicable import skeleton
-    from .serving import engine_support
-
     frame = skeleton(model_config)
     excluded = {}
     applicable = []
@@ -173,8 +180,6 @@ def pick(documents: list, names: list[str], flag: str, span: int, length: int) -
 def split_documents(request: CompareRequest, documents: list, bos_id: int | None) -> tuple[list, list]:
     """(calibration, held-out): named, or the first `calibration_docs` long-enough documents and the next
     `held_out_docs`; never the same document in both, and at least one held-out document."""
-    from ..eval.perplexity import text_tokens_per_window
-
     longest = max(request.lengths)
     span = text_tokens_per_window(longest, bos_id)
     usable = [d for d in documents if len(d) >= span]
@@ -220,8 +225,6 @@ def forward_flops(model_config, tokens: int) -> float:
 
 def measured_flops(device, dtype, seconds: float = 0.2) -> float:
     """FLOP/s of square matmuls in `dtype` on `device`, measured for about `seconds`."""
-    import torch
-
     n = 512
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -273,8 +276,6 @@ def estimate_screen(plan: ComparePlan, throughput: float) -> dict:
 
 # ------------------------------------------------------------------------------------------------ plan
 def check_request(request: CompareRequest) -> None:
-    from ..search.objective import check_objective
-
     check_objective(request.objective)
     if not request.lengths:
         raise CtxextError("--lengths: give at least one length, e.g. 16k,32k")
@@ -332,9 +333,6 @@ def check_passkey_lengths(asked: list[int] | None, lengths: list[int], L: int) -
 
 
 def check_output(request: CompareRequest, protected: list) -> None:
-    from ..outputs import check_overlap
-    from .report import RESULTS_FILE
-
     out = check_overlap(request.output, protected)
     if out.is_dir() and any(out.iterdir()) and not (out / RESULTS_FILE).is_file() and not (out / "cells").is_dir():
         raise CtxextError(
@@ -344,14 +342,10 @@ def check_output(request: CompareRequest, protected: list) -> None:
 
 def model_fingerprint(name: str) -> str:
     """The model, as the cells' key names it: a local checkpoint by its content, a hub id by its revision."""
-    from ..outputs import content_fingerprint
-
     path = Path(name).expanduser()
     if path.is_dir():
         return content_fingerprint(path)
     try:
-        from transformers.utils import cached_file
-
         snapshot = Path(cached_file(name, "config.json")).parent
         return f"{name}@{snapshot.name}"
     except Exception:  # noqa: BLE001 - any hub failure: name it by its id alone
@@ -364,13 +358,6 @@ def dtype_label(dtype) -> str:
 
 def plan_compare(request: CompareRequest, measure=measured_flops) -> ComparePlan:
     """The plan of a compare, or a one-line CtxextError; reads the config, tokenizer and documents, no weights."""
-    from ..dispatch import check_placement
-    from ..eval.setup import bos_choice
-    from ..loading import check_model_source, load_config, load_tokenizer
-    from ..patching.families import check_supported
-    from ..patching.record import rope_record
-    from ..runtime import Processes, inference_runtime
-
     check_request(request)
     write_best = parse_write_best(request.write_best)
     check_model_source(request.model)

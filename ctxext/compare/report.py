@@ -10,7 +10,13 @@ import re
 import time
 from pathlib import Path
 
+import yaml
+
+from ..outputs import atomic_write_text, new_figure, save_figure, write_json
+from ..tasks.report import EFFECTIVE_RULE, EFFECTIVE_SHARE
+from ..tasks.report import effective_lengths as task_effective_lengths
 from .ranking import RANKING_RULE, TIERS, RowNumbers, mean_ratio, needle_tier, rank_rows, recommend
+from .searches import rung_trials
 from .serving import TARGET_NAMES, TARGETS, engine_support, serve_commands
 
 RESULTS_FILE = "results.json"
@@ -134,8 +140,6 @@ def serving_table(plan, rows) -> dict[str, dict]:
 
 def effective_lengths(measured, labels: list[str], lengths: list[int]) -> dict | None:
     """Per row, the effective length by `ctxext tasks`' rule on passkey accuracy (None without the baseline)."""
-    from ..tasks.report import effective_lengths as rule
-
     shortest = min(lengths)
     if len(lengths) < 2 or ("none", shortest) not in measured.passkey:
         return None
@@ -144,7 +148,7 @@ def effective_lengths(measured, labels: list[str], lengths: list[int]) -> dict |
         for (label, n), c in measured.passkey.items()
         if label in labels
     ]
-    (panel,) = rule(rows, labels)
+    (panel,) = task_effective_lengths(rows, labels)
     pending = [lb for lb in labels if lb != "none" and any((lb, n) not in measured.passkey for n in lengths[1:])]
     return {**panel, "pending": pending}
 
@@ -162,8 +166,6 @@ def effective_length_of(effective: dict | None, label: str) -> int | str | None:
 def effective_rule(effective: dict | None, L: int) -> str:
     """The rule of the effective-length column, as `ctxext.tasks.report.effective_lengths` computes it, with what
     it was measured against here."""
-    from ..tasks.report import EFFECTIVE_RULE, EFFECTIVE_SHARE
-
     rule = f"{EFFECTIVE_RULE[0].upper()}{EFFECTIVE_RULE[1:]}, here passkey accuracy at the passkey lengths"
     if effective is None:
         return rule + (
@@ -218,8 +220,6 @@ def slug(label: str) -> str:
 # ---------------------------------------------------------------------------------------------- writing
 def write_report(session, rows, written: Path | None = None, final: bool = True) -> dict:
     """Write report.md, results.json, results.csv (and, when `final`, the plot) from the cells so far."""
-    from ..outputs import atomic_write_text, write_json
-
     plan = session.plan
     out = Path(session.request.output)
     results = report_results(session, rows, written)
@@ -315,10 +315,6 @@ def report_results(session, rows, written: Path | None = None) -> dict:
 
 
 def write_method_file(path: Path, config: dict) -> None:
-    import yaml
-
-    from ..outputs import atomic_write_text
-
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, "# Written by `ctxext compare`: the recommended row's method.\n" + yaml.safe_dump(config))
 
@@ -393,8 +389,6 @@ def pruning_rule(session) -> str:
 
 
 def pruning_rule_for(request) -> str:
-    from .searches import rung_trials
-
     final = request.trials or (8 if request.budget is None else 32)
     budget = (
         f"Under --budget ({request.budget:.0f} s of recorded computation, cells and trials) a rung's trials are cut "
@@ -673,8 +667,6 @@ def describe_params(config: dict | None) -> str:
 def plot(results: dict, path: Path) -> None:
     """Left: held-out perplexity / native per length for every row with numbers; right: passkey accuracy by depth
     and length per row."""
-    from ..outputs import new_figure, save_figure
-
     rows = [r for r in results["rows"] if any(v is not None for v in r["ratio"].values())]
     if not rows:
         return

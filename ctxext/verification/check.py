@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
+import json
 import math
 import statistics
 import time
@@ -26,13 +28,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
-from .errors import CtxextError
-from .memory import PeakMemory
-from .methods.remapping import BlendedKeyRotation, PerPairRotation
-from .patching import reference
-from .patching.families import module_frequencies
-from .patching.record import rope_record
+from ..errors import CtxextError
+from ..loading import load_config
+from ..memory import PeakMemory
+from ..methods.attention import logn_scale
+from ..methods.remapping import BlendedKeyRotation, PerPairRotation
+from ..patching import reference
+from ..patching.attention import installed_settings, undo_rotation
+from ..patching.families import check_supported, module_frequencies, rotary_host
+from ..patching.patch import patch
+from ..patching.record import rope_record
+from ..patching.remap_kernel import pick_backend
+from ..runtime import attention_implementation, machine_description, resolve_device, resolve_dtype
 
 AGREEMENT_L = 64
 AGREEMENT_TOKENS = 160
@@ -96,17 +107,10 @@ DEFAULT_SHAPE = dict(
 # ----------------------------------------------------------------------------------------------- models
 def load_shape(model: str | None):
     """The architecture to check: a transformers config (weights are never loaded)."""
-    from transformers import AutoConfig
-
-    from .loading import load_config
-    from .patching.families import check_supported
-
     if model is None:
         values = dict(DEFAULT_SHAPE)
         config = AutoConfig.for_model(values.pop("model_type"), **values)
     elif Path(model).is_file():
-        import json
-
         try:
             values = json.loads(Path(model).read_text())
             config = AutoConfig.for_model(values.pop("model_type"), **values)
@@ -131,8 +135,6 @@ def random_model(
 ):
     """A randomly initialised model of `shape`'s architecture with `layers` layers and a small vocabulary
     (and an MLP of width `mlp` where given: the attention is what is checked)."""
-    from transformers import AutoModelForCausalLM
-
     config = type(shape).from_dict(shape.to_dict())
     config.num_hidden_layers = layers
     config.vocab_size = vocab
@@ -176,8 +178,6 @@ def _drop_special_tokens_outside(config, vocab: int) -> None:
 def available_implementations(device: torch.device) -> list[str]:
     implementations = ["eager", "sdpa", "flex_attention"]
     if device.type == "cuda":
-        from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
-
         implementations += [
             name
             for name, available in (
@@ -195,8 +195,6 @@ def per_cell_attention(module, query, key, value, attention_mask, **kwargs):
     position r'(i, j) from the method's regions (`relative_positions`) and score every cell by it
     (ctxext.patching.reference.per_cell_attention, float64), one causal softmax. Full T x T matrices: small
     inputs only (unpadded, from position 0: what `check_one` feeds it)."""
-    from .patching.attention import undo_rotation
-
     settings, host = module.__dict__[_REFERENCE]
     q_len, total = query.shape[2], key.shape[2]
     positions = torch.arange(total)
@@ -206,8 +204,6 @@ def per_cell_attention(module, query, key, value, attention_mask, **kwargs):
     q = undo_rotation(query, cos[:, -q_len:], sin[:, -q_len:]).double()
     k = undo_rotation(key, cos, sin).double()
     if settings.logn:
-        from .methods.attention import logn_scale
-
         n_scale = logn_scale(positions[-q_len:], settings.original_max_position_embeddings).double()
         q = q * n_scale.to(q.device)[None, None, :, None]
     inv_freq, factor = module_frequencies(rotary, layer_type)  # per-type rotary (Gemma 3): the set it applies
@@ -246,8 +242,6 @@ def relative_positions(regions, i: torch.Tensor, j: torch.Tensor, layer: int, pa
 
 def _rotary_layer_type(host, module) -> str | None:
     """The layer type to ask `host.rotary_emb` for, where it keeps one set of frequencies per type; else None."""
-    import inspect
-
     per_type = "layer_type" in inspect.signature(host.rotary_emb.forward).parameters
     if not per_type or None in rope_record(host.config).types:
         return None
@@ -265,11 +259,6 @@ def _positions(region, rule, at: torch.Tensor, layer: int, pairs: int) -> torch.
 
 def reference_model(patched, host_settings, shape, device, seed):
     """An unpatched copy of `patched`'s weights whose attention is `per_cell_attention` under its settings."""
-    from transformers import AttentionInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    from .patching.families import rotary_host
-
     if REFERENCE_IMPLEMENTATION not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(REFERENCE_IMPLEMENTATION, per_cell_attention)
     reference = random_model(
@@ -307,17 +296,11 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def check_one(shape, implementation: str, name: str, device, options: CheckOptions) -> AgreementRow:
     """One implementation and method: forward logits and weight gradients against the per-cell reference."""
-    import ctxext
-
-    from .patching.attention import installed_settings
-    from .patching.families import rotary_host
-    from .patching.remap_kernel import pick_backend
-
     method, params = AGREEMENT_CASES[name]
     model = random_model(
         shape, 1, implementation, device, torch.float32, options.seed, max_length=AGREEMENT_L, mlp=AGREEMENT_MLP
     )
-    ctxext.patch(model, method, factor=AGREEMENT_TOKENS / AGREEMENT_L, **params)
+    patch(model, method, factor=AGREEMENT_TOKENS / AGREEMENT_L, **params)
     settings = installed_settings(rotary_host(model))
     reference = reference_model(model, settings, shape, device, options.seed)
     tokens = torch.randint(0, 1024, (1, AGREEMENT_TOKENS), generator=torch.Generator().manual_seed(options.seed))
@@ -360,10 +343,6 @@ def check_one(shape, implementation: str, name: str, device, options: CheckOptio
 
 def decoded_logits(model, tokens: torch.Tensor, steps: int) -> torch.Tensor:
     """The logits of the last `steps` tokens fed one at a time through the KV cache after a prefill of the rest."""
-    import inspect
-
-    from transformers import DynamicCache
-
     cache = DynamicCache(config=model.config)  # filled in place by each forward
     # The cache argument is `cache` in recent transformers, `past_key_values` before.
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -412,10 +391,6 @@ def _measure_once(model, tokens, device, backward: bool) -> tuple[float, float]:
 
 def cost_rows(shape, length: int, native: str, device, dtype, options: CheckOptions) -> list[CostRow]:
     """Every method against the native attention at one length, one after another (load drifts hit all)."""
-    import ctxext
-
-    from .patching.remap_kernel import pick_backend
-
     tokens = torch.randint(0, 1024, (1, length), generator=torch.Generator().manual_seed(options.seed)).to(device)
     rows = []
     for name in ["native"] + [m for m in options.methods if m in COST_CASES]:
@@ -425,7 +400,7 @@ def cost_rows(shape, length: int, native: str, device, dtype, options: CheckOpti
             method, params = COST_CASES[name]
             if method == "string":  # STRING's W = 128 needs S = 0.33 L above it
                 params = {"local_value": min(128, length // 32), **params}
-            ctxext.patch(model, method, factor=4, **params)
+            patch(model, method, factor=4, **params)
             if method != "none":
                 backend = pick_backend("auto", device, options.backward, length)
         if options.backward:
@@ -466,8 +441,6 @@ class CheckResult:
 
 
 def run_check(options: CheckOptions, progress=None) -> CheckResult:
-    from .runtime import attention_implementation, machine_description, resolve_device, resolve_dtype
-
     unknown = [m for m in options.methods if m not in AGREEMENT_CASES]
     if unknown:
         raise CtxextError(

@@ -371,7 +371,7 @@ class Target:
 def target_for(checkpoint, id: str | None = None, flags: bool = True) -> Target:
     """The target for a checkpoint ctxext wrote: L from its ctxext.yaml, each engine started as `ctxext export`
     prints (flags=False: with only the context length, none of the printed overrides)."""
-    from .engines import read_served_model, serving  # noqa: PLC0415 (this file also runs as a script outside the package; only the parent needs ctxext.serving.engines)
+    from ..serving.engines import read_served_model, serving  # noqa: PLC0415 (this file also runs as a script outside the package; only the parent needs ctxext.serving.engines)
 
     model = read_served_model(checkpoint)
     L = (

@@ -1,7 +1,7 @@
 """llama.cpp itself, through llama-cpp-python (the optional extra `ctxext[llamacpp]`), as the judge of a GGUF file:
 the negative log-likelihood llama.cpp assigns to a token sequence.
 
-llama.cpp runs in a child process (`python -m ctxext.serving.llamacpp REQUEST ANSWER`): a build of it has segfaulted
+llama.cpp runs in a child process (`python -m ctxext.verification.llamacpp REQUEST ANSWER`): a build of it has segfaulted
 in its first eval on some CPUs (llama-cpp-python 0.3.36 built on a Xeon with AMX), and a crash there must be a
 one-line finding in ctxext's table, never the end of ctxext."""
 
@@ -46,7 +46,7 @@ def llama_cpp_nll(gguf_path, token_ids: list[int], n_threads: int | None = None)
         request, answer = Path(scratch) / "request.json", Path(scratch) / "answer.json"
         request.write_text(json.dumps({"gguf": str(gguf_path), "ids": list(token_ids), "threads": n_threads}))
         child = subprocess.run(
-            [sys.executable, "-m", "ctxext.serving.llamacpp", str(request), str(answer)],
+            [sys.executable, "-m", "ctxext.verification.llamacpp", str(request), str(answer)],
             capture_output=True,
             text=True,
         )

@@ -7,7 +7,7 @@
 Both run on seeded random token ids: every position past the first rotates by every pair's frequency, so a wrong
 frequency shows at any length (a dynamic method's growth past L is not exercised at lengths below L).
 - vLLM, SGLang (when installed): their own rotary code on the checkpoint's config.json against plain transformers',
-  q and k rotated below L, at L and L+1, at 3L and in mixed batches (ctxext.serving.engine_rope, child processes).
+  q and k rotated below L, at L and L+1, at 3L and in mixed batches (ctxext.verification.engine_rope, child processes).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ..config import EXTENSION_KEYS, load_method_config
 from ..errors import CtxextError, first_line
 from ..patching.record import LayerTypeRope, RopeRecord, rope_record
+from ..serving.engines import ServedModel
 from .engine_rope import ENGINES, engine_importable, run_parity, target_for
-from .engines import ServedModel
 from .llamacpp import llama_cpp_nll
 
 # fp32 logits agree to float32 rounding of the frequencies (ctxext and transformers order the float32 operations
@@ -213,7 +213,7 @@ def _quantised(path) -> bool:
 
 def engine_rope_parity(model: ServedModel, row) -> tuple[bool | None, str]:
     """(agrees with the table's row, what was measured) for vLLM's or SGLang's own rotary code where that engine is
-    installed here: ctxext.serving.engine_rope, in child processes, against plain transformers' load. (None, why)
+    installed here: ctxext.verification.engine_rope, in child processes, against plain transformers' load. (None, why)
     where nothing runs."""
     if row.level == "no" or model.kind != "checkpoint":
         return None, "nothing to check"
