@@ -8,6 +8,7 @@ This script only holds the page's protocol and runs `ctxext compare` (ctxext.com
   dual_chunk again with needle-ppl (8 trials, keys seeded by 1);
 - passkey at 8192 (the unpatched model: the baseline of the effective length) and 16384;
 - cells and searches in docs/comparison_cells/ (committed: the page is rebuilt from them, never recomputed).
+- notes on rows from docs/comparison_notes.md (--page-notes): what was found about a row outside the cells.
 
 It prints the `ctxext compare` command it runs. --methods and --lengths narrow what is computed, not the page: a
 narrowed run computes its cells, then the page is written from every cached cell (report-only), with every method
@@ -37,6 +38,7 @@ PASSKEY_LENGTHS = (8192, 16384)
 NEEDLE_METHODS = ("dpe", "rerope", "leaky_rerope", "dual_chunk")
 PPL_SEARCH_SKIP = ("dpe",)  # searched with needle-ppl only: eight scales, and a perplexity search costs retrieval
 MODEL_NAME = "SmolLM2-135M-Instruct"
+NOTES = REPO / "docs" / "comparison_notes.md"  # findings the cells cannot show, under the table
 
 
 def full_searches(search_trials: int, needle_methods: list[str], needle_trials: int) -> list[str]:
@@ -58,6 +60,7 @@ def compare_argv(model: str, args, lengths: list[int], methods: str | None, repo
         "--passkey-lengths", ",".join(str(n) for n in args.passkey_lengths if n == L or n in lengths),
         "--dtype", args.dtype, "--attn-implementation", "sdpa", "--device", args.device,
         "--model-name", MODEL_NAME, "--cache-dir", str(args.cells), "--page", str(page),
+        "--page-notes", str(NOTES),
     ]  # fmt: skip
     for kind in full_searches(args.search_trials, needle_methods, args.needle_trials):
         argv += ["--full-search", kind]

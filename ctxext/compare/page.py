@@ -367,7 +367,7 @@ def closing_lines(state: dict) -> list[str]:
 def notes_lines(state: dict) -> list[str]:
     """--page-notes as given, under its own heading (nothing without it)."""
     notes = state["notes"]
-    return ["## Notes on rows", "", notes.strip(), ""] if notes else []
+    return ["", "## Notes on rows", "", notes.strip()] if notes else []  # the table ends without a blank line
 
 
 def page_markdown(state: dict) -> str:
