@@ -508,12 +508,11 @@ def eval_sweep_argv(checkpoint, texts, out, *extra):
 def trials_of(storage) -> list:
     """The trials of the `ctxext search` study in `storage` (a journal file or an Optuna URL); none before it exists."""
     import optuna  # the search extra: only the tests that search import it
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
 
-    if "://" not in str(storage):
-        from optuna.storages.journal import JournalFileBackend, JournalStorage
-
-        storage = JournalStorage(JournalFileBackend(str(storage)))
-    try:
+    try:  # a journal file that does not exist yet raises FileNotFoundError already in its backend
+        if "://" not in str(storage):
+            storage = JournalStorage(JournalFileBackend(str(storage)))
         return optuna.load_study(study_name="ctxext-search", storage=storage).get_trials(deepcopy=False)
     except (KeyError, FileNotFoundError):
         return []  # the study is not created yet
