@@ -5,6 +5,7 @@ and the merged model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import yaml
 from peft import PeftModel
+from transformers.integrations import unset_hf_deepspeed_config
 
 from ..errors import CtxextError
 from ..loading import load_model
@@ -174,7 +176,8 @@ def save_results(setup: Setup, model) -> None:
     if not setup.recipe.train.save_merged:
         return
     if runtime.sharded:
-        merged = merge_adapter(setup.model_path, setup.output / "adapter", setup.recipe.method)
+        with without_zero3_loading(accelerator):
+            merged = merge_adapter(setup.model_path, setup.output / "adapter", setup.recipe.method)
     else:
         merged = unwrapped.merge_and_unload()
     with atomic_output_dir(setup.output / "merged", overwrite=True) as staging:
@@ -198,6 +201,23 @@ def merge_adapter(model_path: str, adapter: Path, method):
     base = load_model(model_path, dtype="auto", device="cpu")
     method.apply(base)
     return PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+
+
+@contextlib.contextmanager
+def without_zero3_loading(accelerator):
+    """Under DeepSpeed ZeRO-3, transformers' `from_pretrained` partitions what it loads (zero.Init, a collective
+    every process must join): the main process loading the base alone for the merge would wait for the others
+    forever. accelerate keeps the ZeRO-3 config in transformers' global even with zero3_init_flag false (and its
+    `zero3_init_context_manager(enable=False)` then does nothing), so hide it from transformers meanwhile."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        yield
+        return
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()  # accelerate's own call that set it
 
 
 def method_record(setup: Setup) -> dict:

@@ -67,7 +67,12 @@ def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts; PEFT's saved copies of embeddings/norms count once."""
-    trainable = sum(p.numel() for _, p in trainable_parameters(model))
-    total = sum(p.numel() for name, p in model.named_parameters() if ".modules_to_save." not in name)
+    """(trainable, total) parameter counts; PEFT's saved copies of embeddings/norms count once. Under DeepSpeed
+    ZeRO-3 a parameter holds only this process's shard (numel() 0), and DeepSpeed keeps its full size in ds_numel."""
+    trainable = sum(full_numel(p) for _, p in trainable_parameters(model))
+    total = sum(full_numel(p) for name, p in model.named_parameters() if ".modules_to_save." not in name)
     return trainable, total
+
+
+def full_numel(param) -> int:
+    return getattr(param, "ds_numel", param.numel())

@@ -9,9 +9,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import accelerate
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import DistributedType, parse_flag_from_env, set_seed
 
 from ..errors import CtxextError
 from ..loading import load_model, load_tokenizer
@@ -72,16 +73,35 @@ def make_runtime(recipe: Recipe, output: Path | None = None, trackers: tuple[str
     precision = training_precision(train.precision, device, launched_sharded())
     if precision != "fp32" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise CtxextError(f"train.precision={precision}, but this GPU has no bf16; use train.precision=fp32")
+    # cpu=True would make accelerate drop DeepSpeed (AcceleratorState takes it only `and not cpu`); under
+    # DeepSpeed the processes are already joined over gloo (Processes), and DeepSpeed runs on its CPU accelerator.
     accelerator = Accelerator(
-        cpu=cpu_processes(train.device) or device.type == "cpu",
+        cpu=(cpu_processes(train.device) or device.type == "cpu") and not launched_sharded(),
         gradient_accumulation_steps=accumulation,
         mixed_precision="no" if precision == "fp32" else "bf16",
         log_with=list(trackers) or None,
         project_dir=str(output / TRACKERS_DIR) if trackers and output is not None else None,
     )
+    check_sharding_engine(accelerator)
     weights_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     attn = attention_implementation(train.attn_implementation, accelerator.device, precision != "fp32")
     return Runtime(accelerator, processes, precision, weights_dtype, attn, accumulation, tuple(trackers))
+
+
+def check_sharding_engine(accelerator) -> None:
+    """The engine `accelerate launch` asked for (FSDP, DeepSpeed) must be the one that runs. accelerate (1.15) turns
+    FSDP on only over GPUs and the like (AcceleratorState: MULTI_GPU, MULTI_XPU..., not MULTI_CPU), and drops
+    DeepSpeed under --cpu: either would silently be plain data parallel."""
+    for flag, engine in (
+        ("ACCELERATE_USE_FSDP", DistributedType.FSDP),
+        ("ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED),
+    ):
+        if parse_flag_from_env(flag) and accelerator.distributed_type != engine:
+            raise CtxextError(
+                f"accelerate launch asked for {engine.value}, but accelerate {accelerate.__version__} set up "
+                f"{accelerator.distributed_type.value} (no sharding) instead; it runs FSDP only on GPUs. Without GPUs use "
+                "configs/accelerate/cpu-2proc.yaml (DDP), deepspeed-zero2-cpu.yaml or deepspeed-zero3-cpu.yaml"
+            )
 
 
 # ------------------------------------------------------------------------------------------ setting up
@@ -241,4 +261,6 @@ def prepare_training(setup: Setup):
     deepspeed = getattr(accelerator.state, "deepspeed_plugin", None)
     if deepspeed is not None:  # DeepSpeed reads the micro-batch from a dataloader, and we pass none
         deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = recipe.train.micro_batch_size
+        # DeepSpeed clips inside its step (accelerator.clip_grad_norm_ only reads the norm): the recipe's value
+        deepspeed.deepspeed_config["gradient_clipping"] = recipe.optim.max_grad_norm
     return accelerator.prepare(setup.model, optimizer)

@@ -1,0 +1,137 @@
+"""`ctxext finetune` under DeepSpeed ZeRO-2 and ZeRO-3 as 2 CPU processes (`accelerate launch`, gloo), and FSDP
+refused on a CPU.
+
+The oracle: the same recipe run as one process, in this file. Two processes with the same global batch must give
+its losses, perplexities, adapter and merged weights (fp32; measured: losses within 1.2e-7, every metric within
+1.2e-7 relative, adapter and merged weights within 1.5e-8). The recipe clips at optim.max_grad_norm=0.05 while
+the DeepSpeed configs say gradient_clipping: 1.0, so the clipping that ran must be the recipe's.
+
+FSDP: accelerate 1.15 sets up FSDP only over GPUs (AcceleratorState keeps MULTI_CPU as it is), so on a CPU the
+run would be plain DDP; ctxext refuses it with a one-line error instead (docs/guides/finetuning.md).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from ctxext.cli import main as ctxext_main
+from tests.helpers import (
+    assert_same_numbers,
+    child_process_env,
+    free_port,
+    read_metrics,
+    save_bpe_llama,
+    write_finetune_texts,
+    write_recipe,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")
+# 4 steps of 2 micro-batches of 1 sequence on each of 2 processes (one process: 4 micro-batches), evaluated at
+# steps 0, 2 and 4; the final checkpoint only. No dropout, so the runs differ only in how the engine reduces.
+CHANGES = {
+    "train__max_steps": 4,
+    "train__micro_batch_size": 1,
+    "train__checkpoint_every": 0,
+    "lora__dropout": 0.0,
+    "eval__every": 2,
+    "optim": {"lr": 1e-3, "warmup_steps": 2, "max_grad_norm": 0.05},
+}
+TOLERANCE = 1e-5  # relative or absolute, on every metric; measured differences are 100x smaller
+WEIGHT_TOLERANCE = 1e-6  # absolute, on the adapter's and the merged model's tensors; measured 1.5e-8
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    return save_bpe_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    return write_finetune_texts(tmp_path_factory.mktemp("texts"))
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tiny_checkpoint, texts):
+    """The oracle: the recipe as one process, in this process."""
+    folder = tmp_path_factory.mktemp("one-process")
+    output = folder / "run"
+    recipe = write_recipe(folder, tiny_checkpoint, texts, output, **CHANGES)
+    assert ctxext_main(["finetune", "--recipe", str(recipe), "--no-progress"]) == 0
+    return output
+
+
+def launch(config: str, recipe: Path, *options: str) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file configs/accelerate/CONFIG [options] -m ctxext finetune --recipe RECIPE`."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            f"configs/accelerate/{config}",
+            "--main_process_port",
+            str(free_port()),
+            *options,
+            "-m",
+            "ctxext",
+            "finetune",
+            "--recipe",
+            str(recipe),
+            "--no-progress",
+        ],
+        cwd=REPO,
+        env=child_process_env(DS_ACCELERATOR="cpu"),  # DeepSpeed finds the CPU by itself; this skips its probe
+        capture_output=True,
+        text=True,
+        timeout=600,  # the first DeepSpeed run on a machine compiles its shared-memory op (about a minute)
+    )
+
+
+def assert_same_tensors(a: Path, b: Path) -> None:
+    want, got = load_file(a), load_file(b)
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert (got[name].double() - tensor.double()).abs().max().item() <= WEIGHT_TOLERANCE, name
+
+
+@pytest.mark.slow  # 2 processes, 10-30 s each on 2 cores (plus DeepSpeed's one-time op build)
+@pytest.mark.parametrize("config", ["deepspeed-zero2-cpu.yaml", "deepspeed-zero3-cpu.yaml"])
+def test_deepspeed_on_two_cpu_processes_matches_one_process(config, request, tmp_path):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install 'ctxext[deepspeed]'")
+    one_process = request.getfixturevalue("one_process")  # built only where DeepSpeed is installed
+    tiny_checkpoint, texts = request.getfixturevalue("tiny_checkpoint"), request.getfixturevalue("texts")
+    output = tmp_path / "run"
+    launched = launch(config, write_recipe(tmp_path, tiny_checkpoint, texts, output, **CHANGES))
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert launched.stdout.count("fine-tuned ") == 1  # only the main process reports and writes
+
+    run, oracle = (json.loads((path / "run.json").read_text()) for path in (output, one_process))
+    assert (run["processes"], run["distributed_type"]) == (2, "DistributedType.DEEPSPEED")
+    assert run["parameters"] == oracle["parameters"]  # under ZeRO-3 each process holds only its shard
+    assert (output / "checkpoints" / "step-000004" / "accelerate").is_dir()  # DeepSpeed's own sharded state
+
+    got, want = read_metrics(output), read_metrics(one_process)
+    assert [r["step"] for r in got if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert_same_numbers(got, want, tol=TOLERANCE)
+    assert_same_tensors(
+        one_process / "adapter" / "adapter_model.safetensors", output / "adapter" / "adapter_model.safetensors"
+    )
+    assert_same_tensors(one_process / "merged" / "model.safetensors", output / "merged" / "model.safetensors")
+
+
+@pytest.mark.slow  # 2 processes that stop at once, about 10 s
+def test_fsdp_on_cpu_processes_is_refused_not_run_as_ddp(tiny_checkpoint, texts, tmp_path):
+    output = tmp_path / "run"
+    recipe = write_recipe(tmp_path, tiny_checkpoint, texts, output, **CHANGES)
+    launched = launch("fsdp.yaml", recipe, "--num_processes", "2", "--mixed_precision", "no")
+    assert launched.returncode != 0
+    assert "ctxext finetune: error: accelerate launch asked for FSDP, but accelerate " in launched.stderr.replace(
+        "\n", " "
+    )
+    assert "set up MULTI_CPU (no sharding) instead; it runs FSDP only on GPUs" in launched.stderr
+    assert not output.exists()
