@@ -22,6 +22,10 @@ EXTRAS = {
     "search": Extra(("optuna", "cma"), "pip install 'ctxext[search]' (or pip install optuna cma)"),
     "tasks": Extra(("lm_eval",), "pip install 'ctxext[tasks]' (lm-evaluation-harness)"),
     "serve": Extra(("fastapi", "uvicorn", "pydantic", "openai"), "pip install 'ctxext[serve]'"),
+    "deepspeed": Extra(
+        ("deepspeed",),
+        "pip install 'ctxext[deepspeed]' (DeepSpeed builds a C++ op at its first run, so it needs a compiler)",
+    ),
     "llamacpp": Extra(
         ("llama_cpp",),
         "pip install 'ctxext[llamacpp]' (llama-cpp-python; it builds llama.cpp from source with cmake and a "

@@ -65,9 +65,14 @@ class ScaledRotaryEmbedding(nn.Module):
 
     Mixed window (LongRoPE2): while `original_within` is a length N > 0, a forward whose positions all lie below
     N is answered by the model's own module, unscaled; see `original_rotary_within`.
+
+    Sequence parallelism: while `split_length` is a length l > 0, that is the length every length-dependent rule
+    reads (dynamic frequencies, longrope's short or long factors, the mixed window), not this process's slice
+    of the positions; see `whole_sequence_length`.
     """
 
     original_within: int = 0  # 0: every forward is scaled
+    split_length: int = 0  # 0: the length is read from the positions of each forward
     undo: PatchUndo | None = None  # set by `patch`
 
     def __init__(
@@ -139,7 +144,7 @@ class ScaledRotaryEmbedding(nn.Module):
         if not self.dynamic:
             inv_freq, scaling = self._static[key]
         else:
-            length = int(position_ids.max()) + 1
+            length = self.length_of(position_ids)
             cached = self._dynamic_cache.get(key)
             if cached is None or cached[0] != length:
                 cached = (length, *self.frequencies(length, key))
@@ -147,11 +152,16 @@ class ScaledRotaryEmbedding(nn.Module):
             _, inv_freq, scaling = cached
         return inv_freq.to(device), scaling
 
+    def length_of(self, position_ids: torch.Tensor) -> int:
+        """The sequence length the length-dependent rules read: max(position_ids) + 1, or the whole sequence's
+        length while a split sequence's slice runs (`whole_sequence_length`)."""
+        return self.split_length or int(position_ids.max()) + 1
+
     @torch.no_grad()
     def forward(
         self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
     ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-        if self.original_within and self.original is not None and int(position_ids.max()) < self.original_within:
+        if self.original_within and self.original is not None and self.length_of(position_ids) <= self.original_within:
             return self.original(x, position_ids) if layer_type is None else self.original(x, position_ids, layer_type)
         key = layer_type if layer_type in self.scaled else None
         if key not in self.scaled:  # a layer type this patch leaves alone
@@ -238,6 +248,25 @@ def original_rotary_within(model: nn.Module, length: int):
         yield model
     finally:
         rotary.original_within = before
+
+
+@contextlib.contextmanager
+def whole_sequence_length(model: nn.Module, length: int):
+    """Sequence parallelism: inside the block, the patched `model`'s rotary reads `length` (the whole sequence's)
+    wherever a rule depends on the length, while each process runs the positions of its own slice; without it,
+    the process holding the first slice of a long sequence would rotate as for a short one (dynamic NTK's base,
+    longrope's short factors, the mixed window's original rotary). No-op on an unpatched model. Like
+    `original_rotary_within`, the setting is on the module."""
+    rotary = rotary_host(model).rotary_emb
+    if not isinstance(rotary, ScaledRotaryEmbedding):
+        yield model
+        return
+    before = rotary.split_length
+    rotary.split_length = int(length)
+    try:
+        yield model
+    finally:
+        rotary.split_length = before
 
 
 def is_dynamic(model: nn.Module) -> bool:

@@ -26,13 +26,15 @@ def sample_indices(
 
 def micro_batch(setup: Setup, step: int, micro: int) -> dict[str, torch.Tensor]:
     """The model inputs of this process in one micro-step: its share of the step's samples, by index (under
-    mixed_window, a short micro-batch has them cut into short sequences; ctxext.train.mixed_window)."""
+    mixed_window, a short micro-batch has them cut into short sequences; ctxext.train.mixed_window), whole: under
+    sequence parallelism each process then keeps its slice (`sequence_parallel.slice_of_sequence`)."""
     recipe, accelerator = setup.recipe, setup.runtime.accelerator
+    sp = setup.runtime.sp_size  # the processes of one SP group take the same samples (sequence_parallel.py)
     indices = sample_indices(
         step,
         micro,
-        accelerator.process_index,
-        accelerator.num_processes,
+        accelerator.process_index // sp,
+        accelerator.num_processes // sp,
         recipe.train.micro_batch_size,
         recipe.train.global_batch_size,
     )

@@ -24,12 +24,14 @@ import math
 import torch
 from tqdm.auto import tqdm
 
+from ..patching.rotary import whole_sequence_length
 from .batches import micro_batch
 from .checkpoints import RunState, restore, save_checkpoint, save_results
 from .evaluation import evaluate_before_training, log_evaluation
 from .mixed_window import rotary_switch
 from .recipe import Recipe
 from .records import LossWindow, MetricsLog, open_run, plot_metrics, plot_title, start_trackers, write_run_record
+from .sequence_parallel import sequence_parallel_group, slice_loss, slice_of_sequence
 from .setup import Setup, prepare, prepare_training
 
 
@@ -99,15 +101,28 @@ def train_step(setup: Setup, model, optimizer, step: int) -> float:
         inputs = micro_batch(setup, step, micro)
         switched = rotary_switch(setup.mixed_window, unwrapped, setup.original_length)
         with accelerator.accumulate(model), switched:
-            loss = model(**inputs, use_cache=False).loss
+            loss, sequence_loss = forward_loss(setup, model, unwrapped, inputs)
             accelerator.backward(loss)
             if accelerator.sync_gradients and recipe.optim.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(model.parameters(), recipe.optim.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        step_loss += loss.detach().double() / runtime.accumulation
+        step_loss += sequence_loss.double() / runtime.accumulation
         del loss, inputs  # free this micro-step's graph remnants before the next forward
     return float(accelerator.reduce(step_loss, reduction="mean"))
+
+
+def forward_loss(setup: Setup, model, unwrapped, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the loss to backpropagate, the micro-batch's mean token loss, detached). Under sequence parallelism this
+    process runs its slice of each sequence, with the whole sequence's length for the rotary's length rules, and
+    backpropagates its share of the mean (ctxext.train.sequence_parallel)."""
+    sp = setup.runtime.sp_size
+    if sp == 1:
+        loss = model(**inputs, use_cache=False).loss
+        return loss, loss.detach()
+    local, length = slice_of_sequence(inputs, setup.runtime.accelerator.process_index % sp, sp)
+    with whole_sequence_length(unwrapped, length):
+        return slice_loss(model, local, sequence_parallel_group())
 
 
 def finish(setup: Setup, model, optimizer, log: MetricsLog, state: RunState) -> list[dict]:

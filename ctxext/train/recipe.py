@@ -13,6 +13,7 @@ A recipe (see configs/recipes/*.yaml) has a few top-level keys and one mapping p
     eval:  {dataset: pg19, every: 200, ...}
     pose:  {enabled: false, ...}
     mixed_window: {enabled: false, ...}
+    parallel: {sp_size: 1}                   # sequence parallelism (DeepSpeed Ulysses)
 
 Every key has a default (the Position Interpolation recipe), so a recipe only states what differs.
 Overrides use dotted keys: `lora.r=16 train.max_steps=10 method.factor=8 seq_len=4096`.
@@ -145,6 +146,16 @@ class MixedWindowSection:
     )
 
 
+@dataclass
+class ParallelSection:
+    sp_size: int = option(
+        1,
+        "sequence parallelism (DeepSpeed ALST/Ulysses through accelerate): each sequence is split over this many "
+        "processes, which exchange attention heads so that every one attends over the whole sequence; 1 is off. "
+        "Needs `accelerate launch` with a DeepSpeed config and as many processes as a multiple of sp_size",
+    )
+
+
 SECTIONS = {
     "lora": LoraSection,
     "optim": OptimSection,
@@ -153,6 +164,7 @@ SECTIONS = {
     "eval": EvalSection,
     "pose": PoseSection,
     "mixed_window": MixedWindowSection,
+    "parallel": ParallelSection,
 }
 TOP_LEVEL_HELP = {
     "model": "the model to fine-tune: a local checkpoint, a hub id, or ctxext:tiny-shakespeare",
@@ -177,6 +189,7 @@ class Recipe:
     eval: EvalSection = field(default_factory=EvalSection)
     pose: PoseSection = field(default_factory=PoseSection)
     mixed_window: MixedWindowSection = field(default_factory=MixedWindowSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -266,6 +279,7 @@ def validate(recipe: Recipe) -> Recipe:
     _validate_eval(recipe.eval)
     _validate_pose(recipe.pose, recipe.seq_len)
     _validate_mixed_window(recipe)
+    _validate_parallel(recipe)
     return recipe
 
 
@@ -358,6 +372,17 @@ def _validate_mixed_window(recipe: Recipe) -> None:
     if mixed.short_length is not None and mixed.short_length > recipe.seq_len:
         raise CtxextError(
             f"mixed_window.short_length ({mixed.short_length}) must not exceed seq_len ({recipe.seq_len})"
+        )
+
+
+def _validate_parallel(recipe: Recipe) -> None:
+    """The settings alone; the process count and the model's heads are checked at setup (sequence_parallel.py)."""
+    sp = whole_number("parallel.sp_size", recipe.parallel.sp_size)
+    recipe.parallel.sp_size = sp
+    if sp > 1 and recipe.train_sequence_length % sp:
+        raise CtxextError(
+            f"parallel.sp_size={sp} must divide the training sequence length ({recipe.train_sequence_length} "
+            "tokens): each process takes an equal slice"
         )
 
 

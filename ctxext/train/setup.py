@@ -33,6 +33,7 @@ from .lora import add_lora
 from .mixed_window import check_switchable, short_length_for
 from .pretrain_tiny import resolve_model_name
 from .recipe import Recipe
+from .sequence_parallel import check_model, hand_attention_to_ulysses, parallelism_config
 from .trackers import TRACKERS_DIR, tracker_names
 
 
@@ -46,6 +47,7 @@ class Runtime:
     attn_implementation: str
     accumulation: int  # micro-steps per optimizer step, per process
     trackers: tuple[str, ...] = ()  # --report-to: tensorboard, wandb, mlflow (ctxext.train.trackers)
+    sp_size: int = 1  # processes to a sequence (parallel.sp_size; ctxext.train.sequence_parallel)
 
     @property
     def is_main(self) -> bool:
@@ -62,12 +64,14 @@ def make_runtime(recipe: Recipe, output: Path | None = None, trackers: tuple[str
     first four; the trackers write under `output`)."""
     train = recipe.train
     processes = Processes(cpu=cpu_processes(train.device), always=True)
-    world = processes.world_size
+    sp = recipe.parallel.sp_size
+    parallelism = parallelism_config(sp, processes.world_size)
+    world = processes.world_size // sp  # data-parallel: the processes of one SP group share their samples
     device = processes.device_for(train.device)
     if train.global_batch_size % (train.micro_batch_size * world):
         raise CtxextError(
             f"train.global_batch_size ({train.global_batch_size}) must be a multiple of train.micro_batch_size "
-            f"({train.micro_batch_size}) x processes ({world})"
+            f"({train.micro_batch_size}) x processes ({world}{f' groups of {sp}' if sp > 1 else ''})"
         )
     accumulation = train.global_batch_size // (train.micro_batch_size * world)
     precision = training_precision(train.precision, device, launched_sharded())
@@ -81,11 +85,12 @@ def make_runtime(recipe: Recipe, output: Path | None = None, trackers: tuple[str
         mixed_precision="no" if precision == "fp32" else "bf16",
         log_with=list(trackers) or None,
         project_dir=str(output / TRACKERS_DIR) if trackers and output is not None else None,
+        parallelism_config=parallelism,
     )
     check_sharding_engine(accelerator)
     weights_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     attn = attention_implementation(train.attn_implementation, accelerator.device, precision != "fp32")
-    return Runtime(accelerator, processes, precision, weights_dtype, attn, accumulation, tuple(trackers))
+    return Runtime(accelerator, processes, precision, weights_dtype, attn, accumulation, tuple(trackers), sp)
 
 
 def check_sharding_engine(accelerator) -> None:
@@ -186,6 +191,7 @@ def load_patched_model(recipe: Recipe, runtime: Runtime, progress: bool = True):
     )
     original_length = int(model.config.max_position_embeddings)
     recipe.method.apply(model)
+    check_model(model, recipe.parallel.sp_size, model.config._attn_implementation)
     original_length = applied_method(model)["original_max_position_embeddings"] or original_length
     limit = supported_length(model)
     if limit is not None and recipe.seq_len > limit:
@@ -263,4 +269,6 @@ def prepare_training(setup: Setup):
         deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = recipe.train.micro_batch_size
         # DeepSpeed clips inside its step (accelerator.clip_grad_norm_ only reads the norm): the recipe's value
         deepspeed.deepspeed_config["gradient_clipping"] = recipe.optim.max_grad_norm
+    if runtime.sp_size > 1:
+        hand_attention_to_ulysses(accelerator, setup.model)
     return accelerator.prepare(setup.model, optimizer)

@@ -1,0 +1,148 @@
+"""Sequence parallelism for `ctxext finetune` (recipe key `parallel.sp_size: N`): DeepSpeed's ALST/Ulysses, set up
+by accelerate (`ParallelismConfig(sp_backend="deepspeed")`), for sequences longer than one device holds.
+
+A step under it, with N processes to a sequence (an SP group: N consecutive ranks, as DeepSpeed groups them):
+
+- every process of a group takes the same samples (batches.py: its data-parallel rank is rank // N) and keeps
+  slice r of each sequence: its tokens, their global position ids, and the labels shifted by one *before* the
+  sequence is cut (`slice_of_sequence`);
+- the rotary runs on each slice at its global positions, and every length-dependent rule (dynamic NTK's base,
+  longrope's short or long factors, the mixed window, PoSE's longest position) reads the whole sequence's length
+  (`ctxext.patching.rotary.whole_sequence_length`), not the slice's;
+- in every layer Ulysses trades sequence for heads (all-to-all): each process attends over the whole sequence for
+  1/N of the heads, with the attention function the model is registered with. For an attention-level method that
+  is ctxext's own (SelfExtend, Dual Chunk, ReRoPE...; `ctxext_sdpa`), so those run on whole sequences, unchanged;
+  accelerate accepts only sdpa/flash names, so the model's own name is handed to DeepSpeed here
+  (`hand_attention_to_ulysses`);
+- each process's loss is its slice's summed token loss over the whole sequence's token count (`slice_loss`), so
+  that DeepSpeed's sum of the group's gradients is the gradient of the sequence's mean loss.
+
+Evaluation runs without it: accelerate registers Ulysses with disable_in_eval, so in eval mode every process
+scores whole windows itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from accelerate.parallelism_config import ParallelismConfig
+from accelerate.utils import DeepSpeedSequenceParallelConfig, parse_flag_from_env
+
+from ..errors import CtxextError
+from ..extras import require
+from ..patching.families import rope_parameters_of, rotary_host
+from ..patching.rotary import ScaledRotaryEmbedding
+
+IGNORE = -100  # the label of a token that is not scored
+
+
+def parallelism_config(sp_size: int, world_size: int) -> ParallelismConfig | None:
+    """accelerate's config for DeepSpeed Ulysses over groups of `sp_size` processes (None when off)."""
+    if sp_size == 1:
+        return None
+    check_launch(sp_size, world_size)
+    # accelerate validates the attention's name against sdpa/flash only; the model's own (ctxext's wrapper, for
+    # an attention-level method) replaces it before `prepare` (`hand_attention_to_ulysses`)
+    handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
+    return ParallelismConfig(
+        sp_backend="deepspeed", sp_size=sp_size, dp_shard_size=world_size // sp_size, sp_handler=handler
+    )
+
+
+def check_launch(sp_size: int, world_size: int) -> None:
+    """Ulysses runs inside DeepSpeed, over a whole number of groups of sp_size processes."""
+    require("deepspeed", f"parallel.sp_size={sp_size}")
+    if not parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
+        raise CtxextError(
+            f"parallel.sp_size={sp_size} runs under DeepSpeed: launch with `accelerate launch --config_file "
+            "configs/accelerate/deepspeed-zero2.yaml` (deepspeed-zero2-cpu.yaml without GPUs) and "
+            f"a multiple of {sp_size} processes"
+        )
+    if world_size % sp_size:
+        raise CtxextError(
+            f"parallel.sp_size={sp_size} must divide the number of processes ({world_size}): each sequence is "
+            f"split over {sp_size} of them"
+        )
+
+
+def check_model(model, sp_size: int, attn_implementation: str) -> None:
+    """Refuse, before anything is written, what Ulysses or the whole-length rule cannot honour for this model."""
+    if sp_size == 1:
+        return
+    config = model.config.get_text_config()
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or 0
+    if heads % sp_size or not (kv_heads % sp_size == 0 or sp_size % kv_heads == 0):
+        raise CtxextError(
+            f"parallel.sp_size={sp_size} must divide the model's {heads} attention heads and divide (or be a "
+            f"multiple of) its {kv_heads} key/value heads: Ulysses gives each process a share of the heads"
+        )
+    if attn_implementation in ("eager", "ctxext_eager"):
+        raise CtxextError(
+            "parallel.sp_size needs train.attn_implementation sdpa or flash_attention_2 (Ulysses builds no "
+            "attention mask, and eager attention needs one)"
+        )
+    own = rope_parameters_of(rotary_host(model).config).get("rope_type", "default")
+    if not isinstance(rotary_host(model).rotary_emb, ScaledRotaryEmbedding) and ("dynamic" in own or own == "longrope"):
+        raise CtxextError(
+            f"parallel.sp_size: the model's own '{own}' rotary reads the length from each process's slice of the "
+            f"sequence; patch it with ctxext's method (method: {own.replace('dynamic', 'dynamic_ntk')}), whose rotary "
+            "is told the whole length"
+        )
+
+
+def hand_attention_to_ulysses(accelerator, model) -> None:
+    """Have accelerate register Ulysses around the attention function the model runs with (e.g. `ctxext_sdpa`,
+    ctxext's own for an attention-level method), which its validator would not accept by name. Ulysses sets its
+    groups up through deepspeed.comm before DeepSpeed's engine exists, so deepspeed.comm is joined to the
+    processes' group here (accelerate does so only where it set the group up itself, on GPUs)."""
+    import deepspeed  # noqa: PLC0415 (optional: the deepspeed extra)
+
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    handler = accelerator.parallelism_config.sp_handler
+    handler.sp_attn_implementation = model.config._attn_implementation
+
+
+def sequence_parallel_group():
+    """The process group of this process's SP group (DeepSpeed's, set up by accelerate's `prepare`)."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp  # noqa: PLC0415 (optional: the deepspeed extra)
+
+    return parallel_state_sp.get_sequence_parallel_group()
+
+
+def slice_of_sequence(inputs: dict, sp_rank: int, sp_size: int) -> tuple[dict, int]:
+    """(this process's model inputs, the whole sequence's length) from a micro-batch's whole-sequence inputs
+    {input_ids, labels[, position_ids, attention_mask]}: slice `sp_rank` of N of the tokens and of their global
+    position ids, and `shift_labels`, the labels shifted by one over the whole sequence and then sliced (the
+    label of a slice's last token is the next slice's first token). No attention mask: Ulysses drops it, and
+    positions carry what it said (PoSE's gaps, one text)."""
+    input_ids, labels = inputs["input_ids"], inputs["labels"]
+    length = input_ids.shape[1]
+    positions = inputs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(length, device=input_ids.device).expand_as(input_ids)
+    shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    width = length // sp_size
+    part = slice(sp_rank * width, (sp_rank + 1) * width)
+    local = {"input_ids": input_ids[:, part], "position_ids": positions[:, part], "shift_labels": shift_labels[:, part]}
+    return local, int(positions.max()) + 1
+
+
+def slice_loss(model, inputs: dict, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the loss to backpropagate, the sequence's mean token loss) of one process's slice: its summed token loss
+    over the token count of the whole group, with the model's own loss function (it reads `shift_labels`)."""
+    shift_labels = inputs["shift_labels"]
+    tokens = (shift_labels != IGNORE).sum()
+    dist.all_reduce(tokens, group=group)
+    logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False).logits
+    unwrapped = getattr(model, "module", model)
+    loss = unwrapped.loss_function(
+        logits=logits,
+        labels=None,
+        shift_labels=shift_labels,
+        vocab_size=unwrapped.config.get_text_config().vocab_size,
+        num_items_in_batch=tokens,
+    )
+    whole = loss.detach().clone()
+    dist.all_reduce(whole, group=group)
+    return loss, whole

@@ -1,0 +1,203 @@
+"""Sequence parallelism (recipe key parallel.sp_size; DeepSpeed ALST/Ulysses through accelerate) as 2 CPU processes
+over gloo, against the same recipe as one process without it.
+
+The oracle is the one-process run: the sequence's mean loss and every LoRA gradient of one micro-batch must be the
+same when two processes each hold half the sequence (`GRAD_TOLERANCE`), and a short `ctxext finetune` run must
+log the same losses. The sequence is 128 tokens on a model with L = 64, so the first process's slice ends exactly
+at L: a rule that read the length from the slice (dynamic NTK's base, longrope's short or long factors) would
+rotate it as a short sequence and the second as a long one (the global-length trap); the whole length must reach
+both (ctxext.patching.rotary.whole_sequence_length). self_extend runs as Ulysses' core attention (ctxext's own
+attention function on the whole sequence, for half of the heads on each process).
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from ctxext.cli import main as ctxext_main
+from ctxext.train.recipe import load_recipe
+from tests.helpers import (
+    assert_same_numbers,
+    child_process_env,
+    free_port,
+    read_metrics,
+    save_bpe_llama,
+    write_finetune_texts,
+    write_recipe,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread_per_module"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("deepspeed") is None,
+        reason="DeepSpeed is not installed: pip install 'ctxext[deepspeed]'",
+    ),
+]
+ROTARY_PAIRS = 8  # the tiny LLaMA's head_dim 16
+METHODS = {
+    "yarn": {"method": "yarn", "factor": 2},
+    "dynamic_ntk": {"method": "dynamic_ntk", "factor": 2},
+    "longrope": {
+        "method": "longrope",
+        "factor": 2,
+        "short_factor": [1.0] * ROTARY_PAIRS,
+        "long_factor": [1.0 + 0.25 * i for i in range(ROTARY_PAIRS)],
+    },
+    "self_extend": {"method": "self_extend", "group_size": 2, "window": 16, "factor": 2},
+}
+# One micro-batch of one 128-token sequence; no dropout, so the runs differ only in how the work is split.
+CHANGES = {
+    "seq_len": 128,
+    "train__global_batch_size": 1,
+    "train__micro_batch_size": 1,
+    "train__checkpoint_every": 0,
+    "lora__dropout": 0.0,
+    "eval__lengths": [128, 64],
+}
+GRAD_TOLERANCE = 1e-5  # relative to the largest gradient of the tensor (fp32)
+LOSS_TOLERANCE = 1e-5
+
+# The gradient probe: ctxext's own setup and step function, one micro-batch, every trainable gradient saved.
+PROBE = textwrap.dedent("""
+    import sys, torch
+    from ctxext.train.recipe import load_recipe
+    from ctxext.train.setup import prepare, prepare_training
+    from ctxext.train.batches import micro_batch
+    from ctxext.train.loop import forward_loss
+
+    setup = prepare(load_recipe(sys.argv[1]), resume=False, progress=False)
+    model, _ = prepare_training(setup)
+    accelerator = setup.runtime.accelerator
+    unwrapped = accelerator.unwrap_model(model)
+    model.train()
+    loss, sequence_loss = forward_loss(setup, model, unwrapped, micro_batch(setup, 0, 0))
+    if setup.runtime.sharded:  # DeepSpeed's own backward: accelerator.backward would also take the step
+        from deepspeed.utils import safe_get_full_grad
+        model.backward(loss)
+        grads = {n: safe_get_full_grad(p) for n, p in unwrapped.named_parameters() if p.requires_grad}
+    else:
+        accelerator.backward(loss)
+        grads = {n: p.grad for n, p in unwrapped.named_parameters() if p.requires_grad}
+    if accelerator.is_main_process:
+        torch.save({"loss": float(sequence_loss), "grads": {n: g.detach().clone() for n, g in grads.items()}},
+                   sys.argv[2])
+""")
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    return save_bpe_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    return write_finetune_texts(tmp_path_factory.mktemp("texts"))
+
+
+def accelerate_launch(*command: str, config: str = "deepspeed-zero2-cpu.yaml") -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file configs/accelerate/CONFIG COMMAND` as 2 CPU processes."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            f"configs/accelerate/{config}",
+            "--main_process_port",
+            str(free_port()),
+            *command,
+        ],
+        cwd=REPO,
+        env=child_process_env(DS_ACCELERATOR="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=600,  # the first DeepSpeed run on a machine compiles its shared-memory op (about a minute)
+    )
+
+
+def probe(folder: Path, recipe: Path, launched: bool) -> dict:
+    """The loss and gradients of the recipe's first micro-batch: one plain process, or 2 launched under DeepSpeed."""
+    script, out = folder / "probe.py", folder / "probe.pt"
+    script.write_text(PROBE)
+    if launched:
+        result = accelerate_launch(str(script), str(recipe), str(out))
+    else:
+        result = subprocess.run(
+            [sys.executable, str(script), str(recipe), str(out)],
+            cwd=REPO,
+            env=child_process_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(out)
+
+
+def assert_same_gradients(got: dict, want: dict) -> None:
+    assert got["grads"].keys() == want["grads"].keys()
+    assert any("lora_A" in name for name in want["grads"])
+    for name, expected in want["grads"].items():
+        scale = expected.abs().max().item()
+        assert scale > 0, name  # every trainable tensor takes part
+        difference = (got["grads"][name] - expected).abs().max().item()
+        assert difference <= GRAD_TOLERANCE * scale, (name, difference, scale)
+
+
+@pytest.mark.slow  # per method: one process, then 2 under DeepSpeed (about 30 s on 2 cores)
+@pytest.mark.parametrize("method", list(METHODS))
+def test_two_processes_each_holding_half_the_sequence_give_the_one_process_gradients(
+    method, tiny_checkpoint, texts, tmp_path
+):
+    whole = write_recipe(tmp_path, tiny_checkpoint, texts, tmp_path / "one", method=METHODS[method], **CHANGES)
+    split = write_recipe(
+        tmp_path, tiny_checkpoint, texts, tmp_path / "two", method=METHODS[method], parallel={"sp_size": 2}, **CHANGES
+    )
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    want = probe(tmp_path / "a", whole, launched=False)
+    got = probe(tmp_path / "b", split, launched=True)
+    assert abs(got["loss"] - want["loss"]) <= LOSS_TOLERANCE * abs(want["loss"])
+    assert_same_gradients(got, want)
+
+
+@pytest.mark.slow  # 4 steps as one process, then as 2 under DeepSpeed (about 40 s)
+def test_a_short_finetune_with_sp_2_logs_the_one_process_losses(tiny_checkpoint, texts, tmp_path):
+    changes = {**CHANGES, "train__max_steps": 4, "eval__every": 2, "optim": {"lr": 1e-3, "warmup_steps": 2}}
+    one = tmp_path / "one"
+    recipe = write_recipe(tmp_path, tiny_checkpoint, texts, one, method=METHODS["yarn"], **changes)
+    assert ctxext_main(["finetune", "--recipe", str(recipe), "--no-progress"]) == 0
+    two = tmp_path / "two"
+    recipe = write_recipe(
+        tmp_path, tiny_checkpoint, texts, two, method=METHODS["yarn"], parallel={"sp_size": 2}, **changes
+    )
+    launched = accelerate_launch("-m", "ctxext", "finetune", "--recipe", str(recipe), "--no-progress")
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    run = json.loads((two / "run.json").read_text())
+    assert (run["processes"], run["distributed_type"]) == (2, "DistributedType.DEEPSPEED")
+    got, want = read_metrics(two), read_metrics(one)
+    assert [r["step"] for r in got if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert_same_numbers(got, want, tol=LOSS_TOLERANCE)
+
+
+def test_sp_size_must_divide_the_training_length(tiny_checkpoint, texts, tmp_path):
+    recipe = write_recipe(tmp_path, tiny_checkpoint, texts, tmp_path / "run", parallel={"sp_size": 3}, **CHANGES)
+    with pytest.raises(Exception, match=r"parallel.sp_size=3 must divide the training sequence length \(128"):
+        load_recipe(recipe)
+
+
+def test_sp_size_without_deepspeed_launch_is_a_one_line_error(tiny_checkpoint, texts, tmp_path, capsys):
+    output = tmp_path / "run"
+    recipe = write_recipe(tmp_path, tiny_checkpoint, texts, output, parallel={"sp_size": 2}, **CHANGES)
+    assert ctxext_main(["finetune", "--recipe", str(recipe), "--no-progress"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0
+    assert "parallel.sp_size=2 runs under DeepSpeed: launch with `accelerate launch" in error
+    assert not output.exists()
