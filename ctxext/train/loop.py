@@ -31,7 +31,7 @@ from .evaluation import evaluate_before_training, log_evaluation
 from .mixed_window import rotary_switch
 from .recipe import Recipe
 from .records import LossWindow, MetricsLog, open_run, plot_metrics, plot_title, start_trackers, write_run_record
-from .sequence_parallel import sequence_parallel_group, slice_loss, slice_of_sequence
+from .sequence_parallel import sequence_parallel_group, slice_loss, slice_of_sequence, zero3_gradient_factor
 from .setup import Setup, prepare, prepare_training
 
 
@@ -120,9 +120,10 @@ def forward_loss(setup: Setup, model, unwrapped, inputs: dict) -> tuple[torch.Te
     if sp == 1:
         loss = model(**inputs, use_cache=False).loss
         return loss, loss.detach()
-    local, length = slice_of_sequence(inputs, setup.runtime.accelerator.process_index % sp, sp)
+    accelerator = setup.runtime.accelerator
+    local, length = slice_of_sequence(inputs, accelerator.process_index % sp, sp)
     with whole_sequence_length(unwrapped, length):
-        return slice_loss(model, local, sequence_parallel_group())
+        return slice_loss(model, local, sequence_parallel_group(), zero3_gradient_factor(accelerator, sp))
 
 
 def finish(setup: Setup, model, optimizer, log: MetricsLog, state: RunState) -> list[dict]:

@@ -128,9 +128,23 @@ def slice_of_sequence(inputs: dict, sp_rank: int, sp_size: int) -> tuple[dict, i
     return local, int(positions.max()) + 1
 
 
-def slice_loss(model, inputs: dict, group) -> tuple[torch.Tensor, torch.Tensor]:
+def zero3_gradient_factor(accelerator, sp_size: int) -> int:
+    """What the loss is multiplied by so that DeepSpeed's reduced gradient is the sequence's mean-loss gradient.
+
+    ZeRO stages 0-2 sum the gradients of an SP group's processes (they divide by the data-parallel size only).
+    ZeRO-3's default reduce-scatter divides by SP x DP processes (DeepSpeed 0.19.8: stage3.py `__avg_scatter_grads`
+    through `reduce_scatter_coalesced`, with no SP term), which would make every gradient 1/sp of it; so there
+    the loss is multiplied by sp. tests/test_sequence_parallel.py holds both stages to one process's gradients,
+    so a DeepSpeed that changes this is caught."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    zero = plugin.deepspeed_config.get("zero_optimization", {}) if plugin is not None else {}
+    return sp_size if zero.get("stage") == 3 and zero.get("reduce_scatter", True) else 1
+
+
+def slice_loss(model, inputs: dict, group, factor: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(the loss to backpropagate, the sequence's mean token loss) of one process's slice: its summed token loss
-    over the token count of the whole group, with the model's own loss function (it reads `shift_labels`)."""
+    over the token count of the whole group, with the model's own loss function (it reads `shift_labels`), times
+    `factor` (`zero3_gradient_factor`)."""
     shift_labels = inputs["shift_labels"]
     tokens = (shift_labels != IGNORE).sum()
     dist.all_reduce(tokens, group=group)
@@ -145,4 +159,4 @@ def slice_loss(model, inputs: dict, group) -> tuple[torch.Tensor, torch.Tensor]:
     )
     whole = loss.detach().clone()
     dist.all_reduce(whole, group=group)
-    return loss, whole
+    return loss * factor, whole

@@ -79,8 +79,10 @@ def make_runtime(recipe: Recipe, output: Path | None = None, trackers: tuple[str
         raise CtxextError(f"train.precision={precision}, but this GPU has no bf16; use train.precision=fp32")
     # cpu=True would make accelerate drop DeepSpeed (AcceleratorState takes it only `and not cpu`); under
     # DeepSpeed the processes are already joined over gloo (Processes), and DeepSpeed runs on its CPU accelerator.
+    # FSDP keeps cpu=True: without it accelerate would make each CPU process a run of its own.
     accelerator = Accelerator(
-        cpu=(cpu_processes(train.device) or device.type == "cpu") and not launched_sharded(),
+        cpu=(cpu_processes(train.device) or device.type == "cpu")
+        and not parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"),
         gradient_accumulation_steps=accumulation,
         mixed_precision="no" if precision == "fp32" else "bf16",
         log_with=list(trackers) or None,
