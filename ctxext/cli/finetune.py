@@ -39,6 +39,7 @@ examples:
   ctxext finetune --recipe configs/recipes/tiny-cpu.yaml output_dir=outputs/tiny --resume
   ctxext finetune --recipe configs/recipes/tiny-cpu.yaml output_dir=outputs/tiny --report-to tensorboard
   ctxext finetune --show-keys
+  ctxext finetune --recipe configs/recipes/pi-llama-7b-8k.yaml --plan seq_len=65536 parallel.sp_size=4 --zero 3
   ctxext finetune --recipe configs/recipes/tiny-cpu.yaml output_dir=outputs/tiny-mixed --mixed-window --short-fraction 0.5
 """
 
@@ -86,7 +87,35 @@ def add_arguments(parser) -> None:
         help="also log the metrics to experiment trackers, comma-separated: tensorboard (event files in "
         "OUTPUT/trackers/), wandb, mlflow; default none (metrics.jsonl is always written)",
     )
+    add_plan_arguments(parser)
     add_alias(parser, "--config", "--recipe")
+
+
+def add_plan_arguments(parser) -> None:
+    """--plan and the settings only it reads: --tp, --zero, --json."""
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the estimated per-device memory of the recipe (weights, adapters, gradients, optimizer, "
+        "activations, attention, logits) and which sp x tp settings fit an 80 GB and a 141 GB GPU, and exit "
+        "without training; reads only the model's config.json (docs/guides/memory-plan.md)",
+    )
+    parser.add_argument(
+        "--tp",
+        metavar="N",
+        default="1",
+        help="with --plan: the tensor-parallel degree (weights split N ways); default 1",
+    )
+    parser.add_argument(
+        "--zero", metavar="STAGE", default="0", help="with --plan: the DeepSpeed ZeRO stage, 0, 2 or 3; default 0"
+    )
+    parser.add_argument(
+        "--json",
+        metavar="FILE",
+        nargs="?",
+        const="-",
+        help="with --plan: the plan as JSON, to FILE or, without one, to stdout instead of the table",
+    )
 
 
 def run(args) -> int:
@@ -95,6 +124,10 @@ def run(args) -> int:
         return 0
     if args.recipe is None and not args.overrides:
         raise CtxextError("give a recipe with --recipe RECIPE.yaml (see configs/recipes/), or key=value settings")
+    if args.plan:
+        return run_plan(args)
+    if args.json is not None or args.tp != "1" or args.zero != "0":
+        raise CtxextError("--tp, --zero and --json go with --plan")
     output = {"output_dir": args.output} if args.output is not None else {}
     recipe = load_recipe(args.recipe, {**parse_overrides(args.overrides), **mixed_window_overrides(args), **output})
     from ..train.loop import finetune
@@ -102,6 +135,34 @@ def run(args) -> int:
     setup, records = finetune(recipe, resume=args.resume, progress=not args.no_progress, report_to=args.report_to)
     if setup.runtime.is_main:
         print(summary(setup, records))
+    return 0
+
+
+# The plan reads the model's shape and the training settings; the run's output and data are not needed.
+PLAN_PLACEHOLDERS = {"output_dir": "unused-by-plan", "data.dataset": "unused", "data.text_files": [], "eval.every": 0}
+
+
+def run_plan(args) -> int:
+    """--plan: the memory estimate of the recipe (ctxext.train.memory_plan), printed or as JSON; no training."""
+    import json
+
+    from ..train.memory_plan import memory_plan, read_model_shape, render_plan, settings_from_recipe
+    from ..validate import whole_number
+
+    overrides = {**parse_overrides(args.overrides), **mixed_window_overrides(args), **PLAN_PLACEHOLDERS}
+    recipe = load_recipe(args.recipe, overrides)
+    tp = whole_number("--tp", parse_value(args.tp))
+    zero = whole_number("--zero", parse_value(args.zero), minimum=0)
+    plan = memory_plan(read_model_shape(recipe.model), settings_from_recipe(recipe, tp, zero), recipe.model)
+    if args.json is None:
+        print(render_plan(plan))
+    elif args.json == "-":
+        print(json.dumps(plan, indent=2))
+    else:
+        from ..outputs import write_json
+
+        write_json(args.json, plan)
+        print(render_plan(plan))
     return 0
 
 
