@@ -1,5 +1,5 @@
-"""`ctxext finetune` under DeepSpeed ZeRO-2 and ZeRO-3 as 2 CPU processes (`accelerate launch`, gloo), and FSDP
-refused on a CPU.
+"""`ctxext finetune` under DeepSpeed ZeRO-2 and ZeRO-3 and under FSDP2 as 2 CPU processes (`accelerate launch`,
+gloo), and FSDP refused on a CPU as accelerate 1.15 stands.
 
 The oracle: the same recipe run as one process, in this file. Two processes with the same global batch must give
 its losses, perplexities, adapter and merged weights (fp32; measured: losses within 1.2e-7, every metric within
@@ -7,10 +7,15 @@ its losses, perplexities, adapter and merged weights (fp32; measured: losses wit
 the DeepSpeed configs say gradient_clipping: 1.0, so the clipping that ran must be the recipe's.
 
 FSDP: accelerate 1.15 sets up FSDP only over GPUs (AcceleratorState keeps MULTI_CPU as it is), so on a CPU the
-run would be plain DDP; ctxext refuses it with a one-line error instead (docs/guides/finetuning.md).
+run would be plain DDP; ctxext refuses it with a one-line error instead (docs/guides/finetuning.md). ctxext's FSDP
+path itself runs here all the same: tests/fixtures/fsdp_on_cpu/ holds a 2-process CPU FSDP2 config and, for the
+launched processes only (PYTHONPATH), a sitecustomize.py that stands in for the one entry accelerate's device
+list lacks (its docstring says where and why). Measured against the oracle: losses within 1.2e-7, every metric
+within 2.8e-8 relative, adapter weights within 2.3e-8, merged weights within 7.5e-9; the same tolerances hold.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +35,7 @@ from tests.helpers import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+FSDP_ON_CPU = REPO / "tests" / "fixtures" / "fsdp_on_cpu"  # the launch config and the stand-in that lets it run
 pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")
 # 4 steps of 2 micro-batches of 1 sequence on each of 2 processes (one process: 4 micro-batches), evaluated at
 # steps 0, 2 and 4; the final checkpoint only. No dropout, so the runs differ only in how the engine reduces.
@@ -65,15 +71,16 @@ def one_process(tmp_path_factory, tiny_checkpoint, texts):
     return output
 
 
-def launch(config: str, recipe: Path, *options: str) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file configs/accelerate/CONFIG [options] -m ctxext finetune --recipe RECIPE`."""
+def launch(config: str, recipe: Path, *options: str, **env: str) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file CONFIG [options] -m ctxext finetune --recipe RECIPE`; CONFIG is under
+    configs/accelerate/ unless it names a path in the repository; `env` is added to the children's environment."""
     return subprocess.run(
         [
             sys.executable,
             "-m",
             "accelerate.commands.launch",
             "--config_file",
-            f"configs/accelerate/{config}",
+            config if "/" in config else f"configs/accelerate/{config}",
             "--main_process_port",
             str(free_port()),
             *options,
@@ -85,11 +92,16 @@ def launch(config: str, recipe: Path, *options: str) -> subprocess.CompletedProc
             "--no-progress",
         ],
         cwd=REPO,
-        env=child_process_env(DS_ACCELERATOR="cpu"),  # DeepSpeed finds the CPU by itself; this skips its probe
+        env=child_process_env(DS_ACCELERATOR="cpu", **env),  # DeepSpeed finds the CPU by itself; this skips its probe
         capture_output=True,
         text=True,
         timeout=600,  # the first DeepSpeed run on a machine compiles its shared-memory op (about a minute)
     )
+
+
+def with_python_path(folder: Path) -> str:
+    """PYTHONPATH with `folder` first (its sitecustomize.py is imported at start-up)."""
+    return os.pathsep.join([str(folder), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def assert_same_tensors(a: Path, b: Path) -> None:
@@ -135,3 +147,27 @@ def test_fsdp_on_cpu_processes_is_refused_not_run_as_ddp(tiny_checkpoint, texts,
     )
     assert "set up MULTI_CPU (no sharding) instead; it runs FSDP only on GPUs" in launched.stderr
     assert not output.exists()
+
+
+@pytest.mark.slow  # 2 processes, about 30 s on 2 cores
+def test_fsdp2_on_two_cpu_processes_matches_one_process(one_process, tiny_checkpoint, texts, tmp_path):
+    """ctxext's own FSDP path (FSDP2: fully_shard, DTensor parameters, accelerate's sharded checkpoint and
+    get_state_dict) as 2 CPU processes, with accelerate's device gate opened in the children only (FSDP_ON_CPU)."""
+    output = tmp_path / "run"
+    recipe = write_recipe(tmp_path, tiny_checkpoint, texts, output, **CHANGES)
+    launched = launch(str(FSDP_ON_CPU / "fsdp-cpu.yaml"), recipe, PYTHONPATH=with_python_path(FSDP_ON_CPU))
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert launched.stdout.count("fine-tuned ") == 1  # only the main process reports and writes
+
+    run, oracle = (json.loads((path / "run.json").read_text()) for path in (output, one_process))
+    assert (run["processes"], run["distributed_type"]) == (2, "DistributedType.FSDP")
+    assert run["parameters"] == oracle["parameters"]  # counted whole, though each process holds only its shard
+    assert (output / "checkpoints" / "step-000004" / "accelerate").is_dir()  # accelerate's sharded FSDP state
+
+    got, want = read_metrics(output), read_metrics(one_process)
+    assert [r["step"] for r in got if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert_same_numbers(got, want, tol=TOLERANCE)
+    assert_same_tensors(
+        one_process / "adapter" / "adapter_model.safetensors", output / "adapter" / "adapter_model.safetensors"
+    )
+    assert_same_tensors(one_process / "merged" / "model.safetensors", output / "merged" / "model.safetensors")

@@ -4,10 +4,12 @@ protocol (docs/METHODS.md), shared out over the processes and written to the met
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING
 
 import torch
+from accelerate.utils import DistributedType
 
 from ..eval.data import load_documents, tokenizer_adds_bos
 from ..eval.perplexity import evaluation_mode, perplexity, window_nll
@@ -96,16 +98,21 @@ def evaluate(setup: Setup, model, lengths: list[int], switch: bool = True) -> di
     accelerator = runtime.accelerator
     share = not runtime.sharded and accelerator.num_processes > 1
     rank, world = (accelerator.process_index, accelerator.num_processes) if share else (0, 1)
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    scorer = WholeForward(model) if fsdp else model
+    # FSDP2 keeps the buffers it gathers parameters into and reuses them in training: gathered under inference
+    # mode they would be inference tensors, which training may not write. Under FSDP, no_grad instead.
+    no_inference_mode = torch.inference_mode(False) if fsdp else contextlib.nullcontext()
     results = {}
     switched = rotary_switch(setup.mixed_window and switch, model, setup.original_length)
-    with accelerator.autocast(), evaluation_mode(model), switched:
+    with accelerator.autocast(), evaluation_mode(model), no_inference_mode, torch.no_grad(), switched:
         for plan in [
             plan_length(setup.eval_documents, n, setup.recipe.eval.stride, setup.bos_token_id) for n in lengths
         ]:
             nll = 0.0
             for index in range(rank, len(plan.windows), world):
                 window = plan.windows[index]
-                nll += window_nll(model, setup.eval_documents[window.doc].ids, window, setup.bos_token_id)
+                nll += window_nll(scorer, setup.eval_documents[window.doc].ids, window, setup.bos_token_id)
             if share:
                 nll = float(
                     accelerator.reduce(
@@ -114,6 +121,20 @@ def evaluate(setup: Setup, model, lengths: list[int], switch: bool = True) -> di
                 )
             results[plan.length] = perplexity(nll, plan.scored_tokens)
     return results
+
+
+class WholeForward(torch.nn.Module):
+    """The model, scored through its own forward only. Under FSDP2 the root module's forward hooks gather the
+    parameters no layer's FSDP unit holds (the embeddings, the final norm, the LM head); window_nll's faster path
+    (the decoder, then the head in chunks) would call those modules directly, on their shards. Through the model's
+    forward it keeps the scored positions' logits only (logits_to_keep), so the score is the same."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **inputs):
+        return self.model(**inputs)
 
 
 def base_reference(setup: Setup, model) -> float:
