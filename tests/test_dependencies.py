@@ -23,6 +23,7 @@ OPTIONAL_IMPORTS = {
     "cma": "search",
     "sqlalchemy": "search",
     "llama_cpp": "llamacpp",
+    "deepspeed": "deepspeed",
 }
 # Optional modules the test extra does not install (llama-cpp-python compiles llama.cpp): module -> distribution.
 NOT_INSTALLED_BY_TESTS = {"llama_cpp": "llama-cpp-python"}

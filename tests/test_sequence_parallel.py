@@ -225,3 +225,55 @@ def test_sp_size_without_deepspeed_launch_is_a_one_line_error(tiny_checkpoint, t
     assert error.count("\n") == 0
     assert "parallel.sp_size=2 runs under DeepSpeed: launch with `accelerate launch" in error
     assert not output.exists()
+
+
+@pytest.mark.slow  # 2 steps as one process, then as 4 under ZeRO-3 (about a minute on 2 cores)
+def test_the_llama3_8b_64k_recipe_runs_on_a_tiny_llama3_as_4_processes(texts, tmp_path):
+    """configs/recipes/llama3-8b-yarn-64k-sp4.yaml with its parallel settings (sp_size 4, ZeRO-3, gradient
+    checkpointing, yarn x8, a global batch of 8) on a tiny LLaMA with Llama 3's rope base; only the model, the
+    lengths (L = 64 -> 512), the data, fp32 and SDPA (no GPU) and the step count change. 4 processes form one SP
+    group; the tiny model's 2 key/value heads are each replicated to 2 processes."""
+    checkpoint = save_bpe_llama(tmp_path / "tiny-llama3", rope_theta=500000.0)
+    train, held_out = texts
+    changes = [
+        f"model={checkpoint}",
+        "seq_len=512",
+        "train.max_steps=2",
+        "train.precision=fp32",
+        "train.attn_implementation=sdpa",
+        "train.checkpoint_every=0",
+        "lora.dropout=0",
+        "data.dataset=null",
+        f"data.text_files=[{train}]",
+        "eval.dataset=null",
+        f"eval.text_files=[{held_out}]",
+        "eval.lengths=[512,64]",
+        "eval.stride=64",
+        "eval.every=2",
+    ]
+    recipe = ["--recipe", "configs/recipes/llama3-8b-yarn-64k-sp4.yaml", "--no-progress"]
+    one, four = tmp_path / "one", tmp_path / "four"
+    alone = subprocess.run(
+        [sys.executable, "-m", "ctxext", "finetune", *recipe, f"output_dir={one}", "parallel.sp_size=1", *changes],
+        cwd=REPO,
+        env=child_process_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    launched = accelerate_launch(
+        "--num_processes",
+        "4",
+        "-m",
+        "ctxext",
+        "finetune",
+        *recipe,
+        f"output_dir={four}",
+        *changes,
+        config="deepspeed-zero3-cpu.yaml",
+    )
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    run = json.loads((four / "run.json").read_text())
+    assert (run["processes"], run["distributed_type"]) == (4, "DistributedType.DEEPSPEED")
+    assert_same_numbers(read_metrics(four), read_metrics(one), tol=LOSS_TOLERANCE)

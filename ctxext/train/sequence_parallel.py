@@ -23,12 +23,15 @@ scores whole windows itself.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from accelerate.parallelism_config import ParallelismConfig
 from accelerate.utils import DeepSpeedSequenceParallelConfig, parse_flag_from_env
 
+from ..compat import attention_implementation
 from ..errors import CtxextError
 from ..extras import require
 from ..patching.families import rope_parameters_of, rotary_host
@@ -100,7 +103,24 @@ def hand_attention_to_ulysses(accelerator, model) -> None:
 
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     handler = accelerator.parallelism_config.sp_handler
-    handler.sp_attn_implementation = model.config._attn_implementation
+    handler.sp_attn_implementation = attention_implementation(model.config)
+    keep_head_groups_for_evaluation(model)
+
+
+def keep_head_groups_for_evaluation(model) -> None:
+    """Where the SP group is larger than the model's key/value heads, Ulysses replicates them and, in a training
+    forward, sets each attention module's `num_key_value_groups` to the replicated ratio, for good (DeepSpeed
+    0.19.8, UlyssesSPAttentionHF.forward); an evaluation forward, which bypasses Ulysses, would then pair 2 query
+    heads with 1 key head. A pre-hook puts the model's own ratio back before every forward in eval mode."""
+    for module in model.modules():
+        groups = getattr(module, "num_key_value_groups", None)
+        if isinstance(groups, int) and hasattr(module, "layer_idx"):
+            module.register_forward_pre_hook(functools.partial(_own_head_groups, groups=groups))
+
+
+def _own_head_groups(module, args, groups: int) -> None:
+    if not module.training:
+        module.num_key_value_groups = groups
 
 
 def sequence_parallel_group():

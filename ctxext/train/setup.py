@@ -14,6 +14,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, parse_flag_from_env, set_seed
 
+from .. import compat
 from ..errors import CtxextError
 from ..loading import load_model, load_tokenizer
 from ..outputs import check_overlap
@@ -193,7 +194,7 @@ def load_patched_model(recipe: Recipe, runtime: Runtime, progress: bool = True):
     )
     original_length = int(model.config.max_position_embeddings)
     recipe.method.apply(model)
-    check_model(model, recipe.parallel.sp_size, model.config._attn_implementation)
+    check_model(model, recipe.parallel.sp_size, compat.attention_implementation(model.config))
     original_length = applied_method(model)["original_max_position_embeddings"] or original_length
     limit = supported_length(model)
     if limit is not None and recipe.seq_len > limit:
@@ -217,7 +218,13 @@ def mixed_window_length(recipe: Recipe, model, original_length: int) -> int | No
     if not recipe.mixed_window.enabled:
         return None
     check_switchable(model, recipe.method.label)
-    return short_length_for(recipe.mixed_window, original_length)
+    short = short_length_for(recipe.mixed_window, original_length)
+    if short % recipe.parallel.sp_size:
+        raise CtxextError(
+            f"parallel.sp_size={recipe.parallel.sp_size} must divide the mixed window's short sequences ({short} "
+            "tokens; mixed_window.short_length): each process takes an equal slice"
+        )
+    return short
 
 
 def with_lora(model, recipe: Recipe):
