@@ -12,6 +12,7 @@ attention function on the whole sequence, for half of the heads on each process)
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -21,13 +22,16 @@ import pytest
 import torch
 
 from ctxext.cli import main as ctxext_main
+from ctxext.errors import CtxextError
 from ctxext.train.recipe import load_recipe
+from ctxext.train.sequence_parallel import check_model
 from tests.helpers import (
     assert_same_numbers,
     child_process_env,
     free_port,
     read_metrics,
     save_bpe_llama,
+    tiny_model,
     write_finetune_texts,
     write_recipe,
 )
@@ -205,7 +209,7 @@ def test_a_short_finetune_with_sp_2_logs_the_one_process_losses(tiny_checkpoint,
     launched = accelerate_launch("-m", "ctxext", "finetune", "--recipe", str(recipe), "--no-progress")
     assert launched.returncode == 0, launched.stderr[-3000:]
     run = json.loads((two / "run.json").read_text())
-    assert (run["processes"], run["distributed_type"]) == (2, "DistributedType.DEEPSPEED")
+    assert (run["processes"], run["sequence_parallel"], run["distributed_type"]) == (2, 2, "DistributedType.DEEPSPEED")
     got, want = read_metrics(two), read_metrics(one)
     assert [r["step"] for r in got if r["kind"] == "train"] == [1, 2, 3, 4]
     assert_same_numbers(got, want, tol=LOSS_TOLERANCE)
@@ -275,5 +279,33 @@ def test_the_llama3_8b_64k_recipe_runs_on_a_tiny_llama3_as_4_processes(texts, tm
     )
     assert launched.returncode == 0, launched.stderr[-3000:]
     run = json.loads((four / "run.json").read_text())
-    assert (run["processes"], run["distributed_type"]) == (4, "DistributedType.DEEPSPEED")
+    assert (run["processes"], run["sequence_parallel"], run["distributed_type"]) == (4, 4, "DistributedType.DEEPSPEED")
     assert_same_numbers(read_metrics(four), read_metrics(one), tol=LOSS_TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    "config, sp_size, attention, message",
+    [
+        (
+            {},
+            3,
+            "sdpa",
+            "parallel.sp_size=3 must divide the model's 4 attention heads and divide (or be a multiple of)",
+        ),
+        ({}, 2, "eager", "parallel.sp_size needs train.attn_implementation sdpa or flash_attention_2"),
+        (
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+            2,
+            "sdpa",
+            "the model's own 'dynamic' rotary reads the length from each process's slice of the sequence; patch it "
+            "with ctxext's method (method: dynamic_ntk)",
+        ),
+    ],
+    ids=["heads", "eager", "own dynamic rotary"],
+)
+def test_what_sequence_parallelism_cannot_honour_is_refused_before_training(config, sp_size, attention, message):
+    model = tiny_model("llama", **config)  # 4 heads over 2 key/value heads
+    with pytest.raises(CtxextError, match=re.escape(message)):
+        check_model(model, sp_size, attention)
+    check_model(tiny_model("llama"), 2, "sdpa")  # 2 of 4 heads, 1 of 2 key/value heads a process: accepted
+    check_model(tiny_model("llama"), 4, "sdpa")  # key/value heads replicated: accepted

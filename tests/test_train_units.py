@@ -43,6 +43,7 @@ def test_paper_recipe_file_matches_the_paper():
         "configs/recipes/tiny-cpu.yaml",
         "configs/recipes/mistral-7b-yarn-16k.yaml",
         "configs/recipes/qwen2.5-0.5b-pose-64k.yaml",
+        "configs/recipes/llama3-8b-yarn-64k-sp4.yaml",
     ],
 )
 def test_shipped_recipes_load(path):

@@ -148,6 +148,7 @@ def write_run_record(setup: Setup, model, resume: bool, start_step: int) -> None
         if setup.mixed_window
         else None,
         "processes": runtime.accelerator.num_processes,
+        "sequence_parallel": runtime.sp_size,  # processes to a sequence (parallel.sp_size)
         "distributed_type": str(runtime.accelerator.distributed_type),
         "device": str(runtime.accelerator.device),
         "precision": runtime.precision,

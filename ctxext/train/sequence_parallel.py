@@ -74,7 +74,8 @@ def check_model(model, sp_size: int, attn_implementation: str) -> None:
     if sp_size == 1:
         return
     config = model.config.get_text_config()
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or 0
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads  # none: every head has its own keys
     if heads % sp_size or not (kv_heads % sp_size == 0 or sp_size % kv_heads == 0):
         raise CtxextError(
             f"parallel.sp_size={sp_size} must divide the model's {heads} attention heads and divide (or be a "
