@@ -313,6 +313,48 @@ def execution_device(placement: Placement) -> torch.device:
     return torch.device(f"cuda:{placed[0]}" if isinstance(placed[0], int) else placed[0])
 
 
+# ------------------------------------------------------------------------------------------ tensor parallel
+def check_tensor_parallel(tp: int, placement: Placement | None, device: str, config=None) -> None:
+    """Refuse, in one line and before any weight loads, what `--tp N` (transformers' tensor parallelism: each of
+    the N launched processes holds 1/N of every layer's heads and MLP) cannot take: a --device-map (one model
+    spread over devices by accelerate, where tensor parallelism spreads each layer), a --device other than the one
+    transformers puts each shard on (the machine's accelerator, else the CPU), a family with no tensor-parallel
+    plan, and query or key/value heads that do not split evenly over N processes. `config` None: the flags alone."""
+    if tp <= 1:
+        return
+    if placement is not None:
+        raise CtxextError(
+            f"--tp {tp} and --device-map both say where the model goes: tensor parallelism splits every layer over "
+            "the launched processes, a device map spreads the layers over one process's devices; give one"
+        )
+    accelerator = torch._C._get_accelerator().type  # where transformers puts each shard (LOCAL_RANK's device)
+    if device != "auto" and device.split(":")[0] != accelerator:
+        raise CtxextError(
+            f"--tp {tp} puts each process's shard on this machine's {accelerator} (transformers' choice, by LOCAL_RANK); "
+            f"--device {device} cannot be honoured: drop --device"
+        )
+    if config is not None:
+        check_tensor_parallel_model(tp, config)
+
+
+def check_tensor_parallel_model(tp: int, config) -> None:
+    """The model's side of `check_tensor_parallel`: a tensor-parallel plan, and heads that split evenly."""
+    if not getattr(config, "base_model_tp_plan", None):
+        raise CtxextError(
+            f"--tp {tp}: transformers has no tensor-parallel plan for model type '{config.model_type}' (its config's "
+            "base_model_tp_plan is empty); run it on one device or with --device-map"
+        )
+    text = getattr(config, "text_config", None) or config
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    for name, count in (("query heads", heads), ("key/value heads", kv_heads)):
+        if count is not None and count % tp:
+            raise CtxextError(
+                f"--tp {tp}: the model has {count} {name}, which do not split evenly over {tp} processes (each holds "
+                f"whole heads); use a --tp that divides {count}"
+            )
+
+
 # ---------------------------------------------------------------------------------- a dispatched model
 def offload_folder() -> str:
     """A fresh temporary folder for the weights offloaded to disk that the checkpoint cannot serve itself

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DistributedConfig
 from transformers.utils import logging as transformers_logging
 
-from .dispatch import Placement, check_placement, offload_folder, remove_folder
+from .dispatch import Placement, check_placement, check_tensor_parallel_model, offload_folder, remove_folder
 from .errors import CtxextError, first_line
 
 CAUSE_CHARS = 200  # each error's part of a one-line load error is shortened to this
@@ -77,30 +77,45 @@ def load_model(
     attn_implementation: str | None = None,
     progress: bool = True,
     placement: Placement | None = None,
+    tp: int = 1,
 ):
     """A causal LM from a local directory or a hub id, as a clear CtxextError when it cannot be loaded.
     `progress` False: without transformers' own bars (loading weights, downloads), as --no-progress promises.
     `placement` (ctxext.dispatch): accelerate places the model over devices, CPU and disk by its map, checked
-    against the model's config before any weight loads; the model is then not moved to `device`."""
+    against the model's config before any weight loads; the model is then not moved to `device`. `tp` > 1 (under a
+    launcher with that many processes): transformers' tensor parallelism (`DistributedConfig(tp_plan="auto")`), this
+    process's shard of every layer on its own device."""
     check_model_source(name_or_path)
     if placement is not None:
         check_placement(placement, load_config(name_or_path))
+    if tp > 1:
+        check_tensor_parallel_model(tp, load_config(name_or_path))
     bars_were_on = transformers_logging.is_progress_bar_enabled()
     if not progress:
         transformers_logging.disable_progress_bar()
     try:
-        model = _from_pretrained(name_or_path, dtype, attn_implementation, placement)
+        model = _from_pretrained(name_or_path, dtype, attn_implementation, placement, tp)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as error:
         # RuntimeError: weights whose shapes differ from the config's; SafetensorError: a damaged weights file
         raise CtxextError(f"could not load model '{name_or_path}': {describe_failure(error)}") from error
     finally:
         if bars_were_on and not progress:
             transformers_logging.enable_progress_bar()
-    return model.eval() if placement is not None else model.to(device).eval()
+    return model.eval() if placement is not None or tp > 1 else model.to(device).eval()
 
 
-def _from_pretrained(name_or_path: str, dtype, attn_implementation: str | None, placement: Placement | None):
-    """transformers' load; with a placement, accelerate's dispatch, and an offload folder that goes with the model."""
+def _from_pretrained(
+    name_or_path: str, dtype, attn_implementation: str | None, placement: Placement | None, tp: int = 1
+):
+    """transformers' load; with a placement, accelerate's dispatch, and an offload folder that goes with the model;
+    with `tp` > 1, transformers' tensor parallelism."""
+    if tp > 1:
+        return AutoModelForCausalLM.from_pretrained(
+            name_or_path,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            distributed_config=DistributedConfig(tp_plan="auto", tp_size=tp),
+        )
     if placement is None:
         return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn_implementation)
     folder = offload_folder()

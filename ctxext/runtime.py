@@ -8,6 +8,7 @@ where it is installed, else SDPA.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 from pathlib import Path
@@ -18,7 +19,7 @@ from accelerate.utils import broadcast_object_list, gather_object, parse_flag_fr
 from transformers.utils import is_flash_attn_2_available
 
 from .compat import reset_accelerate_state
-from .dispatch import Placement, check_machine, execution_device
+from .dispatch import Placement, check_machine, check_tensor_parallel, execution_device
 from .errors import CtxextError, first_line
 
 DTYPES = {
@@ -129,7 +130,9 @@ def inference_runtime(
 ) -> dict:
     """device, dtype and attention implementation for evaluation, with the reason for the dtype. With a
     `placement` (--device-map), the device is the one it runs on first (ctxext.dispatch.execution_device), and
-    the placement rides along under "placement" for the load."""
+    the placement rides along under "placement" for the load. Under `--tp N` (a `processes` with tp > 1) the
+    device is this process's, where transformers puts its shard, and "tp" says to load the model split."""
+    check_tensor_parallel(getattr(processes, "tp", 1), placement, device)
     check_machine(placement, device, processes.world_size)
     chosen = processes.device_for(device) if placement is None else execution_device(placement)
     torch_dtype = resolve_dtype(dtype, chosen)
@@ -141,6 +144,7 @@ def inference_runtime(
             attn_implementation, chosen, torch_dtype in (torch.bfloat16, torch.float16)
         ),
         "placement": placement,
+        "tp": getattr(processes, "tp", 1),
     }
 
 
@@ -157,16 +161,22 @@ class Processes:
     `cpu`: join the processes on the CPU (None: when there is no GPU). `always`: set up accelerate's state even
     for a single process (training needs it); a single process then starts from a fresh state, so one Python
     process can run several trainings (tests, the pretraining before a fine-tune).
+
+    `tp` > 1 (`--tp N`): the launched processes hold one model split by tensor parallelism, so every one of them
+    must run the same work: `rank`/`world_size` (how the work is shared) are then 0 and 1 on every process, while
+    `is_main` (who writes and prints) is the first process alone, and `from_main` reaches all of them.
     """
 
-    def __init__(self, cpu: bool | None = None, always: bool = False):
+    def __init__(self, cpu: bool | None = None, always: bool = False, tp: int = 1):
         self.state = None
-        self.rank, self.world_size = 0, 1
+        self.rank, self.world_size, self.tp, self.process_index, self.launched = 0, 1, 1, 0, 1
         launched = int(os.environ.get("WORLD_SIZE", "1"))
+        check_tensor_parallel_launch(tp, launched)
         if launched == 1 and not always:
             return
         self.state = PartialState(cpu=(not torch.cuda.is_available()) if cpu is None else cpu)
         self.rank, self.world_size = self.state.process_index, self.state.num_processes
+        self.process_index, self.launched = self.rank, self.world_size
         if launched > self.world_size:
             raise CtxextError(
                 f"launched as {launched} processes, but accelerate set up {self.world_size}: every process would "
@@ -175,10 +185,16 @@ class Processes:
             )
         if self.world_size == 1:
             reset_accelerate_state()
+        if tp > 1:  # one model over all the processes: each does all the work
+            self.rank, self.world_size, self.tp = 0, 1, tp
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.process_index == 0
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.tp > 1
 
     @property
     def device(self) -> torch.device | None:
@@ -188,7 +204,7 @@ class Processes:
     def device_for(self, requested: str) -> torch.device:
         """The device to run on: this process's own under several processes (or for 'auto' when accelerate is
         set up), else `resolve_device(requested)`."""
-        if self.state is not None and (self.world_size > 1 or requested == "auto"):
+        if self.state is not None and (self.launched > 1 or requested == "auto"):
             return self.state.device
         return resolve_device(requested)
 
@@ -197,6 +213,50 @@ class Processes:
         if self.world_size == 1:
             return list(items)
         return gather_object(list(items))
+
+    def from_main(self, value):
+        """The main process's `value`, on every launched process (tensor-parallel ranks included)."""
+        if self.launched == 1:
+            return value
+        box = [value if self.is_main else None]
+        broadcast_object_list(box)
+        return box[0]
+
+
+TP_LAUNCH = "torchrun --nproc-per-node N -m ctxext COMMAND ... --tp N (or accelerate launch --num_processes N)"
+
+
+def check_tensor_parallel_launch(tp: int, launched: int) -> None:
+    """--tp N needs N processes started by a launcher (torchrun, accelerate launch): one shard of the model each."""
+    if tp < 1:
+        raise CtxextError(f"--tp must be a whole number >= 1, got {tp}")
+    if tp == 1:
+        return
+    if launched == 1:
+        raise CtxextError(
+            f"--tp {tp} splits the model over {tp} processes, but this one was not launched: use {TP_LAUNCH}"
+        )
+    if launched != tp:
+        raise CtxextError(
+            f"--tp {tp}, but {launched} processes were launched (WORLD_SIZE): tensor parallelism splits the model over "
+            f"all of them, so give --tp {launched} or launch {tp}"
+        )
+
+
+@contextlib.contextmanager
+def alone():
+    """Within: `Processes()` is this process alone (WORLD_SIZE=1), then as launched again (accelerate's state, already
+    set up, is left as it is). What one process computes by itself (a compare's search on the main process; under
+    --tp every rank's own copy of the same work) must not share its trials with the other processes."""
+    launched = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = "1"
+    try:
+        yield
+    finally:
+        if launched is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = launched
 
 
 def launched_sharded() -> bool:
@@ -223,7 +283,7 @@ def on_main_first(processes: Processes, fn) -> None:
                 if isinstance(caught, CtxextError)
                 else f"the main process failed: {type(caught).__name__}: {first_line(caught)}"
             ]
-    if processes.world_size > 1:
+    if getattr(processes, "launched", processes.world_size) > 1:  # tensor-parallel ranks too
         broadcast_object_list(failure)
     if error is not None:
         raise error

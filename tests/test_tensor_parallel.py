@@ -1,6 +1,9 @@
 """ctxext's methods on a model split by transformers' own tensor parallelism (`DistributedConfig(tp_plan="auto")`
 under torchrun), 2 CPU processes over gloo.
 
+Every attention-level method is here, with log-n and a query temperature, and four frequency methods: none is
+refused under `--tp`.
+
 The oracle: the same checkpoint, one process, no split, the same method: the loss and the logits of 100 tokens
 (past L = 64, so every method acts) must be the same on both ranks to 1e-5 (fp32). The split is real: the
 projections are DTensors (each rank holds half of each).
@@ -18,13 +21,21 @@ from transformers import AutoModelForCausalLM
 import ctxext
 from tests.helpers import REPO, child_process_env, free_port, save_tiny_checkpoint, tiny_model
 
-CASES = {  # small windows, so that each attention-level method remaps at 100 tokens
-    "none": {},
-    "yarn": {"factor": 2},
-    "self_extend": {"factor": 2, "group_size": 4, "window": 8},
-    "dual_chunk": {"factor": 2, "chunk_size": 24, "local_window": 4},
-    "rerope": {"factor": 2, "window": 8},
-    "gali": {"factor": 2, "local_window": 3},
+CASES = {  # label -> (method, parameters); small windows, so that each attention-level method remaps at 100 tokens
+    "none": ("none", {}),
+    "yarn": ("yarn", {"factor": 2}),
+    "self_extend": ("self_extend", {"factor": 2, "group_size": 4, "window": 8}),
+    "dual_chunk": ("dual_chunk", {"factor": 2, "chunk_size": 24, "local_window": 4}),
+    "rerope": ("rerope", {"factor": 2, "window": 8}),
+    "gali": ("gali", {"factor": 2, "local_window": 3}),
+    "dpe": ("dpe", {"factor": 2}),
+    "string": ("string", {"factor": 2, "local_value": 8}),
+    "leaky_rerope": ("leaky_rerope", {"window": 6, "k": 4.0}),
+    "cope": ("cope", {"factor": 2}),
+    "longrope": ("longrope", {"factor": 2}),
+    "dynamic_yarn": ("dynamic_yarn", {"factor": 2}),
+    "rerope+logn": ("rerope", {"window": 8, "logn": True}),
+    "yarn+query_temperature": ("yarn", {"factor": 2, "query_temperature": 0.1}),
 }
 TOKENS = torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(0))
 
@@ -37,14 +48,14 @@ RANK_SCRIPT = textwrap.dedent("""
     checkpoint, tokens_path, out, cases = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     tokens = torch.load(tokens_path)
     results = {}
-    for method, params in cases.items():
+    for label, (method, params) in cases.items():
         model = AutoModelForCausalLM.from_pretrained(
             checkpoint, dtype=torch.float32, distributed_config=DistributedConfig(tp_plan="auto")
         )
         ctxext.patch(model, method, **params)
         with torch.no_grad():
             result = model(tokens, labels=tokens)
-        results[method] = {
+        results[label] = {
             "loss": float(result.loss),
             "logits": result.logits[0, -3:].tolist(),
             "weight": type(model.model.layers[0].self_attn.q_proj.weight).__name__,
@@ -69,17 +80,18 @@ def tensor_parallel_results(tmp_path_factory):
     return checkpoint, ranks
 
 
-@pytest.mark.parametrize("method", list(CASES))
-def test_two_tensor_parallel_ranks_give_the_single_process_numbers(tensor_parallel_results, method):
+@pytest.mark.parametrize("label", list(CASES))
+def test_two_tensor_parallel_ranks_give_the_single_process_numbers(tensor_parallel_results, label):
     checkpoint, ranks = tensor_parallel_results
-    model = ctxext.patch(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32), method, **CASES[method])
+    method, params = CASES[label]
+    model = ctxext.patch(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32), method, **params)
     with torch.no_grad():
         single = model(TOKENS, labels=TOKENS)
     for rank in ranks:
-        assert rank[method]["weight"] == "DTensor"  # the projections really are split
-        assert rank[method]["loss"] == pytest.approx(float(single.loss), abs=1e-5)
-        torch.testing.assert_close(torch.tensor(rank[method]["logits"]), single.logits[0, -3:], atol=1e-5, rtol=1e-5)
-    if method != "none":  # the method acts on these 100 tokens: a patch lost under the split would show
+        assert rank[label]["weight"] == "DTensor"  # the projections really are split
+        assert rank[label]["loss"] == pytest.approx(float(single.loss), abs=1e-5)
+        torch.testing.assert_close(torch.tensor(rank[label]["logits"]), single.logits[0, -3:], atol=1e-5, rtol=1e-5)
+    if label != "none":  # the method acts on these 100 tokens: a patch lost under the split would show
         plain = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
         with torch.no_grad():
             assert (plain(TOKENS).logits - single.logits).abs().max() > 1e-5

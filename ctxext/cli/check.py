@@ -105,7 +105,14 @@ def add_arguments(parser) -> None:
         "exists) and this machine (devices present, memory there); the agreement and cost models still run on --device",
     )
     add_placement_arguments(placement, help_suffix=" (checked here against --model, which it needs)")
+    placement.add_argument("--tp", type=int, metavar="N", help=TP_CHECK_HELP)
     add_alias(parser, "--methods", "--method")
+
+
+TP_CHECK_HELP = (
+    "check that --model splits over N tensor-parallel processes (`--tp N` of eval, passkey, search): transformers "
+    "has a tensor-parallel plan for its family and N divides its query and key/value heads; nothing is launched"
+)
 
 
 def run(args) -> int:
@@ -117,6 +124,7 @@ def run(args) -> int:
     if args.output is not None:
         check_output_dir(args.output, [], overwrite=False)
     _check_device_map(args)
+    _check_tensor_parallel(args)
     options = CheckOptions(
         device=args.device,
         model=args.model,
@@ -152,6 +160,22 @@ def _check_device_map(args) -> None:
     check_placement(placement, load_shape(args.model))
     what = "the explicit map" if placement.explicit else f"--device-map {placement.device_map}"
     print(f"device map: {what} fits {args.model} on this machine (every weight placed, the devices here)\n")
+
+
+def _check_tensor_parallel(args) -> None:
+    """--tp N: checked against --model's config (its family's plan, its heads), and said so."""
+    from ..dispatch import check_tensor_parallel, placement_from_flags
+    from ..runtime import check_tensor_parallel_launch
+    from ..verification.check import load_shape
+
+    if args.tp is None:
+        return
+    if args.model is None:
+        raise CtxextError("--tp is checked against a model's heads and family: give --model")
+    check_tensor_parallel_launch(args.tp, args.tp)  # a whole number >= 1
+    config = load_shape(args.model)
+    check_tensor_parallel(args.tp, placement_from_flags(args.device_map, args.max_memory), "auto", config)
+    print(f"tensor parallel: {args.model} splits over {args.tp} processes (transformers' plan, whole heads each)\n")
 
 
 def _tables(result, options) -> str:

@@ -279,6 +279,7 @@ def add_runtime_arguments(
             help="start each window with BOS: auto = when the tokenizer adds BOS (default)",
         )
     add_placement_arguments(group)
+    group.add_argument("--tp", type=int, default=1, metavar="N", help=TP_HELP)
     group.add_argument("--no-progress", action="store_true", help=progress_help)
     if decoding:
         group.add_argument(
@@ -299,6 +300,11 @@ DEVICE_MAP_HELP = (
     '"model.norm": 0, "lm_head": 0}\'; every weight needs a device. Modules on cpu or disk are offloaded: their '
     "weights wait in CPU memory or on disk and run on the map's first GPU (on the CPU where the map names none), "
     "so disk offload is slow. Checked against the model's config before any weight loads"
+)
+TP_HELP = (
+    "tensor parallelism: split every layer of the model over the N processes a launcher started, "
+    "`torchrun --nproc-per-node N -m ctxext COMMAND ... --tp N` (transformers' tp_plan='auto'; each process holds "
+    "1/N of the heads, all run the same work, the first one writes); not with --device-map. Default 1"
 )
 MAX_MEMORY_HELP = (
     "with --device-map auto/balanced/sequential: the most each device may hold, e.g. 0=20GiB,1=20GiB,cpu=60GiB "

@@ -7,8 +7,12 @@ from .common import method_selection  # noqa: F401  (the commands' method rows)
 
 
 def runtime_options(args):
+    from ..dispatch import check_tensor_parallel
     from ..eval.setup import RuntimeOptions
 
+    placement = placement_from_args(args)
+    # the flags alone, before anything is launched or loaded
+    check_tensor_parallel(getattr(args, "tp", 1), placement, args.device)
     return RuntimeOptions(
         device=args.device,
         dtype=args.dtype,
@@ -16,7 +20,8 @@ def runtime_options(args):
         bos=getattr(args, "bos", "auto"),
         progress=not args.no_progress,
         kept_keys=not getattr(args, "no_kept_keys", False),
-        placement=placement_from_args(args),
+        placement=placement,
+        tp=getattr(args, "tp", 1),
     )
 
 

@@ -281,6 +281,8 @@ def run(args) -> int:
     from ..search.workflow import run_search
 
     result = run_search(request_from_args(args), log=lambda line: print(line, flush=True))
+    if result is None:  # under --tp, a process other than the first: it scored the trials with it, and writes nothing
+        return 0
     _print_summary(result.results, result.output)
     return 0
 

@@ -275,7 +275,16 @@ def estimate_screen(plan: ComparePlan, throughput: float) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ plan
+TP_REFUSAL = (
+    "--tp {tp}: compare shares its cells among the launched processes and runs its searches on the first process "
+    "while the others wait, but tensor-parallel processes must each run every forward; use `ctxext eval --tp` and "
+    "`ctxext search --tp` (which do), or compare a model larger than one device with --device-map"
+)
+
+
 def check_request(request: CompareRequest) -> None:
+    if request.runtime.tp > 1:
+        raise CtxextError(TP_REFUSAL.format(tp=request.runtime.tp))
     check_objective(request.objective)
     if not request.lengths:
         raise CtxextError("--lengths: give at least one length, e.g. 16k,32k")

@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import time
 import uuid
@@ -27,7 +26,7 @@ from pathlib import Path
 
 from accelerate.utils import broadcast_object_list
 
-from ..runtime import on_main_first
+from ..runtime import alone, on_main_first  # noqa: F401  (alone: this module's word for it)
 
 SYNC_DIR = ".processes"  # under the cache folder: one folder per launched compare, removed when it finishes
 POLL_SECONDS = 0.2
@@ -36,20 +35,6 @@ POLL_SECONDS = 0.2
 def my_share(items: list, rank: int, world_size: int) -> list:
     """The items whose index is congruent to `rank` modulo `world_size`: each item on exactly one process."""
     return [item for index, item in enumerate(items) if index % world_size == rank]
-
-
-@contextlib.contextmanager
-def alone():
-    """Within: `ctxext.runtime.Processes()` is this process alone (WORLD_SIZE=1), then as launched again."""
-    launched = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = "1"
-    try:
-        yield
-    finally:
-        if launched is None:
-            del os.environ["WORLD_SIZE"]
-        else:
-            os.environ["WORLD_SIZE"] = launched
 
 
 def broadcast(value, processes):

@@ -107,7 +107,11 @@ def evaluate_passkey(request: PasskeyRequest, report=None) -> PasskeyResult:
         "accuracy_by_length": by_length,
         "accuracy_by_depth": by_depth,
         "trials": records,
-        "runtime": {"processes": processes.world_size, "seconds": time.perf_counter() - started},
+        "runtime": {
+            "processes": processes.launched,
+            "tensor_parallel": processes.tp,
+            "seconds": time.perf_counter() - started,
+        },
         "environment": provenance(),
     }
     table = passkey_table(by_length, labels, request.lengths)

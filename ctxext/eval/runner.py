@@ -208,9 +208,7 @@ def _cached_cells(cells, keys: list[dict], processes: Processes) -> list[dict | 
     if cells is None:
         return [None] * len(keys)
     found = [cells.get(key) for key in keys] if processes.is_main else None
-    if processes.world_size > 1:
-        found = processes.gather([found] if processes.is_main else [])[0]
-    return found
+    return processes.from_main(found)  # every process (tensor-parallel ranks too) skips the same cells
 
 
 def _cached_score(method: EvalMethod, record: dict) -> Score:

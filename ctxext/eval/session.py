@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..compat import hub_commit
-from ..dispatch import placement_summary
+from ..dispatch import check_tensor_parallel_model, placement_summary
 from ..errors import CtxextError
 from ..loading import load_config
 from ..outputs import content_fingerprint
@@ -42,19 +42,26 @@ class EvalSession:
 
     @classmethod
     def open(cls, name: str, selection: MethodSelection, options: RuntimeOptions, processes=None) -> EvalSession:
-        processes = processes or Processes(cpu=cpu_processes(options.device))
         check_methods_apply(name, selection)
+        if options.tp > 1:  # before anything is launched: a model that cannot be split is refused here
+            check_tensor_parallel_model(options.tp, load_config(name))
+        processes = processes or Processes(cpu=cpu_processes(options.device), tp=options.tp)
+        if getattr(processes, "tp", 1) != options.tp:
+            raise CtxextError(
+                f"--tp {options.tp}, but these processes were set up without it (ctxext.runtime.Processes)"
+            )
         model, tokenizer, runtime = load_model_and_tokenizer(name, options, processes)
         methods = [dataclasses.replace(m, kept_keys=options.kept_keys) for m in method_rows(selection, model.config)]
         bos_id, bos_info = bos_choice(options.bos, tokenizer)
         return cls(name, model, tokenizer, runtime, options, processes, methods, bos_id, bos_info)
 
     def runtime_line(self) -> str:
-        runtime, world = self.runtime, self.processes.world_size
+        runtime, world, tp = self.runtime, self.processes.world_size, self.processes.tp
         placed = placement_summary(self.model)
         return (
             f"{runtime['dtype']} ({runtime['dtype_reason']}) on {runtime['device']}, "
             f"{runtime['attn_implementation']}{f', {world} processes' if world > 1 else ''}"
+            f"{f', tensor parallel over {tp} processes' if tp > 1 else ''}"
             f"{f'; {placed}' if placed else ''}"
         )
 

@@ -26,7 +26,9 @@ class RuntimeOptions:
     ('auto': when the tokenizer adds one), whether to show a progress bar, and whether attention-level methods
     keep their rotated keys between decode steps (False: less memory, slower decoding, the same results).
     `placement` (--device-map/--max-memory, ctxext.dispatch): accelerate spreads the model over devices, CPU and
-    disk instead of putting it on `device`."""
+    disk instead of putting it on `device`. `tp` > 1 (`--tp N`, under a launcher of N processes): transformers'
+    tensor parallelism splits every layer over the processes, which all run the same work (ctxext.runtime.Processes).
+    """
 
     device: str = "auto"
     dtype: str = "auto"
@@ -35,6 +37,7 @@ class RuntimeOptions:
     progress: bool = True
     kept_keys: bool = True
     placement: Placement | None = None
+    tp: int = 1
 
 
 @dataclass
@@ -81,6 +84,7 @@ def load_model_and_tokenizer(name: str, runtime: RuntimeOptions, processes) -> t
         attn_implementation=resolved["attn_implementation"],
         progress=runtime.progress,
         placement=runtime.placement,
+        tp=resolved["tp"],
     )
     return model, tokenizer, resolved
 
@@ -120,6 +124,7 @@ def model_description(name: str, model, runtime: dict) -> dict:
         "device": str(runtime["device"]),
         "attn_implementation": runtime["attn_implementation"],
         **placement_description(model, runtime.get("placement")),
+        **({"tensor_parallel": runtime["tp"]} if runtime.get("tp", 1) > 1 else {}),
     }
 
 

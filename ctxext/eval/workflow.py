@@ -216,7 +216,8 @@ def _result(request, session, docs, plans, scores, error, started) -> Perplexity
         "error": None if error is None else f"{type(error).__name__}: {first_line(error)}",
         "missing_cells": missing,
         "runtime": {
-            "processes": session.processes.world_size,
+            "processes": session.processes.launched,  # under --tp N: the N processes that hold the model together
+            "tensor_parallel": session.processes.tp,
             "seconds": time.perf_counter() - started,
             "cells_computed": sum(not s.cached for s in scores),
             "cells_cached": sum(s.cached for s in scores),

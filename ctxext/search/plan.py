@@ -277,7 +277,7 @@ def plan_search(request: SearchRequest) -> SearchPlan:
         runtime.device,
         runtime.dtype,
         runtime.attn_implementation,
-        Processes(cpu=runtime.device == "cpu" or None),
+        Processes(cpu=runtime.device == "cpu" or None, tp=runtime.tp),
         runtime.placement,
     )
     if runtime.placement is not None:  # a bad map fails here, before the study is written

@@ -24,9 +24,10 @@ from ..outputs import provenance, write_json
 from ..patching import pair_selection
 from ..patching.record import model_rope_record, rope_record
 from . import session
-from .objective import Objective, method_config
+from .objective import method_config
 from .plan import SearchPlan, SearchRequest, plan_search
 from .store import TrialStore, read_trials, storage_url
+from .tensor_parallel import Leader, follow, held_out_scorer, make_objective, tensor_parallel_processes
 
 
 @dataclass
@@ -44,9 +45,15 @@ class SearchResult:
         return self.settings.to_dict()
 
 
-def run_search(request: SearchRequest, log: Callable[[str], None] | None = None, model=None) -> SearchResult:
+def run_search(
+    request: SearchRequest, log: Callable[[str], None] | None = None, model=None, leader: Leader | None = None
+) -> SearchResult | None:
     """Plan, search and write the results of `request`; `log` receives a few lines of progress. `model`: the model
-    already loaded as the request's runtime asks (`ctxext compare` runs many searches on one model); None loads it."""
+    already loaded as the request's runtime asks (`ctxext compare` runs many searches on one model); None loads it.
+    Under --tp N (request.runtime.tp) the processes search together (ctxext.search.tensor_parallel): the first one
+    returns the result, the others None."""
+    if request.runtime.tp > 1 and leader is None:
+        return run_tensor_parallel_search(request, log)
     started = time.perf_counter()
     say = log or (lambda line: None)
     plan = plan_search(request)  # every check that needs no model: bad input fails here, before anything is written
@@ -67,7 +74,7 @@ def run_search(request: SearchRequest, log: Callable[[str], None] | None = None,
         write_json(out / session.SEARCH_FILE, plan.settings.to_dict())  # search.json records the pairs measured
     store.export_to = out / session.TRIALS_FILE
     say(header(plan, mode))
-    history = run_with_workers(plan, model, store)
+    history = run_with_workers(plan, model, store, leader)
     best = session.best_trial(history)
     if best is None:
         raise CtxextError(f"no trial of the search in '{out}' gave a score (see {session.TRIALS_FILE})")
@@ -75,13 +82,30 @@ def run_search(request: SearchRequest, log: Callable[[str], None] | None = None,
     held_out = {}
     if plan.held_out:
         say(f"re-scoring on {len(plan.held_out)} held-out documents ...")
-        held_out = session.held_out_scores(
-            plan.settings, history, model, plan.held_out, plan.bos_id, baseline=request.baseline
-        )
+        score = held_out_scorer(plan, model, request.baseline)
+        held_out = score(history) if leader is None else leader.held_out(history, score)
+    if leader is not None:
+        leader.stop()  # nothing below runs the model
     del model  # the checkpoint is written from the source's weights
     checkpoint = write_checkpoint(plan, best, out) if request.checkpoint else None
     results = write_results(plan, store, history, held_out, checkpoint, time.perf_counter() - started)
     return SearchResult(out, plan.settings, results, history, resumed=mode == "resume")
+
+
+def run_tensor_parallel_search(request: SearchRequest, log: Callable[[str], None] | None) -> SearchResult | None:
+    """`--tp N`: every process loads its shard of the model; the first searches (`Leader`), the others score what
+    it scores (`follow`) until it is done, also when it fails."""
+    processes = tensor_parallel_processes(request)
+    plan = plan_search(request)
+    model = load_search_model(plan)
+    if not processes.is_main:
+        follow(processes, plan, model)
+        return None
+    leader = Leader(processes)
+    try:
+        return run_search(request, log, model=model, leader=leader)
+    finally:
+        leader.stop()
 
 
 def open_store(request: SearchRequest, settings: dict) -> TrialStore:
@@ -97,6 +121,7 @@ def load_search_model(plan: SearchPlan):
         attn_implementation=runtime["attn_implementation"],
         progress=plan.request.runtime.progress,
         placement=runtime["placement"],
+        tp=runtime["tp"],
     )
 
 
@@ -135,25 +160,18 @@ def header(plan: SearchPlan, mode: str) -> str:
     return text
 
 
-def search_trials(plan: SearchPlan, model, store, progress=None) -> list[dict]:
-    """This process's share of the trials: until the study has the requested number finished."""
+def search_trials(plan: SearchPlan, model, store, progress=None, leader: Leader | None = None) -> list[dict]:
+    """This process's share of the trials: until the study has the requested number finished. With a `leader`
+    (--tp), the other processes score each trial too."""
     settings = plan.settings
-    objective = Objective(
-        settings.objective,
-        settings.base,
-        model,
-        plan.tokenizer,
-        plan.calibration,
-        settings.length,
-        settings.stride,
-        plan.bos_id,
-        plan.passkey_trials,
-    )
+    objective = make_objective(plan, model)
+    if leader is not None:
+        objective = leader.objective(objective)
     record = model_rope_record(model)
     return session.run_trials(settings, objective, store, plan.request.trials, record.rotary_dim, record.base, progress)
 
 
-def run_with_workers(plan: SearchPlan, model, store) -> list[dict]:
+def run_with_workers(plan: SearchPlan, model, store, leader: Leader | None = None) -> list[dict]:
     """The trials, run here and in `workers - 1` more processes (spawned: each loads the model itself)."""
     request = plan.request
     context = multiprocessing.get_context("spawn")
@@ -162,7 +180,7 @@ def run_with_workers(plan: SearchPlan, model, store) -> list[dict]:
         helper.start()
     progress = _progress(request, plan.settings.method)
     try:
-        search_trials(plan, model, store, progress)
+        search_trials(plan, model, store, progress, leader)
     except BaseException:
         for helper in helpers:
             helper.terminate()  # their running trials are queued again when the search resumes
