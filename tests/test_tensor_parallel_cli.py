@@ -19,7 +19,16 @@ from transformers import LlamaConfig
 
 from ctxext.dispatch import check_tensor_parallel_model
 from ctxext.errors import CtxextError
-from tests.helpers import REPO, child_process_env, free_port, run_cli, save_tiny_checkpoint, tiny_model, write_documents
+from tests.helpers import (
+    REPO,
+    child_process_env,
+    free_port,
+    run_cli,
+    save_smollm2_llama,
+    save_tiny_checkpoint,
+    tiny_model,
+    write_documents,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")
 
@@ -105,6 +114,25 @@ def test_search_tp2_runs_the_single_process_trials(checkpoint, texts, tmp_path, 
     assert held[1] == pytest.approx(held[0], rel=1e-5)
 
 
+@pytest.mark.slow  # RULER's needle at 4096 with SmolLM2's tokenizer, one process and 2 (about 70 s)
+def test_tasks_tp2_gives_the_single_process_answers(smollm2_path, tmp_path, capsys):
+    """Every process is lm-eval's rank 0 and answers every request on its half of the heads; the first writes."""
+    checkpoint = save_smollm2_llama(tmp_path / "ruler-tiny", smollm2_path, 2048, attention_std=0.3)
+    args = ["tasks", checkpoint, "--method", "yarn", "--factor", "2", "--tasks", "niah_single_1", "--lengths",
+            "4096", "--limit", "2", "--dtype", "fp32", "--no-progress"]  # fmt: skip
+    assert run_cli(capsys, *args, "--cache-dir", tmp_path / "c1", "-o", tmp_path / "one")[0] == 0
+    launched = torchrun(*args, "--cache-dir", tmp_path / "c2", "-o", tmp_path / "two")
+    assert launched.stdout.count("results:") == 1
+    one, two = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("one", "two"))
+    assert (two["runtime"]["processes"], two["runtime"]["tensor_parallel"]) == (2, 2)
+    cells = [sorted((tmp_path / name).glob("*.json")) for name in ("c1", "c2")]
+    assert [c.name for c in cells[1]] == [c.name for c in cells[0]] and len(cells[0]) == 2  # none and yarn
+    for a, b in zip(*cells):
+        want, got = (json.loads(c.read_text())["result"] for c in (a, b))
+        assert got["samples"] == want["samples"]  # the same prompts, answers and scores, sample by sample
+        assert got["results"] == want["results"]
+
+
 @pytest.mark.parametrize(
     "extra,env,message",
     [
@@ -144,7 +172,6 @@ def test_a_family_without_a_tensor_parallel_plan_is_refused():
         (["search", "--method", "dpe", "--factor", "2", "--lengths", "128", "--trials", "2", "--select-pairs", "TEXT",
           "--top-pairs", "2"], "--tp 2 and --select-pairs: DPE's selection averages"),
         (["compare", "--lengths", "128"], "--tp 2: compare shares its cells among the launched processes"),
-        (["tasks", "--tasks", "niah_single_1", "--lengths", "128"], "--tp 2: ctxext tasks reads its cached cells"),
     ],
 )  # fmt: skip
 def test_commands_that_cannot_run_tensor_parallel_yet_say_why(checkpoint, texts, tmp_path, capsys, argv, message):

@@ -90,15 +90,8 @@ def add_arguments(parser) -> None:
 
 def request(args: argparse.Namespace):
     """The TasksRequest the arguments ask for."""
-    from ..errors import CtxextError
     from ..tasks.workflow import TasksRequest, parse_batch_size, parse_task_names
 
-    if args.tp > 1:
-        raise CtxextError(
-            f"--tp {args.tp}: ctxext tasks reads its cached cells on the first process and shares them only among "
-            "data-parallel processes, and every tensor-parallel process would be lm-eval's rank 0 (one request cache "
-            "written by all); not supported yet: use --device-map for a model larger than one device"
-        )
     return TasksRequest(
         model=args.model,
         tasks=parse_task_names(args.tasks),

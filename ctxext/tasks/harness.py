@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
 
 from ..errors import CtxextError, did_you_mean, first_line
 from ..extras import EXTRAS
@@ -493,7 +492,7 @@ def run_cells(
     for cell in cells:
         cell.key = cell_key(cell, common_key, max_length_for(cell, lengths))
     found = [cache.load(cell.key) for cell in cells] if processes.is_main else None
-    found = _broadcast(found, processes)
+    found = processes.from_main(found)
     todo = sum(f is None for f in found)
     if processes.is_main and todo < len(cells):
         report(f"{len(cells) - todo} of {len(cells)} cells from the cache ({cache.folder})")
@@ -504,12 +503,14 @@ def run_cells(
         if cached_only:
             continue
         manager = managers.get(task_metadata(cell.task, cell.length, tokenizer_name))
+        # Under --tp every process is lm-eval's rank 0 and must answer every request in step with the others, so
+        # none keeps lm-eval's per-request cache (one file that all would write, and a resumed cell must not
+        # skip on one process what another answers): an interrupted cell starts again at its first sample.
+        requests_cache = None if processes.tensor_parallel else cache.requests_path(cell.key)
         lm = harness_model(model, tokenizer, max_length_for(cell, lengths), batch_size, processes)
         cell.method.apply(model)
         try:
-            cell.result = evaluate_cell(
-                lm, cell.task, manager, limit, apply_chat_template, quiet, cache.requests_path(cell.key)
-            )
+            cell.result = evaluate_cell(lm, cell.task, manager, limit, apply_chat_template, quiet, requests_cache)
         finally:
             cell.method.remove(model)
         if processes.is_main:
@@ -517,14 +518,6 @@ def run_cells(
             cache.drop_requests(cell.key)  # every process is past simple_evaluate's final gather
             report(f"[{index}/{len(cells)}] {cell.name}: {cell_summary(cell)} ({cell.result['seconds']:.0f} s)")
     return cells
-
-
-def _broadcast(items, processes):
-    if processes.world_size == 1:
-        return items
-    holder = [items]
-    broadcast_object_list(holder)
-    return holder[0]
 
 
 # ---------------------------------------------------------------------------------------------- scores

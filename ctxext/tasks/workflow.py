@@ -152,7 +152,7 @@ def run_tasks(request: TasksRequest, report=None) -> TasksResult:
     given) on the main process. `report(line)` is told what runs and each finished cell."""
     started = time.perf_counter()
     protected = request.check()
-    processes = Processes(cpu=cpu_processes(request.runtime.device))
+    processes = Processes(cpu=cpu_processes(request.runtime.device), tp=request.runtime.tp)
     lm_eval, managers, specs = _prepare_tasks(request, processes)
     session = EvalSession.open(request.model, request.methods, request.runtime, processes)
     cells = plan_cells(session.methods, specs, request.lengths)
@@ -230,7 +230,8 @@ def _result(request, session, specs, cells, cache, lm_eval_version, started) -> 
         "missing_cells": [c.name for c in cells if c.result is None],
         "cells": [_cell_record(c, cache) for c in cells],
         "runtime": {
-            "processes": session.processes.world_size,
+            "processes": session.processes.launched,  # under --tp N: the N processes that hold the model together
+            "tensor_parallel": session.processes.tp,
             "seconds": time.perf_counter() - started,
             "cells_run": sum(c.result is not None and not c.cached for c in cells),
             "cells_cached": sum(c.cached for c in cells),
