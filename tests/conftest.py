@@ -1,5 +1,6 @@
 """The pytest fixtures every test file may ask for by name (the four tiny families, one torch thread, the offline
-SmolLM2 checkpoint) and the collection order; the helpers tests import are in tests/helpers.py."""
+SmolLM2 checkpoint, the fine-tuning tests' tiny LLaMA and texts) and the collection order; the helpers tests
+import are in tests/helpers.py."""
 
 import os
 
@@ -15,12 +16,19 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 import pytest
 
 from ctxext import assets
-from tests.helpers import FAMILIES, torch_threads
+from tests.helpers import FAMILIES, save_bpe_llama, torch_threads, write_finetune_texts
 
 # The longest files on 2 cores (45-100 s each). `make test` runs pytest-xdist with --dist loadfile, which hands
 # out whole files in collection order: collected first, they start early instead of one of them (test_tasks.py,
 # late in the alphabet) running alone at the end.
-SLOW_FILES = ("test_tasks.py", "test_search_distributed.py", "test_serving_gguf.py", "test_check.py")
+SLOW_FILES = (
+    "test_sequence_parallel.py",
+    "test_tasks.py",
+    "test_sharded_finetune.py",
+    "test_search_distributed.py",
+    "test_serving_gguf.py",
+    "test_check.py",
+)
 
 
 def pytest_collection_modifyitems(items):
@@ -50,3 +58,16 @@ def family(request):
 @pytest.fixture(scope="session")
 def smollm2_path():
     return assets.smollm2_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def finetune_checkpoint(tmp_path_factory):
+    """The fine-tuning tests' model: a random 2-layer LLaMA (L = 64) with a small BPE tokenizer, saved like any
+    checkpoint (tests/helpers.save_bpe_llama)."""
+    return save_bpe_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def finetune_texts(tmp_path_factory):
+    """The fine-tuning tests' (train.txt, held_out.txt) (tests/helpers.write_finetune_texts)."""
+    return write_finetune_texts(tmp_path_factory.mktemp("texts"))

@@ -21,8 +21,6 @@ from tests.helpers import (
     child_process_env,
     free_port,
     read_metrics,
-    save_bpe_llama,
-    write_finetune_texts,
     write_recipe,
 )
 
@@ -31,27 +29,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")
 
 
 @pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    """A random 2-layer LLaMA (L = 64) with a small BPE tokenizer, saved like any checkpoint."""
-    return save_bpe_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def texts(tmp_path_factory):
-    return write_finetune_texts(tmp_path_factory.mktemp("texts"))
-
-
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory, tiny_checkpoint, texts):
+def reference_run(tmp_path_factory, finetune_checkpoint, finetune_texts):
     """An uninterrupted run, in this process."""
     folder = tmp_path_factory.mktemp("runs")
     output = folder / "reference"
-    recipe = write_recipe(folder, tiny_checkpoint, texts, output)
+    recipe = write_recipe(folder, finetune_checkpoint, finetune_texts, output)
     assert ctxext_main(["finetune", "--recipe", str(recipe), "--no-progress"]) == 0
     return folder, output
 
 
-def test_run_writes_metrics_adapter_and_merged_checkpoint(reference_run, tiny_checkpoint, texts):
+def test_run_writes_metrics_adapter_and_merged_checkpoint(reference_run, finetune_checkpoint, finetune_texts):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -69,8 +56,8 @@ def test_run_writes_metrics_adapter_and_merged_checkpoint(reference_run, tiny_ch
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    ids = torch.tensor(tokenizer(texts[1].read_text(), add_special_tokens=False).input_ids)
-    base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    ids = torch.tensor(tokenizer(finetune_texts[1].read_text(), add_special_tokens=False).input_ids)
+    base = AutoModelForCausalLM.from_pretrained(finetune_checkpoint, dtype=torch.float32)
     # stride 64 is not below the 64-token window, so the run scores it with stride 32 (every token, not one pass)
     expected = perplexity(*sliding_window_nll(base, ids, 64, 32))
     reference = [r for r in records if r["kind"] == "base_reference"][0]
@@ -97,11 +84,11 @@ def test_run_writes_metrics_adapter_and_merged_checkpoint(reference_run, tiny_ch
         torch.testing.assert_close(merged(sample).logits, with_adapter(sample).logits, rtol=1e-4, atol=1e-4)
         # Training changed the model: the adapter is not a no-op (PEFT wrapped `base` in place; reload it).
         fresh = ctxext.patch(
-            AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32), "linear", factor=4
+            AutoModelForCausalLM.from_pretrained(finetune_checkpoint, dtype=torch.float32), "linear", factor=4
         ).eval()
         assert not torch.allclose(merged(sample).logits, fresh(sample).logits, atol=1e-3)
     # The source checkpoint is untouched.
-    assert AutoModelForCausalLM.from_pretrained(tiny_checkpoint).config.rope_parameters["rope_type"] == "default"
+    assert AutoModelForCausalLM.from_pretrained(finetune_checkpoint).config.rope_parameters["rope_type"] == "default"
 
 
 # A run that dies with no clean-up (SIGKILL) right after a given step; it logs to TensorBoard too.
@@ -119,12 +106,12 @@ finetune(load_recipe(sys.argv[1]), progress=False, after_step=kill_after, report
 
 
 @pytest.fixture(scope="module")
-def resumed_run(reference_run, tiny_checkpoint, texts):
+def resumed_run(reference_run, finetune_checkpoint, finetune_texts):
     """A run killed after step 3 (its last checkpoint is step 2), then resumed; both parts with --report-to
     tensorboard."""
     folder, _ = reference_run
     output = folder / "killed"
-    recipe = write_recipe(folder, tiny_checkpoint, texts, output)
+    recipe = write_recipe(folder, finetune_checkpoint, finetune_texts, output)
     command = [sys.executable, "-c", KILLED_RUN, str(recipe), "3"]
     killed = subprocess.run(command, cwd=REPO, env=child_process_env(), capture_output=True, text=True)
     assert killed.returncode == -9, killed.stderr[-2000:]
@@ -218,7 +205,7 @@ class RunsCode:
 
 
 @pytest.mark.slow  # `make test-slow`: CI's second step
-def test_two_processes_match_one_with_the_same_global_batch(reference_run, tiny_checkpoint, texts):
+def test_two_processes_match_one_with_the_same_global_batch(reference_run, finetune_checkpoint, finetune_texts):
     folder, _ = reference_run
     changes = {
         "train__max_steps": 3,
@@ -229,10 +216,15 @@ def test_two_processes_match_one_with_the_same_global_batch(reference_run, tiny_
     }
     one = folder / "one-process"
     ctxext_main(
-        ["finetune", "--recipe", str(write_recipe(folder, tiny_checkpoint, texts, one, **changes)), "--no-progress"]
+        [
+            "finetune",
+            "--recipe",
+            str(write_recipe(folder, finetune_checkpoint, finetune_texts, one, **changes)),
+            "--no-progress",
+        ]
     )
     two = folder / "two-processes"
-    recipe = write_recipe(folder, tiny_checkpoint, texts, two, **changes)
+    recipe = write_recipe(folder, finetune_checkpoint, finetune_texts, two, **changes)
     launched = subprocess.run(
         [
             sys.executable,
@@ -278,21 +270,23 @@ def test_two_processes_match_one_with_the_same_global_batch(reference_run, tiny_
         ({"lora": {"target_modules": ["q_proj", "v_prj"]}}, "no linear layer named 'v_prj' (did you mean 'v_proj'?)"),
     ],
 )
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, tiny_checkpoint, texts, capsys, changes, message):
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(
+    tmp_path, finetune_checkpoint, finetune_texts, capsys, changes, message
+):
     output = tmp_path / "out"
-    recipe = write_recipe(tmp_path, tiny_checkpoint, texts, output, **changes)
+    recipe = write_recipe(tmp_path, finetune_checkpoint, finetune_texts, output, **changes)
     assert ctxext_main(["finetune", "--recipe", str(recipe), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("ctxext finetune: error: ") and message in err[-1], err
     assert not output.exists()
 
 
-def test_bad_input_from_the_command_line(tmp_path, tiny_checkpoint, texts, capsys):
+def test_bad_input_from_the_command_line(tmp_path, finetune_checkpoint, finetune_texts, capsys):
     """The real command: exit code 2, one line, and an existing output directory left alone."""
     output = tmp_path / "existing"
     output.mkdir()
     (output / "keep.txt").write_text("mine")
-    recipe = write_recipe(tmp_path, tiny_checkpoint, texts, output)
+    recipe = write_recipe(tmp_path, finetune_checkpoint, finetune_texts, output)
     run = subprocess.run(
         [sys.executable, "-m", "ctxext", "finetune", "--recipe", str(recipe), "lora.rr=3"],
         cwd=REPO,
@@ -309,7 +303,7 @@ def test_bad_input_from_the_command_line(tmp_path, tiny_checkpoint, texts, capsy
     assert [p.name for p in output.iterdir()] == ["keep.txt"]
 
 
-def test_pose_trains_on_skipped_positions(tmp_path, tiny_checkpoint, texts):
+def test_pose_trains_on_skipped_positions(tmp_path, finetune_checkpoint, finetune_texts):
     """Step 1's loss (taken before any update; LoRA starts as a no-op) equals the patched base model's loss on
     the same sample with the PoSE position ids and full causal attention: the positions reach the model, and the
     chunks attend to each other (not cut apart as packed sequences)."""
@@ -321,21 +315,21 @@ def test_pose_trains_on_skipped_positions(tmp_path, tiny_checkpoint, texts):
 
     # Sharper attention than a random init gives, so that positions change the loss visibly.
     sharp = tmp_path / "sharp-model"
-    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(finetune_checkpoint, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "q_proj" in name or "k_proj" in name:
                 param.mul_(8.0)
     model.save_pretrained(sharp)
-    (sharp / "tokenizer.json").write_bytes((tiny_checkpoint / "tokenizer.json").read_bytes())
-    (sharp / "tokenizer_config.json").write_bytes((tiny_checkpoint / "tokenizer_config.json").read_bytes())
-    tiny_checkpoint = sharp
+    (sharp / "tokenizer.json").write_bytes((finetune_checkpoint / "tokenizer.json").read_bytes())
+    (sharp / "tokenizer_config.json").write_bytes((finetune_checkpoint / "tokenizer_config.json").read_bytes())
+    finetune_checkpoint = sharp
 
     output = tmp_path / "pose"
     recipe = write_recipe(
         tmp_path,
-        tiny_checkpoint,
-        texts,
+        finetune_checkpoint,
+        finetune_texts,
         output,
         train__max_steps=1,
         train__global_batch_size=1,
@@ -354,7 +348,7 @@ def test_pose_trains_on_skipped_positions(tmp_path, tiny_checkpoint, texts):
     positions = pose_position_ids(64, 256, 2, pose_generator(0, 0)).unsqueeze(0)
     assert int(positions.max()) >= 64  # beyond the window, so positions matter
     model = ctxext.patch(
-        AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32), "linear", factor=4
+        AutoModelForCausalLM.from_pretrained(finetune_checkpoint, dtype=torch.float32), "linear", factor=4
     ).eval()
     with torch.no_grad():
         # With a cache transformers never reads the position jumps as packed-sequence boundaries: plain causal

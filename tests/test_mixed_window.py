@@ -26,25 +26,12 @@ from tests.helpers import (
     assert_same_numbers,
     child_process_env,
     read_metrics,
-    save_bpe_llama,
     tiny_model,
-    write_finetune_texts,
     write_recipe,
 )
 
 L = 64
 pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    """A random 2-layer LLaMA (L = 64) with a small BPE tokenizer, saved like any checkpoint."""
-    return save_bpe_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def texts(tmp_path_factory):
-    return write_finetune_texts(tmp_path_factory.mktemp("texts"))
 
 
 # ------------------------------------------------------------------------------------------- the switch
@@ -137,25 +124,31 @@ def test_a_short_micro_batch_holds_the_same_tokens_cut_at_the_short_length():
 MIXED = {"enabled": True, "short_fraction": 0.5}
 
 
-def mixed_recipe(folder, tiny_checkpoint, texts, name, **changes):
+def mixed_recipe(folder, finetune_checkpoint, finetune_texts, name, **changes):
     changes = {
         "train__max_steps": 4,
-        "eval": {"every": 2, "dataset": None, "text_files": [str(texts[1])], "lengths": [256, 64], "stride": 64},
+        "eval": {
+            "every": 2,
+            "dataset": None,
+            "text_files": [str(finetune_texts[1])],
+            "lengths": [256, 64],
+            "stride": 64,
+        },
         "mixed_window": MIXED,
         **changes,
     }
-    return write_recipe(folder, tiny_checkpoint, texts, folder / name, **changes)
+    return write_recipe(folder, finetune_checkpoint, finetune_texts, folder / name, **changes)
 
 
 @pytest.fixture(scope="module")
-def mixed_run(tmp_path_factory, tiny_checkpoint, texts):
+def mixed_run(tmp_path_factory, finetune_checkpoint, finetune_texts):
     folder = tmp_path_factory.mktemp("mixed")
-    recipe = mixed_recipe(folder, tiny_checkpoint, texts, "reference")
+    recipe = mixed_recipe(folder, finetune_checkpoint, finetune_texts, "reference")
     assert ctxext_main(["finetune", "--recipe", str(recipe), "--no-progress"]) == 0
     return folder, folder / "reference"
 
 
-def test_the_first_step_trains_one_long_and_one_short_micro_batch(mixed_run, tiny_checkpoint):
+def test_the_first_step_trains_one_long_and_one_short_micro_batch(mixed_run, finetune_checkpoint):
     """Step 1's loss (LoRA still a no-op) is the mean of the patched model's loss on micro-batch 0 (256 tokens)
     and the unpatched model's on micro-batch 1, cut into 64-token sequences."""
     import json
@@ -171,7 +164,7 @@ def test_the_first_step_trains_one_long_and_one_short_micro_batch(mixed_run, tin
     stream = np.load(json.loads((output / "run.json").read_text())["data"]["cache_file"])
     data = PackedSequences(stream, 256, seed=0)
     long, short = data.batch([0, 1]), cut_into_short_sequences(data.batch([2, 3]), L)
-    base = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(finetune_checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
         short_loss = base(input_ids=short, labels=short).loss.item()
         ctxext.patch(base, "linear", factor=4)
@@ -194,12 +187,12 @@ class Stop(Exception):
 
 
 @pytest.mark.slow  # `make test-slow`: CI's second step
-def test_a_resumed_mixed_run_gives_the_uninterrupted_metrics(mixed_run, tiny_checkpoint, texts):
+def test_a_resumed_mixed_run_gives_the_uninterrupted_metrics(mixed_run, finetune_checkpoint, finetune_texts):
     from ctxext.train.loop import finetune
     from ctxext.train.recipe import load_recipe
 
     folder, reference = mixed_run
-    recipe = mixed_recipe(folder, tiny_checkpoint, texts, "stopped")
+    recipe = mixed_recipe(folder, finetune_checkpoint, finetune_texts, "stopped")
 
     def stop_after_3(step):
         if step == 3:
@@ -232,23 +225,23 @@ def test_a_resumed_mixed_run_gives_the_uninterrupted_metrics(mixed_run, tiny_che
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(
     tmp_path,
-    tiny_checkpoint,
-    texts,
+    finetune_checkpoint,
+    finetune_texts,
     capsys,
     changes,
     flags,
     message,
 ):
     output = tmp_path / "out"
-    recipe = write_recipe(tmp_path, tiny_checkpoint, texts, output, **changes)
+    recipe = write_recipe(tmp_path, finetune_checkpoint, finetune_texts, output, **changes)
     assert ctxext_main(["finetune", "--recipe", str(recipe), "--no-progress", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("ctxext finetune: error: ") and message in err[-1], err
     assert not output.exists()
 
 
-def test_bad_input_from_the_command_line(tmp_path, tiny_checkpoint, texts):
-    recipe = write_recipe(tmp_path, tiny_checkpoint, texts, tmp_path / "out", method={"method": "none"})
+def test_bad_input_from_the_command_line(tmp_path, finetune_checkpoint, finetune_texts):
+    recipe = write_recipe(tmp_path, finetune_checkpoint, finetune_texts, tmp_path / "out", method={"method": "none"})
     command = [sys.executable, "-m", "ctxext", "finetune", "--recipe", str(recipe), "--mixed-window"]
     run = subprocess.run(command, cwd=REPO, env=child_process_env(), capture_output=True, text=True)
     assert run.returncode == 2

@@ -32,7 +32,6 @@ from tests.helpers import (
     read_metrics,
     save_bpe_llama,
     tiny_model,
-    write_finetune_texts,
     write_recipe,
 )
 
@@ -93,16 +92,6 @@ PROBE = textwrap.dedent("""
         torch.save({"loss": float(sequence_loss), "grads": {n: g.detach().clone() for n, g in grads.items()}},
                    sys.argv[2])
 """)
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    return save_bpe_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def texts(tmp_path_factory):
-    return write_finetune_texts(tmp_path_factory.mktemp("texts"))
 
 
 def accelerate_launch(*command: str, config: str = "deepspeed-zero2-cpu.yaml") -> subprocess.CompletedProcess:
@@ -182,12 +171,14 @@ CASES = {
 @pytest.mark.slow  # per case: one process, then 2 under DeepSpeed (about 25 s on 2 cores)
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_processes_each_holding_half_the_sequence_give_the_one_process_gradients(
-    case, tiny_checkpoint, texts, tmp_path
+    case, finetune_checkpoint, finetune_texts, tmp_path
 ):
     method, changes, config = CASES[case]
     changes = {**CHANGES, **changes, "method": METHODS[method]}
-    whole = write_recipe(tmp_path, tiny_checkpoint, texts, tmp_path / "one", **changes)
-    split = write_recipe(tmp_path, tiny_checkpoint, texts, tmp_path / "two", parallel={"sp_size": 2}, **changes)
+    whole = write_recipe(tmp_path, finetune_checkpoint, finetune_texts, tmp_path / "one", **changes)
+    split = write_recipe(
+        tmp_path, finetune_checkpoint, finetune_texts, tmp_path / "two", parallel={"sp_size": 2}, **changes
+    )
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     want = probe(tmp_path / "a", whole, launched=False)
@@ -197,14 +188,14 @@ def test_two_processes_each_holding_half_the_sequence_give_the_one_process_gradi
 
 
 @pytest.mark.slow  # 4 steps as one process, then as 2 under DeepSpeed (about 40 s)
-def test_a_short_finetune_with_sp_2_logs_the_one_process_losses(tiny_checkpoint, texts, tmp_path):
+def test_a_short_finetune_with_sp_2_logs_the_one_process_losses(finetune_checkpoint, finetune_texts, tmp_path):
     changes = {**CHANGES, "train__max_steps": 4, "eval__every": 2, "optim": {"lr": 1e-3, "warmup_steps": 2}}
     one = tmp_path / "one"
-    recipe = write_recipe(tmp_path, tiny_checkpoint, texts, one, method=METHODS["yarn"], **changes)
+    recipe = write_recipe(tmp_path, finetune_checkpoint, finetune_texts, one, method=METHODS["yarn"], **changes)
     assert ctxext_main(["finetune", "--recipe", str(recipe), "--no-progress"]) == 0
     two = tmp_path / "two"
     recipe = write_recipe(
-        tmp_path, tiny_checkpoint, texts, two, method=METHODS["yarn"], parallel={"sp_size": 2}, **changes
+        tmp_path, finetune_checkpoint, finetune_texts, two, method=METHODS["yarn"], parallel={"sp_size": 2}, **changes
     )
     launched = accelerate_launch("-m", "ctxext", "finetune", "--recipe", str(recipe), "--no-progress")
     assert launched.returncode == 0, launched.stderr[-3000:]
@@ -215,15 +206,17 @@ def test_a_short_finetune_with_sp_2_logs_the_one_process_losses(tiny_checkpoint,
     assert_same_numbers(got, want, tol=LOSS_TOLERANCE)
 
 
-def test_sp_size_must_divide_the_training_length(tiny_checkpoint, texts, tmp_path):
-    recipe = write_recipe(tmp_path, tiny_checkpoint, texts, tmp_path / "run", parallel={"sp_size": 3}, **CHANGES)
+def test_sp_size_must_divide_the_training_length(finetune_checkpoint, finetune_texts, tmp_path):
+    recipe = write_recipe(
+        tmp_path, finetune_checkpoint, finetune_texts, tmp_path / "run", parallel={"sp_size": 3}, **CHANGES
+    )
     with pytest.raises(Exception, match=r"parallel.sp_size=3 must divide the training sequence length \(128"):
         load_recipe(recipe)
 
 
-def test_sp_size_without_deepspeed_launch_is_a_one_line_error(tiny_checkpoint, texts, tmp_path, capsys):
+def test_sp_size_without_deepspeed_launch_is_a_one_line_error(finetune_checkpoint, finetune_texts, tmp_path, capsys):
     output = tmp_path / "run"
-    recipe = write_recipe(tmp_path, tiny_checkpoint, texts, output, parallel={"sp_size": 2}, **CHANGES)
+    recipe = write_recipe(tmp_path, finetune_checkpoint, finetune_texts, output, parallel={"sp_size": 2}, **CHANGES)
     assert ctxext_main(["finetune", "--recipe", str(recipe), "--no-progress"]) == 2
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0
@@ -232,13 +225,13 @@ def test_sp_size_without_deepspeed_launch_is_a_one_line_error(tiny_checkpoint, t
 
 
 @pytest.mark.slow  # 2 steps as one process, then as 4 under ZeRO-3 (about a minute on 2 cores)
-def test_the_llama3_8b_64k_recipe_runs_on_a_tiny_llama3_as_4_processes(texts, tmp_path):
+def test_the_llama3_8b_64k_recipe_runs_on_a_tiny_llama3_as_4_processes(finetune_texts, tmp_path):
     """configs/recipes/llama3-8b-yarn-64k-sp4.yaml with its parallel settings (sp_size 4, ZeRO-3, gradient
     checkpointing, yarn x8, a global batch of 8) on a tiny LLaMA with Llama 3's rope base; only the model, the
     lengths (L = 64 -> 512), the data, fp32 and SDPA (no GPU) and the step count change. 4 processes form one SP
     group; the tiny model's 2 key/value heads are each replicated to 2 processes."""
     checkpoint = save_bpe_llama(tmp_path / "tiny-llama3", rope_theta=500000.0)
-    train, held_out = texts
+    train, held_out = finetune_texts
     changes = [
         f"model={checkpoint}",
         "seq_len=512",

@@ -29,8 +29,6 @@ from tests.helpers import (
     child_process_env,
     free_port,
     read_metrics,
-    save_bpe_llama,
-    write_finetune_texts,
     write_recipe,
 )
 
@@ -52,21 +50,11 @@ WEIGHT_TOLERANCE = 1e-6  # absolute, on the adapter's and the merged model's ten
 
 
 @pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    return save_bpe_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def texts(tmp_path_factory):
-    return write_finetune_texts(tmp_path_factory.mktemp("texts"))
-
-
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory, tiny_checkpoint, texts):
+def one_process(tmp_path_factory, finetune_checkpoint, finetune_texts):
     """The oracle: the recipe as one process, in this process."""
     folder = tmp_path_factory.mktemp("one-process")
     output = folder / "run"
-    recipe = write_recipe(folder, tiny_checkpoint, texts, output, **CHANGES)
+    recipe = write_recipe(folder, finetune_checkpoint, finetune_texts, output, **CHANGES)
     assert ctxext_main(["finetune", "--recipe", str(recipe), "--no-progress"]) == 0
     return output
 
@@ -111,22 +99,13 @@ def assert_same_tensors(a: Path, b: Path) -> None:
         assert (got[name].double() - tensor.double()).abs().max().item() <= WEIGHT_TOLERANCE, name
 
 
-@pytest.mark.slow  # 2 processes, 10-30 s each on 2 cores (plus DeepSpeed's one-time op build)
-@pytest.mark.parametrize("config", ["deepspeed-zero2-cpu.yaml", "deepspeed-zero3-cpu.yaml"])
-def test_deepspeed_on_two_cpu_processes_matches_one_process(config, request, tmp_path):
-    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install 'ctxext[deepspeed]'")
-    one_process = request.getfixturevalue("one_process")  # built only where DeepSpeed is installed
-    tiny_checkpoint, texts = request.getfixturevalue("tiny_checkpoint"), request.getfixturevalue("texts")
-    output = tmp_path / "run"
-    launched = launch(config, write_recipe(tmp_path, tiny_checkpoint, texts, output, **CHANGES))
-    assert launched.returncode == 0, launched.stderr[-3000:]
-    assert launched.stdout.count("fine-tuned ") == 1  # only the main process reports and writes
-
+def assert_same_run(output: Path, one_process: Path, distributed_type: str) -> None:
+    """A 2-process run under `distributed_type` against the one-process run: the parameters counted whole (each
+    process holds only its shard), the engine's own sharded checkpoint, every metric, the adapter and merged weights."""
     run, oracle = (json.loads((path / "run.json").read_text()) for path in (output, one_process))
-    assert (run["processes"], run["distributed_type"]) == (2, "DistributedType.DEEPSPEED")
-    assert run["parameters"] == oracle["parameters"]  # under ZeRO-3 each process holds only its shard
-    assert (output / "checkpoints" / "step-000004" / "accelerate").is_dir()  # DeepSpeed's own sharded state
-
+    assert (run["processes"], run["distributed_type"]) == (2, distributed_type)
+    assert run["parameters"] == oracle["parameters"]
+    assert (output / "checkpoints" / "step-000004" / "accelerate").is_dir()
     got, want = read_metrics(output), read_metrics(one_process)
     assert [r["step"] for r in got if r["kind"] == "train"] == [1, 2, 3, 4]
     assert_same_numbers(got, want, tol=TOLERANCE)
@@ -136,10 +115,27 @@ def test_deepspeed_on_two_cpu_processes_matches_one_process(config, request, tmp
     assert_same_tensors(one_process / "merged" / "model.safetensors", output / "merged" / "model.safetensors")
 
 
-@pytest.mark.slow  # 2 processes that stop at once, about 10 s
-def test_fsdp_on_cpu_processes_is_refused_not_run_as_ddp(tiny_checkpoint, texts, tmp_path):
+@pytest.mark.slow  # 2 processes, 10-30 s each on 2 cores (plus DeepSpeed's one-time op build)
+@pytest.mark.parametrize("config", ["deepspeed-zero2-cpu.yaml", "deepspeed-zero3-cpu.yaml"])
+def test_deepspeed_on_two_cpu_processes_matches_one_process(config, request, tmp_path):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install 'ctxext[deepspeed]'")
+    one_process = request.getfixturevalue("one_process")  # built only where DeepSpeed is installed
+    finetune_checkpoint, finetune_texts = (
+        request.getfixturevalue("finetune_checkpoint"),
+        request.getfixturevalue("finetune_texts"),
+    )
     output = tmp_path / "run"
-    recipe = write_recipe(tmp_path, tiny_checkpoint, texts, output, **CHANGES)
+    launched = launch(config, write_recipe(tmp_path, finetune_checkpoint, finetune_texts, output, **CHANGES))
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert launched.stdout.count("fine-tuned ") == 1  # only the main process reports and writes
+
+    assert_same_run(output, one_process, "DistributedType.DEEPSPEED")  # under ZeRO-3 a process holds a shard
+
+
+@pytest.mark.slow  # 2 processes that stop at once, about 10 s
+def test_fsdp_on_cpu_processes_is_refused_not_run_as_ddp(finetune_checkpoint, finetune_texts, tmp_path):
+    output = tmp_path / "run"
+    recipe = write_recipe(tmp_path, finetune_checkpoint, finetune_texts, output, **CHANGES)
     launched = launch("fsdp.yaml", recipe, "--num_processes", "2", "--mixed_precision", "no")
     assert launched.returncode != 0
     assert "ctxext finetune: error: accelerate launch asked for FSDP, but accelerate " in launched.stderr.replace(
@@ -150,24 +146,13 @@ def test_fsdp_on_cpu_processes_is_refused_not_run_as_ddp(tiny_checkpoint, texts,
 
 
 @pytest.mark.slow  # 2 processes, about 30 s on 2 cores
-def test_fsdp2_on_two_cpu_processes_matches_one_process(one_process, tiny_checkpoint, texts, tmp_path):
+def test_fsdp2_on_two_cpu_processes_matches_one_process(one_process, finetune_checkpoint, finetune_texts, tmp_path):
     """ctxext's own FSDP path (FSDP2: fully_shard, DTensor parameters, accelerate's sharded checkpoint and
     get_state_dict) as 2 CPU processes, with accelerate's device gate opened in the children only (FSDP_ON_CPU)."""
     output = tmp_path / "run"
-    recipe = write_recipe(tmp_path, tiny_checkpoint, texts, output, **CHANGES)
+    recipe = write_recipe(tmp_path, finetune_checkpoint, finetune_texts, output, **CHANGES)
     launched = launch(str(FSDP_ON_CPU / "fsdp-cpu.yaml"), recipe, PYTHONPATH=with_python_path(FSDP_ON_CPU))
     assert launched.returncode == 0, launched.stderr[-3000:]
     assert launched.stdout.count("fine-tuned ") == 1  # only the main process reports and writes
 
-    run, oracle = (json.loads((path / "run.json").read_text()) for path in (output, one_process))
-    assert (run["processes"], run["distributed_type"]) == (2, "DistributedType.FSDP")
-    assert run["parameters"] == oracle["parameters"]  # counted whole, though each process holds only its shard
-    assert (output / "checkpoints" / "step-000004" / "accelerate").is_dir()  # accelerate's sharded FSDP state
-
-    got, want = read_metrics(output), read_metrics(one_process)
-    assert [r["step"] for r in got if r["kind"] == "train"] == [1, 2, 3, 4]
-    assert_same_numbers(got, want, tol=TOLERANCE)
-    assert_same_tensors(
-        one_process / "adapter" / "adapter_model.safetensors", output / "adapter" / "adapter_model.safetensors"
-    )
-    assert_same_tensors(one_process / "merged" / "model.safetensors", output / "merged" / "model.safetensors")
+    assert_same_run(output, one_process, "DistributedType.FSDP")  # FSDP2: DTensor shards

@@ -232,41 +232,37 @@ def complex_angles(freqs: torch.Tensor, scaling: float) -> torch.Tensor:
     return torch.polar(torch.full_like(freqs, scaling), freqs)
 
 
-@contextlib.contextmanager
 def original_rotary_within(model: nn.Module, length: int):
     """Mixed window (LongRoPE2): inside the block, a forward of the patched `model` whose positions all lie below
     `length` (normally the original length L) uses the model's original rotary module, bit for bit as if unpatched;
     longer ones use the patched rotary. No-op on an unpatched model. The setting is on the module, so it holds for
     every thread using the model while the block runs."""
-    rotary = rotary_host(model).rotary_emb
-    if not isinstance(rotary, ScaledRotaryEmbedding):
-        yield model
-        return
-    before = rotary.original_within
-    rotary.original_within = int(length)
-    try:
-        yield model
-    finally:
-        rotary.original_within = before
+    return _rotary_setting(model, "original_within", length)
 
 
-@contextlib.contextmanager
 def whole_sequence_length(model: nn.Module, length: int):
     """Sequence parallelism: inside the block, the patched `model`'s rotary reads `length` (the whole sequence's)
     wherever a rule depends on the length, while each process runs the positions of its own slice; without it,
     the process holding the first slice of a long sequence would rotate as for a short one (dynamic NTK's base,
     longrope's short factors, the mixed window's original rotary). No-op on an unpatched model. Like
     `original_rotary_within`, the setting is on the module."""
+    return _rotary_setting(model, "split_length", length)
+
+
+@contextlib.contextmanager
+def _rotary_setting(model: nn.Module, name: str, length: int):
+    """Inside the block, ctxext's rotary module of `model` has `name` set to `length`; as it was after. No-op on
+    an unpatched model."""
     rotary = rotary_host(model).rotary_emb
     if not isinstance(rotary, ScaledRotaryEmbedding):
         yield model
         return
-    before = rotary.split_length
-    rotary.split_length = int(length)
+    before = getattr(rotary, name)
+    setattr(rotary, name, int(length))
     try:
         yield model
     finally:
-        rotary.split_length = before
+        setattr(rotary, name, before)
 
 
 def is_dynamic(model: nn.Module) -> bool:
