@@ -72,7 +72,7 @@ def make_runtime(recipe: Recipe, output: Path | None = None, trackers: tuple[str
     if train.global_batch_size % (train.micro_batch_size * world):
         raise CtxextError(
             f"train.global_batch_size ({train.global_batch_size}) must be a multiple of train.micro_batch_size "
-            f"({train.micro_batch_size}) x processes ({world}{f' groups of {sp}' if sp > 1 else ''})"
+            f"({train.micro_batch_size}) x {f'groups of {sp} processes' if sp > 1 else 'processes'} ({world})"
         )
     accumulation = train.global_batch_size // (train.micro_batch_size * world)
     precision = training_precision(train.precision, device, launched_sharded())
