@@ -91,6 +91,8 @@ PROBE = textwrap.dedent("""
     if accelerator.is_main_process:
         torch.save({"loss": float(sequence_loss), "grads": {n: g.detach().clone() for n, g in grads.items()}},
                    sys.argv[2])
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # the process group closed before exit, as ctxext finetune closes it
 """)
 
 
