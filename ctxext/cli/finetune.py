@@ -20,10 +20,12 @@ OUTPUT/metrics.jsonl and OUTPUT/metrics.png. Checkpoints every train.checkpoint_
 continues the last one and reproduces the same curve. An existing output directory is never overwritten.
 Results: OUTPUT/adapter (a standard PEFT adapter) and OUTPUT/merged (a full checkpoint with the rope config).
 
-Several GPUs (configs/accelerate/: ddp, fsdp, deepspeed-zero2), or 2 CPU processes to try it:
+Several GPUs (configs/accelerate/: ddp, fsdp, deepspeed-zero2, deepspeed-zero3), or 2 CPU processes to try it:
   accelerate launch --config_file configs/accelerate/fsdp.yaml -m ctxext finetune --recipe RECIPE.yaml
   accelerate launch --config_file configs/accelerate/cpu-2proc.yaml -m ctxext finetune --recipe RECIPE.yaml
 The global batch stays train.global_batch_size: gradient accumulation = global / (micro x processes).
+Sequences longer than one GPU holds: parallel.sp_size=N splits each over N processes (DeepSpeed Ulysses, under
+a DeepSpeed config); --plan says what fits (configs/recipes/llama3-8b-yarn-64k-sp4.yaml: Llama-3-8B at 64k).
 
 Mixed-window fine-tuning (LongRoPE2, --mixed-window, recipe section mixed_window): a fraction of the
 micro-batches (--short-fraction, spread evenly by index) holds the same packed tokens cut into sequences of at
