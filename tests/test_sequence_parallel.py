@@ -208,6 +208,33 @@ def test_a_short_finetune_with_sp_2_logs_the_one_process_losses(finetune_checkpo
     assert_same_numbers(got, want, tol=LOSS_TOLERANCE)
 
 
+@pytest.mark.slow  # 3 launches of 2 processes (about 50 s on 2 cores)
+def test_an_sp_2_run_resumed_from_its_checkpoint_gives_the_uninterrupted_metrics(
+    finetune_checkpoint, finetune_texts, tmp_path
+):
+    """2 steps, then --resume to 4, against 4 at once, all with sp_size 2 under ZeRO-2: DeepSpeed's own sharded
+    checkpoint carries the run. data.max_tokens is fixed, so the packed data does not depend on max_steps."""
+    changes = {**CHANGES, "train__checkpoint_every": 2, "eval__every": 2, "data__max_tokens": 20000}
+    parts, whole = tmp_path / "parts", tmp_path / "whole"
+    runs = [(parts, 2, ()), (parts, 4, ("--resume",)), (whole, 4, ())]
+    for output, steps, extra in runs:
+        changes["train__max_steps"] = steps
+        recipe = write_recipe(
+            tmp_path,
+            finetune_checkpoint,
+            finetune_texts,
+            output,
+            method=METHODS["yarn"],
+            parallel={"sp_size": 2},
+            **changes,
+        )
+        launched = accelerate_launch("-m", "ctxext", "finetune", "--recipe", str(recipe), "--no-progress", *extra)
+        assert launched.returncode == 0, launched.stderr[-3000:]
+    got, want = read_metrics(parts), read_metrics(whole)
+    assert [r["step"] for r in got if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert_same_numbers(got, want, tol=LOSS_TOLERANCE)
+
+
 def test_sp_size_must_divide_the_training_length(finetune_checkpoint, finetune_texts, tmp_path):
     recipe = write_recipe(
         tmp_path, finetune_checkpoint, finetune_texts, tmp_path / "run", parallel={"sp_size": 3}, **CHANGES
