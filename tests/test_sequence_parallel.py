@@ -153,7 +153,8 @@ def assert_same_gradients(got: dict, want: dict) -> None:
 # attention-level method with gradient checkpointing (Ulysses' exchange recomputed) under ZeRO-3, whose
 # gradient reduction differs from ZeRO-2's (sequence_parallel.zero3_gradient_factor); PoSE's gapped positions
 # (its longest position is the length) and a mixed-window run's long micro-batch (whose first slice lies within L,
-# where the original rotary would answer), each with a length-dependent method.
+# where the original rotary would answer), each with a length-dependent method; and a micro-batch of two sequences
+# (each process's slice of several rows).
 CASES = {
     **{name: (name, {}, "deepspeed-zero2-cpu.yaml") for name in METHODS},
     "self_extend-checkpointing-zero3": (
@@ -167,6 +168,11 @@ CASES = {
         "deepspeed-zero2-cpu.yaml",
     ),
     "longrope-mixed_window": ("longrope", {"mixed_window": {"enabled": True}}, "deepspeed-zero2-cpu.yaml"),
+    "yarn-two-sequences": (
+        "yarn",
+        {"train__global_batch_size": 2, "train__micro_batch_size": 2},
+        "deepspeed-zero2-cpu.yaml",
+    ),
 }
 
 

@@ -145,7 +145,12 @@ def slice_of_sequence(inputs: dict, sp_rank: int, sp_size: int) -> tuple[dict, i
     shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
     width = length // sp_size
     part = slice(sp_rank * width, (sp_rank + 1) * width)
-    local = {"input_ids": input_ids[:, part], "position_ids": positions[:, part], "shift_labels": shift_labels[:, part]}
+    # contiguous: a column slice of several rows is a strided view, and the loss flattens its labels with view()
+    local = {
+        "input_ids": input_ids[:, part].contiguous(),
+        "position_ids": positions[:, part].contiguous(),
+        "shift_labels": shift_labels[:, part].contiguous(),
+    }
     return local, int(positions.max()) + 1
 
 
