@@ -2,6 +2,7 @@
 
     python benchmarks/memory_plan.py                      # the default sizes, about 8 minutes on 2 cores
     python benchmarks/memory_plan.py --steps 2 --sizes 1024:off
+    python benchmarks/memory_plan.py --sp 2 --sizes 4096:off 4096:on --output benchmarks/results/memory_plan_sp2.json
 
 The model has the shape of ctxext:tiny-shakespeare (h 256, 4 layers, 4 heads, ffn 704, vocab 4096, untied) with
 random weights and a BPE tokenizer trained here on the Shakespeare texts (memory does not depend on the weights'
@@ -17,7 +18,10 @@ AdamW state and the steps' peak. Every size runs twice: with glibc's malloc as i
 MALLOC_MMAP_THRESHOLD_=65536, so that freed tensors leave the resident set (see ALLOCATORS): the difference is
 memory the allocator keeps, not memory the training holds. Estimated: ctxext.train.memory_plan for the same shape
 and settings.
-Results: benchmarks/results/memory_plan.json.
+With --sp N the run is N processes under DeepSpeed ZeRO-2 (configs/accelerate/deepspeed-zero2-cpu.yaml) with
+parallel.sp_size N: each process measures itself, the peak is the largest of them, and the estimate is the plan's
+for sp N, ZeRO-2.
+Results: benchmarks/results/memory_plan.json (--sp 2: memory_plan_sp2.json).
 """
 
 from __future__ import annotations
@@ -79,7 +83,8 @@ def recipe_overrides(model: Path, output: Path, seq_len: int, checkpointing: boo
 
 
 def child(overrides: dict) -> dict:
-    """In a fresh process: baseline, prepare, reset the high-water mark, train; the peak above the baseline."""
+    """In a fresh process: baseline, prepare, reset the high-water mark, train; the peak above the baseline. Under
+    a launch of several processes, every process's measurement, gathered: the largest peak, and each one's."""
     import torch
 
     from ctxext.memory import reset_high_water_mark, resident_bytes
@@ -93,23 +98,41 @@ def child(overrides: dict) -> dict:
     loaded = resident_bytes("VmRSS")
     if not reset_high_water_mark():
         raise SystemExit("this system refuses to reset VmHWM; the measurement needs Linux's /proc/self/clear_refs")
-    highs, start = [], time.perf_counter()
-    train(setup, resume=False, progress=False, after_step=lambda step: highs.append(resident_bytes("VmHWM")))
-    return {
-        "baseline_bytes": baseline,
-        "loaded_bytes": loaded - baseline,
-        "peak_bytes": max(highs) - baseline,
-        "peak_by_step_bytes": [high - baseline for high in highs],
-        "seconds": time.perf_counter() - start,
-    }
+    highs, start, gathered = [], time.perf_counter(), []
+
+    def after_step(step: int) -> None:
+        highs.append(resident_bytes("VmHWM"))
+        if step == setup.recipe.train.max_steps and torch.distributed.is_initialized():  # before the group closes
+            every = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(every, measured())
+            gathered.extend(every)
+
+    def measured() -> dict:
+        return {
+            "baseline_bytes": baseline,
+            "loaded_bytes": loaded - baseline,
+            "peak_bytes": max(highs) - baseline,
+            "peak_by_step_bytes": [high - baseline for high in highs],
+            "seconds": time.perf_counter() - start,
+        }
+
+    train(setup, resume=False, progress=False, after_step=after_step)
+    if not gathered:
+        return measured()
+    return {**max(gathered, key=lambda m: m["peak_bytes"]), "processes": gathered}
 
 
-def measure(overrides: dict, threads: int, allocator: str) -> dict:
+def measure(overrides: dict, threads: int, allocator: str, sp: int = 1) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     env.update(ALLOCATORS[allocator])
+    launch = []
+    if sp > 1:  # N processes under DeepSpeed ZeRO-2, one sequence split over them
+        env["DS_ACCELERATOR"] = "cpu"
+        launch = ["-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/deepspeed-zero2-cpu.yaml",
+                  "--num_processes", str(sp)]  # fmt: skip
     run = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(overrides)],
+        [sys.executable, *launch, __file__, "--child", json.dumps(overrides)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -121,12 +144,12 @@ def measure(overrides: dict, threads: int, allocator: str) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def estimated(overrides: dict) -> dict:
+def estimated(overrides: dict, zero: int = 0) -> dict:
     from ctxext.train.memory_plan import estimate, read_model_shape, settings_from_recipe
     from ctxext.train.recipe import load_recipe
 
     recipe = load_recipe(None, overrides)
-    return estimate(read_model_shape("ctxext:tiny-shakespeare"), settings_from_recipe(recipe))
+    return estimate(read_model_shape("ctxext:tiny-shakespeare"), settings_from_recipe(recipe, zero=zero))
 
 
 def cpu_name() -> str:
@@ -139,19 +162,22 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-def run_all(sizes: list[str], steps: int, threads: int) -> dict:
+def run_all(sizes: list[str], steps: int, threads: int, sp: int = 1) -> dict:
     rows = []
     with tempfile.TemporaryDirectory(prefix="ctxext-memory-plan-") as scratch:
         model = build_model(Path(scratch) / "model")
         for index, size in enumerate(sizes):
             seq_len, checkpointing = int(size.split(":")[0]), size.split(":")[1] == "on"
             overrides = recipe_overrides(model, Path(scratch) / f"run-{index}", seq_len, checkpointing, steps)
-            estimate = estimated(overrides)
+            if sp > 1:
+                overrides["parallel.sp_size"] = sp
+            estimate = estimated(overrides, zero=2 if sp > 1 else 0)
             for number, allocator in enumerate(ALLOCATORS):
                 overrides["output_dir"] = str(Path(scratch) / f"run-{index}-{number}")
-                measured = measure(overrides, threads, allocator)
+                measured = measure(overrides, threads, allocator, sp)
                 row = {
                     "seq_len": seq_len,
+                    "sp": sp,
                     "micro_batch": MICRO_BATCH,
                     "gradient_checkpointing": checkpointing,
                     "allocator": allocator,
@@ -182,7 +208,7 @@ def machine(threads: int) -> dict:
 def describe(row: dict) -> str:
     mib = 2**20
     return (
-        f"seq {row['seq_len']:>5} x {row['micro_batch']}, checkpointing {'on ' if row['gradient_checkpointing'] else 'off'}:"
+        f"sp {row.get('sp', 1)}, seq {row['seq_len']:>5} x {row['micro_batch']}, checkpointing {'on ' if row['gradient_checkpointing'] else 'off'}:"
         f" estimate {row['estimate_bytes']['peak'] / mib:7.1f} MiB, measured {row['measured']['peak_bytes'] / mib:7.1f}"
         f" MiB (loaded {row['measured']['loaded_bytes'] / mib:.1f}), measured/estimate "
         f"{row['ratio_measured_over_estimate']:.2f} ({row['allocator']})"
@@ -195,12 +221,15 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), help="seq_len:on|off (checkpointing)")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each run")
+    parser.add_argument("--sp", type=int, default=1, help="processes to a sequence (DeepSpeed Ulysses, ZeRO-2)")
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(json.loads(args.child))))
+        measured = child(json.loads(args.child))
+        if "processes" not in measured or os.environ.get("RANK", "0") == "0":
+            print(json.dumps(measured))
         return
-    results = run_all(args.sizes, args.steps, args.threads)
+    results = run_all(args.sizes, args.steps, args.threads, args.sp)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.output}")
