@@ -261,7 +261,12 @@ def alone():
 
 def launched_sharded() -> bool:
     """Whether `accelerate launch` asked for FSDP or DeepSpeed (it says so in the environment)."""
-    return parse_flag_from_env("ACCELERATE_USE_FSDP") or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
+    return parse_flag_from_env("ACCELERATE_USE_FSDP") or launched_deepspeed()
+
+
+def launched_deepspeed() -> bool:
+    """Whether `accelerate launch` asked for DeepSpeed."""
+    return parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
 
 
 def on_main_first(processes: Processes, fn) -> None:

@@ -24,8 +24,6 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from accelerate.utils import broadcast_object_list
-
 from ..runtime import alone, on_main_first  # noqa: F401  (alone: this module's word for it)
 
 SYNC_DIR = ".processes"  # under the cache folder: one folder per launched compare, removed when it finishes
@@ -35,15 +33,6 @@ POLL_SECONDS = 0.2
 def my_share(items: list, rank: int, world_size: int) -> list:
     """The items whose index is congruent to `rank` modulo `world_size`: each item on exactly one process."""
     return [item for index, item in enumerate(items) if index % world_size == rank]
-
-
-def broadcast(value, processes):
-    """The main process's `value`, on every process."""
-    if processes.world_size == 1:
-        return value
-    box = [value if processes.is_main else None]
-    broadcast_object_list(box)
-    return box[0]
 
 
 def wait_for_file(path: Path, poll_seconds: float = POLL_SECONDS) -> None:
@@ -58,7 +47,7 @@ class MainOnly:
 
     def __init__(self, processes, cache_dir: Path):
         self.processes = processes
-        self.folder = Path(cache_dir) / SYNC_DIR / broadcast(uuid.uuid4().hex, processes)
+        self.folder = Path(cache_dir) / SYNC_DIR / processes.from_main(uuid.uuid4().hex)
         self.steps = 0
 
     def run(self, fn: Callable):
@@ -81,7 +70,7 @@ class MainOnly:
         if not self.processes.is_main:
             wait_for_file(done)
         on_main_first(self.processes, on_main)
-        result = broadcast(value[0], self.processes)
+        result = self.processes.from_main(value[0])
         self.processes.state.wait_for_everyone()  # every process has seen `done`: it can go
         if self.processes.is_main:
             done.unlink(missing_ok=True)

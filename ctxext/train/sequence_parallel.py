@@ -29,13 +29,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from accelerate.parallelism_config import ParallelismConfig
-from accelerate.utils import DeepSpeedSequenceParallelConfig, parse_flag_from_env
+from accelerate.utils import DeepSpeedSequenceParallelConfig
 
 from ..compat import attention_implementation
 from ..errors import CtxextError
 from ..extras import require
 from ..patching.families import rope_parameters_of, rotary_host
 from ..patching.rotary import ScaledRotaryEmbedding
+from ..runtime import launched_deepspeed
 
 IGNORE = -100  # the label of a token that is not scored
 
@@ -56,7 +57,7 @@ def parallelism_config(sp_size: int, world_size: int) -> ParallelismConfig | Non
 def check_launch(sp_size: int, world_size: int) -> None:
     """Ulysses runs inside DeepSpeed, over a whole number of groups of sp_size processes."""
     require("deepspeed", f"parallel.sp_size={sp_size}")
-    if not parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
+    if not launched_deepspeed():
         raise CtxextError(
             f"parallel.sp_size={sp_size} runs under DeepSpeed: launch with `accelerate launch --config_file "
             "configs/accelerate/deepspeed-zero2.yaml` (deepspeed-zero2-cpu.yaml without GPUs) and "
@@ -73,9 +74,7 @@ def check_model(model, sp_size: int, attn_implementation: str) -> None:
     """Refuse, before anything is written, what Ulysses or the whole-length rule cannot honour for this model."""
     if sp_size == 1:
         return
-    config = model.config.get_text_config()
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads  # none: every head has its own keys
+    heads, kv_heads = head_counts(model)
     if heads % sp_size or not (kv_heads % sp_size == 0 or sp_size % kv_heads == 0):
         raise CtxextError(
             f"parallel.sp_size={sp_size} must divide the model's {heads} attention heads and divide (or be a "
@@ -95,6 +94,13 @@ def check_model(model, sp_size: int, attn_implementation: str) -> None:
         )
 
 
+def head_counts(model) -> tuple[int, int]:
+    """(query heads, key/value heads) of the model's text config (a config without the latter: one per head)."""
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    return heads, getattr(config, "num_key_value_heads", None) or heads
+
+
 def hand_attention_to_ulysses(accelerator, model) -> None:
     """Have accelerate register Ulysses around the attention function the model runs with (e.g. `ctxext_sdpa`,
     ctxext's own for an attention-level method), which its validator would not accept by name. Ulysses sets its
@@ -103,13 +109,15 @@ def hand_attention_to_ulysses(accelerator, model) -> None:
     import deepspeed  # noqa: PLC0415 (optional: the deepspeed extra)
 
     deepspeed.init_distributed(dist_backend=dist.get_backend())
-    handler = accelerator.parallelism_config.sp_handler
-    handler.sp_attn_implementation = attention_implementation(model.config)
-    keep_head_groups_for_evaluation(model)
+    parallelism = accelerator.parallelism_config
+    parallelism.sp_handler.sp_attn_implementation = attention_implementation(model.config)
+    if parallelism.sp_size > head_counts(model)[1]:  # Ulysses replicates the key/value heads
+        keep_head_groups_for_evaluation(model)
 
 
 def keep_head_groups_for_evaluation(model) -> None:
-    """Where the SP group is larger than the model's key/value heads, Ulysses replicates them and, in a training
+    """Where the SP group is larger than the model's key/value heads (the only case where this is installed),
+    Ulysses replicates them and, in a training
     forward, sets each attention module's `num_key_value_groups` to the replicated ratio, for good (DeepSpeed
     0.19.8, UlyssesSPAttentionHF.forward); an evaluation forward, which bypasses Ulysses, would then pair 2 query
     heads with 1 key head. A pre-hook puts the model's own ratio back before every forward in eval mode."""

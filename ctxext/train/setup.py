@@ -23,6 +23,7 @@ from ..runtime import (
     Processes,
     attention_implementation,
     cpu_processes,
+    launched_deepspeed,
     launched_sharded,
     on_main_first,
     training_precision,
@@ -82,8 +83,7 @@ def make_runtime(recipe: Recipe, output: Path | None = None, trackers: tuple[str
     # DeepSpeed the processes are already joined over gloo (Processes), and DeepSpeed runs on its CPU accelerator.
     # FSDP keeps cpu=True: without it accelerate would make each CPU process a run of its own.
     accelerator = Accelerator(
-        cpu=(cpu_processes(train.device) or device.type == "cpu")
-        and not parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"),
+        cpu=(cpu_processes(train.device) or device.type == "cpu") and not launched_deepspeed(),
         gradient_accumulation_steps=accumulation,
         mixed_precision="no" if precision == "fp32" else "bf16",
         log_with=list(trackers) or None,
