@@ -21,6 +21,7 @@ from transformers.utils import logging as transformers_logging
 
 from .dispatch import Placement, check_placement, check_tensor_parallel_model, offload_folder, remove_folder
 from .errors import CtxextError, first_line
+from .patching.families import config_missing_base, missing_base_error
 
 CAUSE_CHARS = 200  # each error's part of a one-line load error is shortened to this
 
@@ -65,9 +66,13 @@ def load_config(name_or_path: str):
     """The model's config alone (cheap): lets commands reject unsupported models before loading weights."""
     check_model_source(name_or_path)
     try:
-        return AutoConfig.from_pretrained(name_or_path)
+        config = AutoConfig.from_pretrained(name_or_path)
     except (OSError, ValueError, KeyError) as error:
         raise CtxextError(f"could not load the config of '{name_or_path}': {describe_failure(error)}") from error
+    where = config_missing_base(config)
+    if where is not None:  # written by a trainer's config.rope_scaling = {...}: say so, not `NoneType ** Tensor`
+        raise missing_base_error(where, f"'{name_or_path}'", in_file="config.json")
+    return config
 
 
 def load_model(
@@ -95,8 +100,11 @@ def load_model(
         transformers_logging.disable_progress_bar()
     try:
         model = _from_pretrained(name_or_path, dtype, attn_implementation, placement, tp)
-    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as error:
-        # RuntimeError: weights whose shapes differ from the config's; SafetensorError: a damaged weights file
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError, SafetensorError) as error:
+        # RuntimeError: weights whose shapes differ from the config's; SafetensorError: a damaged weights file;
+        # TypeError: a rotary without its base (`NoneType ** Tensor`), which load_config names
+        if isinstance(error, TypeError):
+            load_config(name_or_path)
         raise CtxextError(f"could not load model '{name_or_path}': {describe_failure(error)}") from error
     finally:
         if bars_were_on and not progress:

@@ -1,7 +1,9 @@
 """Registering ctxext with transformers without importing transformers at `import ctxext`.
 
 `import ctxext.patching` registers ctxext's rope types (so configs that name them validate and models build)
-and the load hook that re-installs log-n/ReRoPE on models built from a ctxext config. `import ctxext` must
+and the load hook that re-installs log-n/ReRoPE on models built from a ctxext config; `import
+ctxext.integrations.hooks`, right after it, wraps PEFT's and transformers' adapter save and load so that an
+adapter of a model patched in memory carries the patch (it imports peft, a dependency of ctxext). `import ctxext` must
 stay cheap (the CLI's --help imports it), so it calls `install()`, which imports `ctxext.patching` at once
 if transformers' configuration module is already imported, and otherwise puts a finder on `sys.meta_path`
 that does it right after transformers imports it. That keeps the contract that after `import ctxext`, plain
@@ -20,7 +22,9 @@ from importlib.abc import Loader, MetaPathFinder
 from .compat import module_is_initializing
 
 TRIGGER = "transformers.configuration_utils"  # every config and model class imports it
-TARGET = "ctxext.patching"
+# imported in this order: the rope types and load hook, then the PEFT/transformers adapter hooks (an adapter
+# saved from a patched model carries the patch, and loading it applies it: ctxext.integrations.adapters)
+TARGETS = ("ctxext.patching", "ctxext.integrations.hooks")
 WATCHED = ("transformers", "ctxext")
 
 
@@ -64,7 +68,8 @@ class _Registrar(MetaPathFinder):
             return
         self.busy = True
         try:
-            __import__(TARGET)  # registers the rope types and the load hook
+            for target in TARGETS:
+                __import__(target)  # registers the rope types and the load hook, then the adapter hooks
         finally:
             self.busy = False
         uninstall()
@@ -82,10 +87,10 @@ class _ThenRegister(Loader):
     def exec_module(self, module):
         module.__loader__ = module.__spec__.loader = self.loader
         self.loader.exec_module(module)
-        if TARGET not in sys.modules:
+        if not registered():
             self.registrar.after(self.name)
         else:
-            uninstall()  # ctxext.patching registers itself when imported
+            uninstall()  # each target registers itself when imported
 
     def __getattr__(self, attribute):
         return getattr(self.loader, attribute)
@@ -93,11 +98,15 @@ class _ThenRegister(Loader):
 
 def install() -> None:
     """Register now if transformers is ready, else once it is (idempotent)."""
-    if TARGET in sys.modules or any(isinstance(f, _Registrar) for f in sys.meta_path):
+    if registered() or any(isinstance(f, _Registrar) for f in sys.meta_path):
         return
     registrar = _Registrar()
     sys.meta_path.insert(0, registrar)
     registrar.after(None)
+
+
+def registered() -> bool:
+    return all(target in sys.modules for target in TARGETS)
 
 
 def uninstall() -> None:

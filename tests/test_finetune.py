@@ -39,7 +39,7 @@ def reference_run(tmp_path_factory, finetune_checkpoint, finetune_texts):
 
 
 def test_run_writes_metrics_adapter_and_merged_checkpoint(reference_run, finetune_checkpoint, finetune_texts):
-    from peft import PeftModel
+    from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM
 
     import ctxext
@@ -82,6 +82,9 @@ def test_run_writes_metrics_adapter_and_merged_checkpoint(reference_run, finetun
     sample = ids[:256].unsqueeze(0)
     with torch.no_grad():
         torch.testing.assert_close(merged(sample).logits, with_adapter(sample).logits, rtol=1e-4, atol=1e-4)
+        # adapter/ctxext.yaml records the patch: PEFT's own loader on the adapter alone patches the base itself.
+        auto = AutoPeftModelForCausalLM.from_pretrained(output / "adapter", dtype=torch.float32).eval()
+        torch.testing.assert_close(auto(sample).logits, with_adapter(sample).logits, rtol=0, atol=1e-5)
         # Training changed the model: the adapter is not a no-op (PEFT wrapped `base` in place; reload it).
         fresh = ctxext.patch(
             AutoModelForCausalLM.from_pretrained(finetune_checkpoint, dtype=torch.float32), "linear", factor=4

@@ -95,11 +95,52 @@ def shipped_base(rope_parameters: dict, dim: int) -> float:
     return base if alpha is None else base * alpha ** (dim / (dim - 2))
 
 
+def missing_base(rope_parameters) -> str | None:
+    """Where `rope_parameters` names a rotary without its base ('rope_parameters', or
+    "rope_parameters['sliding_attention']" in a config nested by layer type), or None where every set has one.
+
+    A set lacks its base where `rope_theta` is there but null, or missing beside a scaling. transformers 5's
+    `config.rope_scaling = {...}` setter (what LLaMA-Factory and axolotl assign) replaces `rope_parameters` by the
+    scaling with `rope_theta` None (transformers 5.24, configuration_utils.py, the `rope_scaling` setter); the
+    rotary then fails to build with `NoneType ** Tensor`, and save_pretrained writes the null to config.json."""
+    if not isinstance(rope_parameters, dict):
+        return None
+    sets = rope_parameters.items() if is_nested(rope_parameters) else [(None, rope_parameters)]
+    for key, values in sets:
+        scaled = values.get("rope_type", values.get("type", "default")) != "default" or "factor" in values
+        if ("rope_theta" in values or scaled) and values.get("rope_theta") is None:
+            return "rope_parameters" if key is None else f"rope_parameters['{key}']"
+    return None
+
+
+def config_missing_base(config) -> str | None:
+    """`missing_base` of a config's own rope parameters."""
+    return missing_base(getattr(config, "rope_parameters", None))
+
+
+def missing_base_error(where: str, what: str, in_file: str | None = None) -> CtxextError:
+    """The one line for a rope parameter set without its base (`missing_base`): what dropped it and how to put it
+    back, in the config object or (`in_file`) in that config.json."""
+    dropped = "transformers drops it when config.rope_scaling is assigned"
+    if in_file is not None:
+        return CtxextError(
+            f"{what}: {in_file}'s {where} has no rope_theta ({dropped}, and save_pretrained writes it so); put the "
+            f"model's original base back as {where}['rope_theta'] in that file, e.g. from its original config.json"
+        )
+    return CtxextError(
+        f"{what}: {where} has no rope_theta ({dropped}); set config.{where}['rope_theta'] to the model's original "
+        "base, e.g. from its original config.json"
+    )
+
+
 def check_supported(config, what: str | None = None) -> None:
     """What a config alone says ctxext cannot patch, as a one-line CtxextError (weights are never loaded)."""
     model_type = getattr(config, "model_type", None)
     what = what or (f"model type '{model_type}'" if model_type else "this model")
     rope_parameters = getattr(config, "rope_parameters", None)
+    where = missing_base(rope_parameters)
+    if where is not None:
+        raise missing_base_error(where, what)
     types = list(rope_parameters.values()) if is_nested(rope_parameters) else [rope_parameters or {}]
     if not any(isinstance(values, dict) and "rope_theta" in values for values in types):
         raise CtxextError(f"{what} has no rotary position embedding (RoPE): there is nothing for ctxext to scale")

@@ -102,7 +102,15 @@ def patch(
         warnings.warn(str(error), stacklevel=2)
     unpatch(model)
     apply_plan(plan)
+    _keep_call(model, locals())
     return model
+
+
+def _keep_call(model: nn.Module, arguments: dict) -> None:
+    """`patch`'s call, kept on the patched rotary as `patch_call`: an adapter's record repeats it on the base it
+    loads on (ctxext.integrations.adapters)."""
+    call = {key: value for key, value in arguments.items() if key not in ("model", "params", "plan")}
+    rotary_host(model).rotary_emb.patch_call = {**call, **arguments["params"]}
 
 
 def apply_plan(plan: PatchPlan) -> None:

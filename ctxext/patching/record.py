@@ -20,6 +20,8 @@ from .families import (
     FULL,
     is_nested,
     layer_rope_parameters,
+    missing_base,
+    missing_base_error,
     own_partial_rotary_factor,
     rotary_host,
     scales_statically,
@@ -129,6 +131,9 @@ def rope_record(config, saved: dict | None = None) -> RopeRecord:
     top_level_L0 = saved.get(
         "original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None)
     )
+    where = missing_base(rope_parameters)
+    if where is not None:
+        raise missing_base_error(where, f"model type '{getattr(config, 'model_type', None) or type(config).__name__}'")
     keys = sorted(rope_parameters) if is_nested(rope_parameters) else [None]
     types = {}
     for key in keys:

@@ -28,7 +28,14 @@ from ..methods import Method, MethodParams
 from ..methods.frequency import yarn_mscale
 from ..methods.remapping import RemapParams
 from ..patching import ScaledRotaryEmbedding, rotary_host
-from ..patching.families import FAMILY_ROPE_KEYS, config_refusal, is_nested, own_partial_rotary_factor
+from ..patching.families import (
+    FAMILY_ROPE_KEYS,
+    config_refusal,
+    is_nested,
+    missing_base,
+    missing_base_error,
+    own_partial_rotary_factor,
+)
 from ..patching.rope_types import equal_sets_longrope, rope_parameters_for, with_float_numbers
 
 FORMATS = ("native", "ctxext")
@@ -127,6 +134,7 @@ def with_both_spellings(config: dict, rope_parameters: dict) -> dict:
 
     Every config.json ctxext writes goes through here: the engines' float parameters are written as floats
     (`with_float_numbers`), whatever form the parameters came in (a checkpoint loaded as it is included)."""
+    require_base(rope_parameters)
     rope_parameters = with_float_numbers(rope_parameters)
     out = dict(config)
     out["rope_parameters"] = dict(rope_parameters)
@@ -137,6 +145,14 @@ def with_both_spellings(config: dict, rope_parameters: dict) -> dict:
     if "partial_rotary_factor" in rope_parameters:
         out["partial_rotary_factor"] = rope_parameters["partial_rotary_factor"]
     return out
+
+
+def require_base(rope_parameters: dict) -> None:
+    """No config.json ctxext writes has a rope parameter set without its base (`missing_base`): transformers and
+    the engines could not build its rotary."""
+    where = missing_base(rope_parameters)
+    if where is not None:
+        raise missing_base_error(where, "ctxext will not write a config.json whose rotary cannot be built")
 
 
 def model_rope_form(model, format: str = "native") -> RopeForm:
@@ -203,6 +219,7 @@ def write_config_for_serving(model, folder, format: str = "native") -> RopeForm:
     path = Path(folder) / "config.json"
     config = json.loads(path.read_text())
     if is_nested(form.rope_parameters):  # no 4.x spelling nests by layer type: transformers 5's form alone
+        require_base(form.rope_parameters)
         config["rope_parameters"] = with_float_numbers(form.rope_parameters)
     else:
         config = with_both_spellings(config, form.rope_parameters)

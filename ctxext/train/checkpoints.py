@@ -21,6 +21,7 @@ from peft import PeftModel
 from transformers.integrations import unset_hf_deepspeed_config
 
 from ..errors import CtxextError
+from ..integrations.adapters import adapter_record
 from ..loading import load_model
 from ..outputs import atomic_output_dir
 from ..patching.patch import recorded_rope_parameters
@@ -165,14 +166,16 @@ def save_results(setup: Setup, model) -> None:
         return
     unwrapped = accelerator.unwrap_model(model)
     note = (
-        "# Written by `ctxext finetune`. Load the adapter on the base model patched with this method:\n"
+        "# Written by `ctxext finetune`. After `import ctxext`, PeftModel.from_pretrained(base, this_folder) and\n"
+        "# AutoPeftModelForCausalLM.from_pretrained(this_folder) patch the unpatched base as `patch` says first\n"
+        "# (ctxext.integrations.adapters); without ctxext, patch it yourself:\n"
         "#   model = AutoModelForCausalLM.from_pretrained(source); ctxext.patch(model, method, factor=...)\n"
-        "#   model = PeftModel.from_pretrained(model, this_folder)\n"
     )
     with atomic_output_dir(setup.output / "adapter", overwrite=True) as staging:
         unwrapped.save_pretrained(staging, state_dict=state_dict)
         setup.tokenizer.save_pretrained(staging)
-        (staging / "ctxext.yaml").write_text(note + yaml.safe_dump(method_record(setup), sort_keys=False))
+        record = {**(adapter_record(unwrapped.get_base_model()) or {}), **method_record(setup)}  # patch, then recipe
+        (staging / "ctxext.yaml").write_text(note + yaml.safe_dump(record, sort_keys=False))
     if not setup.recipe.train.save_merged:
         return
     if runtime.sharded:
