@@ -35,9 +35,13 @@ Used in place (not wrapped, because their code is the CLI's or the harness's own
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from .errors import CtxextError
 
 if TYPE_CHECKING:
     import torch
@@ -139,6 +143,43 @@ def hub_commit(name_or_path: str, config=None, cache_dir: str | Path | None = No
     except ValueError:  # not a repo id (a local path, say)
         return None
     return Path(cached).parent.name if isinstance(cached, str) else None  # .../snapshots/<commit>/config.json
+
+
+# transformers.cli.serving.server.build_server (transformers 5.24; the server module is new in 5.x and not a
+# documented API), in ctxext/request_checks.py `checked_server`: `Serve.__init__` builds the FastAPI app through it
+# and starts uvicorn in the same call, so it is the one moment ctxext can reach the handlers
+# (`handle_request(body, request_id)` of the chat, completion and response handlers) and the `GenerationState`
+# (`get_manager`, whose managers' `generate_streaming` / `generate_non_streaming` receive the handler's tokenized
+# `inputs` and the request's GenerationConfig). ctxext wraps those instance methods while the app is built. If the
+# names or signatures changed, `serving_build_server` raises a CtxextError naming them before the server starts
+# (tests/test_compat.py checks each name), instead of serving unchecked requests.
+SERVING_HANDLERS = {"chat": "chat_handler", "completions": "completion_handler", "responses": "response_handler"}
+
+
+@contextlib.contextmanager
+def serving_build_server(prepare):
+    """While active, transformers' `build_server` first calls `prepare({endpoint: handler}, generation_state)`."""
+    from transformers.cli.serving import server  # noqa: PLC0415 (the serve extra: fastapi, uvicorn)
+
+    original = server.build_server
+    signature = inspect.signature(original)
+    missing = [name for name in (*SERVING_HANDLERS.values(), "generation_state") if name not in signature.parameters]
+    if missing:
+        raise CtxextError(
+            f"this transformers' server builds its app without {', '.join(missing)}: ctxext serve cannot check "
+            "requests there; install a transformers version ctxext is tested with (5.24)"
+        )
+
+    def build_server(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs).arguments
+        prepare({endpoint: bound[name] for endpoint, name in SERVING_HANDLERS.items()}, bound["generation_state"])
+        return original(*args, **kwargs)
+
+    server.build_server = build_server
+    try:
+        yield
+    finally:
+        server.build_server = original
 
 
 # ----------------------------------------------------------------------------------------- accelerate

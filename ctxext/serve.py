@@ -16,8 +16,10 @@ time.
 from __future__ import annotations
 
 import errno
+import json
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -27,7 +29,9 @@ from .errors import CtxextError
 from .extras import require
 from .loading import check_model_source, describe_failure, load_config
 from .patching.attention import CONFIG_KEY
+from .request_checks import ContextLimit, checked_server
 from .runtime import resolve_device, resolve_dtype
+from .serving.engines import read_served_model, served_length
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -43,13 +47,15 @@ class ServePlan:
     dtype: str
     attention_method: str | None  # the attention-level method the checkpoint records, if any
     continuous_batching: bool
+    context: ContextLimit  # the most tokens, prompt plus max_tokens, a request may ask for
+    refused: dict = field(default_factory=dict)  # {endpoint: why every request to it is refused}
 
     def describe(self) -> str:
         method = self.attention_method or "rotary frequencies only"
         batching = "continuous batching" if self.continuous_batching else "one request at a time"
         return (
-            f"serving {self.model} ({method}; {self.device}, {self.dtype}; {batching}) "
-            f"at http://{self.host}:{self.port}/v1"
+            f"serving {self.model} ({method}; {self.device}, {self.dtype}; {batching}; requests up to "
+            f"{self.context.tokens} tokens, {self.context.source}) at http://{self.host}:{self.port}/v1"
         )
 
 
@@ -87,13 +93,50 @@ def recorded_attention_method(model: str) -> str | None:
     return record.get("method")
 
 
+def declared_context(model: str, max_context: int | None = None) -> ContextLimit:
+    """The context requests are held to: `max_context` where the operator gives one, else what the checkpoint
+    declares (`ctxext.serving.engines.served_length`, the length `ctxext export` starts engines with)."""
+    if max_context is not None:
+        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1:
+            raise CtxextError(f"--max-context must be a whole number of tokens >= 1, got {max_context!r}")
+        return ContextLimit(max_context, "--max-context")
+    if (Path(model) / "config.json").is_file():
+        tokens = served_length(read_served_model(model))
+    else:  # a hub id: its config alone
+        tokens = int(getattr(load_config(model), "max_position_embeddings", 0) or 0)
+    if tokens < 1:
+        raise CtxextError(f"'{model}' declares no context (max_position_embeddings); give --max-context N")
+    return ContextLimit(tokens, "the context the checkpoint declares")
+
+
+def endpoints_without_a_chat_template(model: str) -> dict:
+    """{endpoint: reason} for the chat and responses endpoints where a local checkpoint's tokenizer has no chat
+    template (transformers' handlers would fail with HTTP 500 there); a hub id is left to its tokenizer."""
+    folder = Path(model)
+    if not (folder / "config.json").is_file():
+        return {}
+    tokenizer_config = folder / "tokenizer_config.json"
+    settings = json.loads(tokenizer_config.read_text()) if tokenizer_config.is_file() else {}
+    if settings.get("chat_template") or any(folder.glob("chat_template.*")):
+        return {}
+    reason = f"'{model}' has no chat template (tokenizer_config.json, chat_template.jinja): use /v1/completions"
+    return {"chat": reason, "responses": reason}
+
+
 def plan_serve(
-    model: str, host: str, port: int, device: str, dtype: str, continuous_batching: bool = False
+    model: str,
+    host: str,
+    port: int,
+    device: str,
+    dtype: str,
+    continuous_batching: bool = False,
+    max_context: int | None = None,
 ) -> ServePlan:
     """Every check `ctxext serve` makes before loading weights, and the settings it will serve with."""
     check_serving_packages()
     check_model_source(model)
     method = recorded_attention_method(model)
+    context = declared_context(model, max_context)
     if continuous_batching and method:
         raise CtxextError(
             f"--continuous-batching runs transformers' paged attention kernels, which do not run ctxext's "
@@ -109,6 +152,8 @@ def plan_serve(
         dtype=DTYPE_NAMES[resolve_dtype(dtype, chosen)],
         attention_method=method,
         continuous_batching=continuous_batching,
+        context=context,
+        refused=endpoints_without_a_chat_template(model),
     )
 
 
@@ -118,14 +163,15 @@ def start_server(plan: ServePlan, blocking: bool = True):
     from transformers.cli.serve import Serve  # noqa: PLC0415  (imports fastapi and uvicorn: the serve extra)
 
     try:
-        return Serve(
-            force_model=plan.model,
-            continuous_batching=plan.continuous_batching,
-            device=plan.device,
-            dtype=plan.dtype,
-            host=plan.host,
-            port=plan.port,
-            non_blocking=not blocking,
-        )
+        with checked_server(plan.context, plan.refused):  # each request's fields and length checked before any work
+            return Serve(
+                force_model=plan.model,
+                continuous_batching=plan.continuous_batching,
+                device=plan.device,
+                dtype=plan.dtype,
+                host=plan.host,
+                port=plan.port,
+                non_blocking=not blocking,
+            )
     except (OSError, ValueError, KeyError, RuntimeError) as error:
         raise CtxextError(f"could not serve '{plan.model}': {describe_failure(error)}") from error

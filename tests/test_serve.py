@@ -138,3 +138,85 @@ def test_continuous_batching_serves_a_frequency_method(checkpoints, tmp_path):
     finally:
         running.kill_server()
     assert reply.choices[0].text == greedy_answer(yarn)
+
+
+# ------------------------------------------------------------------------------ requests checked before work
+# The fixture's checkpoint declares 128 tokens (L = 64, self_extend x2); PROMPT is 120 tokens of the tiny tokenizer.
+DECLARED = 128
+BAD_COMPLETION_FIELDS = [
+    ({"max_tokens": -1}, "'max_tokens'"),  # HTTP 500 before these checks
+    ({"max_tokens": 2.5}, "'max_tokens'"),
+    ({"max_tokens": True}, "'max_tokens'"),
+    ({"temperature": "hot"}, "'temperature'"),
+    ({"temperature": 3}, "'temperature'"),
+    ({"top_p": 0}, "'top_p'"),
+    ({"seed": "x"}, "'seed'"),
+    ({"stop": [1, 2]}, "'stop'"),
+    ({"frequency_penalty": 9}, "'frequency_penalty'"),
+    ({"logit_bias": {"a": 1}}, "'logit_bias'"),
+    ({"generation_config": "{not json"}, "'generation_config'"),
+    ({"generation_config": '{"max_new_tokens": -3}'}, "'generation_config'"),
+    ({"n": 2}, "'n'"),  # answered with one choice, silently, before these checks
+    ({"echo": True}, "'echo'"),
+    ({"logprobs": 2}, "'logprobs'"),
+    ({"stream": "yes"}, "'stream'"),
+]
+
+
+@pytest.mark.parametrize("fields,named", BAD_COMPLETION_FIELDS)
+def test_a_bad_field_is_a_400_that_names_it(server, fields, named):
+    client, model = server
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt=PROMPT, extra_body=fields)
+    assert named in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "fields,named",
+    [({"messages": []}, "'messages'"), ({"max_completion_tokens": 0}, "'max_completion_tokens'"), ({"n": 3}, "'n'")],
+)
+def test_a_bad_chat_field_is_a_400_that_names_it(server, fields, named):
+    client, model = server
+    body = {"messages": [{"role": "user", "content": PROMPT}], **fields}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=body.pop("messages"), extra_body=body)
+    assert named in str(refused.value)
+
+
+def test_a_prompt_past_the_declared_context_is_refused_with_both_numbers(server):
+    client, model = server
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt=PROMPT * 3, max_tokens=NEW_TOKENS, temperature=0)
+    said = str(refused.value)
+    assert f"{3 * 120 + NEW_TOKENS}" in said and f"{DECLARED}" in said
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT * 3}], max_tokens=4)
+    assert f"{DECLARED}" in str(refused.value)
+
+
+def test_max_tokens_past_the_context_is_refused_and_none_stops_at_its_end(server):
+    client, model = server
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=NEW_TOKENS + 1, temperature=0)
+    assert f"{120 + NEW_TOKENS + 1} exceeds" in str(refused.value)
+    reply = client.completions.create(model=model, prompt=PROMPT, temperature=0)  # the server's default: 1024
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens <= DECLARED
+
+
+def test_the_server_answers_right_after_bad_requests(server, checkpoints):
+    client, model = server
+    for fields in ({"max_tokens": -1}, {"n": 2}):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=model, prompt=PROMPT, extra_body=fields)
+    reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0)
+    assert reply.choices[0].text == greedy_answer(checkpoints[1])
+
+
+def test_the_declared_context_is_the_checkpoints_and_an_override_replaces_it(checkpoints, capsys):
+    from ctxext.serve import declared_context
+
+    assert declared_context(str(checkpoints[1])).tokens == DECLARED
+    assert declared_context(str(checkpoints[0])).tokens == 64  # the plain tiny model's max_position_embeddings
+    assert declared_context(str(checkpoints[1]), 4096).tokens == 4096
+    code, err = serve_cli(capsys, checkpoints[1], "--port", free_port("localhost"), "--max-context", "0")
+    assert code == 2 and err.count("\n") == 1 and "--max-context" in err

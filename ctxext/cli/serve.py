@@ -15,7 +15,9 @@ gali, rerope, leaky_rerope, dpe, string, logn, the dynamic methods).
 The request's "model" field is the checkpoint path as given here. Methods that only change the rotary
 frequencies may use --continuous-batching (transformers' paged cache); attention-level methods are served
 one request at a time. The checkpoint, its method record, the port and the serving packages are checked
-before the weights load."""
+before the weights load. Each request is checked before any work: a bad field gets HTTP 400 naming it, and a
+prompt plus max_tokens past the checkpoint's context (or --max-context) gets HTTP 400 with both numbers; a
+request without max_tokens generates at most to the end of the context."""
 EPILOG = (
     "examples:\n"
     "  ctxext patch SmolLM2 --method self_extend --factor 2 -o smollm2-se\n"
@@ -39,6 +41,14 @@ def add_arguments(parser) -> None:
         help="auto (bf16 on GPU and on CPUs with fast native bf16, else fp32), fp32, bf16, fp16",
     )
     parser.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the most tokens a request may hold, prompt plus max_tokens (default: the context the checkpoint "
+        "declares, the length `ctxext export` starts engines with); a longer request gets HTTP 400 at once",
+    )
+    parser.add_argument(
         "--continuous-batching",
         action="store_true",
         help="transformers' continuous batching on a paged cache: for methods that only change the rotary "
@@ -49,7 +59,9 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from ..serve import plan_serve, start_server  # torch and transformers: not at --help
 
-    plan = plan_serve(args.model, args.host, args.port, args.device, args.dtype, args.continuous_batching)
+    plan = plan_serve(
+        args.model, args.host, args.port, args.device, args.dtype, args.continuous_batching, args.max_context
+    )
     print(plan.describe(), flush=True)
     start_server(plan)
     return 0

@@ -173,6 +173,16 @@ class RemapParams(MethodParams):
         """The change of setting that keeps r' below L at `length` tokens, in words ('' when none does)."""
         return ""
 
+    def reach(self, original_length: int) -> int | None:
+        """The most tokens this setting (resolved at L) keeps every remapped relative position within the trained
+        range 0..L-1: the length its checkpoint declares when no --factor says otherwise. None where every length
+        stays within it (the positions are capped by construction)."""
+        raise NotImplementedError
+
+    def reach_rule(self) -> str:
+        """How `reach` is computed, in a few words for `ctxext patch` and the docs."""
+        raise NotImplementedError
+
 
 # ------------------------------------------------------------------------------------ ReRoPE, Leaky
 @dataclass
@@ -218,6 +228,17 @@ class ReRopeParams(RemapParams):
         if w >= L - 1:
             return f"a window below {L - 1}"
         return f"k >= {math.ceil((last - w) / (L - 1 - w))}"
+
+    def reach(self, original_length: int) -> int | None:
+        w, L = self.window, original_length
+        if w >= L:  # the window itself runs past L
+            return L
+        if self.leak == 0:  # r' = min(r, w) < L at any length
+            return None
+        return math.floor(w + (L - 1 - w) / self.leak) + 1  # the last query on key 0: w + (N - 1 - w) / k = L - 1
+
+    def reach_rule(self) -> str:
+        return "r' never passes w" if self.leak == 0 else "w + k (L - 1 - w) + 1"
 
 
 @dataclass
@@ -329,6 +350,20 @@ class SelfExtendParams(RemapParams):
         if w >= L:
             return f"a window below {L}"
         return f"group_size >= {smallest_group_within(last, w, L)}"
+
+    def reach(self, original_length: int) -> int | None:
+        return self_extend_reach(self.group_size, self.window, original_length)
+
+    def reach_rule(self) -> str:
+        return "G (L - w + floor(w / G))"
+
+
+def self_extend_reach(G: int, window: int, original_length: int) -> int:
+    """The most tokens whose largest SelfExtend r' (the last query on key 0: floor((N-1)/G) + w - floor(w/G)) stays
+    below L: N = G (L - w + floor(w/G)); L itself where the window reaches L."""
+    if window >= original_length:
+        return original_length
+    return G * (original_length - window + window // G)
 
 
 def smallest_group_within(last: int, window: int, original_length: int) -> int:
@@ -469,6 +504,15 @@ class DpeParams(RemapParams):
             return ""
         return f"group_scales {scales}"
 
+    def reach(self, original_length: int) -> int | None:
+        """SelfExtend's reach at the smallest scale the grouped pairs have (pairs left out of `selected_pairs` keep
+        r' = r and run past L by design, as DPE means them to)."""
+        resolved = self.resolved(original_length)
+        return self_extend_reach(min(resolved.scales), resolved.window, original_length)
+
+    def reach_rule(self) -> str:
+        return "G (L - w + floor(w / G)) at the smallest group scale G"
+
     def regions(self) -> list[Region]:
         w = self.window
         if w is None:
@@ -566,6 +610,12 @@ class GaliParams(RemapParams):
     def largest_relative_position(self, length: int) -> float | None:
         """min(length, R) - 1, below L by construction; None before R is resolved (it is L then)."""
         return None if self.position_range is None else float(min(length, self.position_range) - 1)
+
+    def reach(self, original_length: int) -> int | None:
+        return None
+
+    def reach_rule(self) -> str:
+        return "r' stays below R <= L"
 
     def describe(self) -> str:
         return f"w{self.local_window}" + ("" if self.position_range is None else f" R{self.position_range}")
@@ -688,6 +738,12 @@ class DualChunkParams(RemapParams):
     def plain_up_to(self) -> int:
         return self.chunk
 
+    def reach(self, original_length: int) -> int | None:
+        return None
+
+    def reach_rule(self) -> str:
+        return "r' never passes chunk_size"
+
     def describe(self) -> str:
         return " ".join(
             f"{tag}{value}" for tag, value in (("s", self.chunk_size), ("w", self.local_window)) if value is not None
@@ -740,6 +796,13 @@ class StringParams(RemapParams):
 
     def plain_up_to(self) -> int:
         return self.shifted_offset
+
+    def reach(self, original_length: int) -> int | None:
+        resolved = self.resolved(original_length)
+        return original_length + resolved.shifted_offset - resolved.local_value
+
+    def reach_rule(self) -> str:
+        return "L + S - W"
 
     def describe(self) -> str:
         shifted = "" if self.shifted_offset is None else f"S{self.shifted_offset} "

@@ -19,6 +19,7 @@ from ..methods.remapping import RemapParams
 from ..validate import boolean, whole_number
 from .attention import (
     CONFIG_KEY,
+    LAYERS_KEY,
     check_can_install,
     install_attention,
     record_attention_in_config,
@@ -207,6 +208,7 @@ class PatchPlan(NamedTuple):
     composed: tuple  # the layer types whose shipped scaling the method composes with (answered by the family's module)
     max_position_embeddings: int  # what the config records after the patch
     left_alone: tuple = ()  # chosen layer types a remapping method leaves as shipped: their layers slide within L
+    reach_note: str = ""  # how a remapping method's reach and the declared length relate (`remap_reach_note`)
 
     @property
     def context_before(self) -> int:
@@ -222,7 +224,7 @@ class PatchPlan(NamedTuple):
                 f"; {', '.join(self.left_alone)} left as shipped (their layers slide within L = "
                 f"{self.original_length}, so they never see a distance to remap)"
             )
-        return told
+        return told + self.reach_note
 
 
 def plan_patch(
@@ -275,10 +277,40 @@ def plan_patch(
     written = rope_parameters_to_write(
         host, layout, keys, spec, method_params, L, native_temperature, shipped, composed_written
     )
+    length_asked = target_length is not None or method_params.factor != 1.0
+    reach = None if attention.remap is None else attention.remap.reach(L)
     new_context = _context_after(written, shipped, record, L, method_params.factor)
+    if reach is not None and not length_asked:  # a remapping method's own parameters say how far it reaches
+        new_context = max(new_context, reach)
+    note = remap_reach_note(spec.name, attention.remap, L, reach, new_context, length_asked)
     return PatchPlan(
         *(host, layout, record, ext, chosen, spec, method_params, L, attention, layers, native_temperature),
-        *(written, shipped, tuple(composed_written), new_context, left_alone),
+        *(written, shipped, tuple(composed_written), new_context, left_alone, note),
+    )
+
+
+def remap_reach_note(method: str, remap: RemapParams | None, L: int, reach, declared: int, length_asked: bool) -> str:
+    """What `ctxext patch` says of a remapping method's reach (`RemapParams.reach`) beside the length it declares:
+    without --factor or --target-length the reach is declared; with one, the length asked wins, said where the
+    parameters keep relative positions within L for fewer tokens than that."""
+    if remap is None:
+        return ""
+    setting = f"{method} {remap.describe()}"
+    if reach is None:
+        return (
+            ""
+            if length_asked
+            else f"; {setting} keeps every relative position within L = {L} at any length ({remap.reach_rule()}): "
+            "give --factor or --target-length for the length to declare"
+        )
+    if not length_asked:
+        return f"; {setting} keeps relative positions within L = {L} up to {reach} tokens ({remap.reach_rule()})"
+    if reach >= declared:
+        return ""
+    within = remap.setting_within(declared, L)
+    return (
+        f"; {setting} keeps relative positions within L = {L} only up to {reach} tokens ({remap.reach_rule()}): "
+        f"{declared} declared as asked" + (f" ({within} reaches it)" if within else "")
     )
 
 
@@ -569,10 +601,14 @@ def unpatch(model: nn.Module) -> nn.Module:
 
 
 def applied_method(model: nn.Module) -> dict | None:
-    """What `patch` applied to this model (method, parameters, original length, attention settings), or None."""
+    """What `patch` applied to this model (method, parameters, original length, attention settings), or None.
+
+    A checkpoint of an attention-level method reloads with the model's own rotary (its frequencies are plain) and
+    ctxext's attention installed from `ctxext_attention`: that record answers then, with the original length None
+    where it does not hold one (a remapping method's L is in the checkpoint's ctxext.yaml)."""
     scaled = rotary_host(model).rotary_emb
     if not isinstance(scaled, ScaledRotaryEmbedding):
-        return None
+        return _recorded_attention_method(model)
     return {
         "method": scaled.method.name,
         "params": scaled.params.to_dict(),
@@ -580,6 +616,23 @@ def applied_method(model: nn.Module) -> dict | None:
         "rope_type": host_rope_type(model),
         "layer_types": [key for key in scaled.scaled if key is not None] or "all",
         "attention": copy.deepcopy(getattr(rotary_host(model).config, CONFIG_KEY, None)),  # log-n, ReRoPE
+    }
+
+
+def _recorded_attention_method(model: nn.Module) -> dict | None:
+    """`applied_method` for a model whose rotary is its own: the attention method its config records, or None."""
+    config = rotary_host(model).config
+    record = copy.deepcopy(getattr(config, CONFIG_KEY, None))
+    if not record:
+        return None
+    settings = AttentionSettings.from_dict({k: v for k, v in record.items() if k != LAYERS_KEY})
+    return {
+        "method": settings.method or "none",
+        "params": dict(settings.params),
+        "original_max_position_embeddings": settings.original_max_position_embeddings,
+        "rope_type": host_rope_type(model),
+        "layer_types": "all",
+        "attention": record,
     }
 
 

@@ -173,11 +173,13 @@ def read_served_model(path) -> ServedModel:
 
 
 def served_length(model: ServedModel) -> int:
-    """L x factor from ctxext.yaml (the length the method was chosen for), else config.json's
-    max_position_embeddings."""
+    """The context the checkpoint declares: config.json's max_position_embeddings, or L x factor from ctxext.yaml
+    (the length the method was chosen for) where that is longer (dynamic NTK keeps L in the config)."""
+    declared = int(model.config.get("max_position_embeddings") or 0)
     if model.record and model.record.get("factor"):
-        return int(round(model.record["original_max_position_embeddings"] * float(model.record["factor"])))
-    return int(model.config.get("max_position_embeddings") or 0)
+        chosen = int(round(model.record["original_max_position_embeddings"] * float(model.record["factor"])))
+        return max(chosen, declared)
+    return declared
 
 
 def serving(model: ServedModel, engine: str) -> Serving:
