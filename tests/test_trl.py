@@ -88,15 +88,8 @@ def assert_trained_model_reloads(trainer, checkpoint, texts, tmp_path):
     assert (unpatched - trained).abs().max() > 1e-3  # 100 times the tolerance (measured: 3.6e-3 to 6.0e-3)
 
 
-def test_sft_on_a_yarn_model_reloads_patched(finetune_checkpoint, finetune_texts, tmp_path):
-    trainer = sft_run(finetune_checkpoint, finetune_texts, tmp_path / "out", "yarn", packing=False)
-    assert_trained_model_reloads(trainer, finetune_checkpoint, finetune_texts, tmp_path)
-
-
-@pytest.mark.slow  # `make test-slow`: CI's second step
-@pytest.mark.parametrize(
-    "method, packing", [("yarn", True), ("self_extend", False), ("self_extend", True)], ids=lambda v: str(v)
-)
-def test_sft_reloads_patched(finetune_checkpoint, finetune_texts, tmp_path, method, packing):
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_sft_on_a_patched_model_reloads_patched(finetune_checkpoint, finetune_texts, tmp_path, method, packing):
     trainer = sft_run(finetune_checkpoint, finetune_texts, tmp_path / "out", method, packing)
     assert_trained_model_reloads(trainer, finetune_checkpoint, finetune_texts, tmp_path)
