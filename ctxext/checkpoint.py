@@ -16,6 +16,7 @@ from .loading import load_config, load_model, load_tokenizer
 from .outputs import atomic_output_dir, check_output_dir
 from .patching import applied_method
 from .patching.applicable import skeleton
+from .patching.families import rotary_host
 from .patching.pair_selection import select_pairs, selection_record
 from .patching.patch import check_not_shorter, recorded_rope_parameters, shipped_rope
 from .serving.forms import FORMATS, RopeForm, write_config_for_serving
@@ -95,7 +96,7 @@ def write_patched_checkpoint(
         method_config.label,
         form.rope_parameters,
         plan.record.max_position_embeddings,
-        model.config.max_position_embeddings,
+        rotary_host(model).config.max_position_embeddings,
         applied,
         form,
         tokenizer is not None,
@@ -121,7 +122,7 @@ def checkpoint_record(source: str, method_config, model, applied: dict, format: 
         **method_config.to_dict(),
         "original_max_position_embeddings": applied["original_max_position_embeddings"],
         "rope_parameters": recorded_rope_parameters(model),
-        "max_position_embeddings": model.config.max_position_embeddings,
+        "max_position_embeddings": rotary_host(model).config.max_position_embeddings,
         "written_as": {"format": format, "rope_type": applied["rope_type"], "how": form.how},
         "source_rope": shipped_rope(model),  # the rope the method was applied to (composed with, or replaced)
         **extra,
@@ -185,7 +186,7 @@ def save_pretrained(model, output: str | Path, tokenizer=None, overwrite: bool =
             "method": applied["method"],
             **applied["params"],
             "original_max_position_embeddings": applied["original_max_position_embeddings"],
-            "max_position_embeddings": model.config.max_position_embeddings,
+            "max_position_embeddings": rotary_host(model).config.max_position_embeddings,
             "written_as": {"format": format, "rope_type": applied["rope_type"], "how": form.how},
         }
 

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DistributedConfig
+from transformers import AutoConfig, AutoTokenizer, DistributedConfig
 from transformers.utils import logging as transformers_logging
 
+from .auto_classes import auto_model_class
 from .dispatch import Placement, check_placement, check_tensor_parallel_model, offload_folder, remove_folder
 from .errors import CtxextError, first_line
-from .patching.families import config_missing_base, missing_base_error
+from .patching.families import MissingBaseError, config_missing_base, missing_base_error
 
 CAUSE_CHARS = 200  # each error's part of a one-line load error is shortened to this
 
@@ -100,6 +101,8 @@ def load_model(
         transformers_logging.disable_progress_bar()
     try:
         model = _from_pretrained(name_or_path, dtype, attn_implementation, placement, tp)
+    except MissingBaseError:  # load_config's one line on a dropped rope_theta, not wrapped in another
+        raise
     except (OSError, ValueError, KeyError, RuntimeError, TypeError, SafetensorError) as error:
         # RuntimeError: weights whose shapes differ from the config's; SafetensorError: a damaged weights file;
         # TypeError: a rotary without its base (`NoneType ** Tensor`), which load_config names
@@ -117,18 +120,19 @@ def _from_pretrained(
 ):
     """transformers' load; with a placement, accelerate's dispatch, and an offload folder that goes with the model;
     with `tp` > 1, transformers' tensor parallelism."""
+    model_class = auto_model_class(AutoConfig.from_pretrained(name_or_path))  # its errors are the load's
     if tp > 1:
-        return AutoModelForCausalLM.from_pretrained(
+        return model_class.from_pretrained(
             name_or_path,
             dtype=dtype,
             attn_implementation=attn_implementation,
             distributed_config=DistributedConfig(tp_plan="auto", tp_size=tp),
         )
     if placement is None:
-        return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn_implementation)
+        return model_class.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn_implementation)
     folder = offload_folder()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = model_class.from_pretrained(
             name_or_path, dtype=dtype, attn_implementation=attn_implementation, **placement.loading_arguments(folder)
         )
     except BaseException:

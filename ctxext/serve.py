@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from . import patching  # noqa: F401  (registers ctxext's rope types and load hook before any model loads)
+from .auto_classes import auto_model_class
 from .errors import CtxextError
 from .extras import require
 from .loading import check_model_source, describe_failure, load_config
@@ -86,7 +86,7 @@ def recorded_attention_method(model: str) -> str | None:
     config = load_config(model)
     try:
         with torch.device("meta"):
-            AutoModelForCausalLM.from_config(config)
+            auto_model_class(config).from_config(config)
     except (CtxextError, ValueError, KeyError, TypeError) as error:
         raise CtxextError(f"'{model}' records a method ctxext cannot install: {describe_failure(error)}") from error
     record = getattr(config, CONFIG_KEY, None) or {}

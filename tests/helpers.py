@@ -666,3 +666,60 @@ def assert_same_numbers(a: list[dict], b: list[dict], tol: float) -> None:
                 assert math.isclose(u, v, rel_tol=tol, abs_tol=tol), (x, y)
             else:
                 assert u == v, (x, y)
+
+
+# ------------------------------------------------------------------------------- vision-language models
+# Tiny MRoPE vision-language models (transformers' image-text-to-text classes): the text model is TINY_SHAPE at
+# L = 32 with a 128-word vocabulary; `mrope_section` counts rotary pairs and sums to head_dim / 2 = 8 (real
+# checkpoints ship one; the default text configs have none). Image, video and vision boundary tokens are 120-123.
+VLM_L = 32
+VLM_TEXT_ROPE = {
+    "qwen2_vl": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+    "qwen2_5_vl": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+    "qwen3_vl": {"rope_type": "default", "rope_theta": 5e5, "mrope_section": [4, 2, 2], "mrope_interleaved": True},
+    "glm4v": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]},
+}
+VLM_VISION = {
+    "qwen2_vl": dict(depth=1, embed_dim=16, hidden_size=64, num_heads=2, mlp_ratio=2),
+    "qwen2_5_vl": dict(
+        depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, fullatt_block_indexes=[0]
+    ),
+    "qwen3_vl": dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=64,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0],
+    ),
+    "glm4v": dict(
+        depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, image_size=28, patch_size=14
+    ),
+}
+VLM_TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
+
+
+def tiny_vlm_config(model_type: str, **rope_changes):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    text = dict(
+        vocab_size=128,
+        **TINY_SHAPE,
+        max_position_embeddings=VLM_L,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_parameters={**VLM_TEXT_ROPE[model_type], **rope_changes},
+    )
+    return CONFIG_MAPPING[model_type](text_config=text, vision_config=VLM_VISION[model_type], **VLM_TOKENS)
+
+
+def tiny_vlm(model_type: str, seed: int = 0, **rope_changes):
+    """A random tiny vision-language model of `model_type` in fp32 eval mode (deterministic for a seed)."""
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    config = tiny_vlm_config(model_type, **rope_changes)
+    return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").eval()

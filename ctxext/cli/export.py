@@ -82,9 +82,10 @@ def run(args) -> int:
 def _print_lengths(model) -> list[dict]:
     """Print the 'lengths' table of a checkpoint (the length each engine derives from its config.json, and what to
     pass to serve N = its max_position_embeddings); its rows, as dicts."""
+    from ..serving.engines import declared_max_position_embeddings
     from ..serving.lengths import engine_lengths, table_lines
 
-    target = int(model.config.get("max_position_embeddings") or 0)
+    target = declared_max_position_embeddings(model)
     if model.kind != "checkpoint" or target < 1:
         return []
     print(f"lengths (N = max_position_embeddings = {target}):")

@@ -59,6 +59,25 @@ def _list_methods(verbose: bool) -> int:
     return 0
 
 
+def _multimodal_lines(model, layout) -> list[str]:
+    """What a vision-language model's description adds: which part ctxext patches, and what MRoPE's lengths count."""
+    from ..patching.families import SECTION_NAMES, language_model_of
+
+    lines = []
+    if language_model_of(model) is not None:
+        lines.append(
+            f"the language model of {model.config.model_type} is patched (its vision encoder keeps its own RoPE)"
+        )
+    if layout.sections is not None:
+        pairs = ", ".join(f"{name} {layout.sections.count(i)}" for i, name in enumerate(SECTION_NAMES))
+        lines.append(
+            f"multimodal RoPE (rotary pairs per section: {pairs}): L0 and C count position ids, not tokens; over "
+            "an image or video they advance more slowly than tokens (h x w merged patches: h*w tokens, max(h, w) "
+            "positions), so a context of C position ids holds more than C tokens of images and video"
+        )
+    return lines
+
+
 def _describe_model(model_name: str, layer_types, json_path) -> int:
     from ..loading import load_config
     from ..outputs import atomic_write_text
@@ -77,6 +96,8 @@ def _describe_model(model_name: str, layer_types, json_path) -> int:
         f"{model_name} ({layout.model_type}): {len(layout.layer_types)} layers; rotary: {rotary}, angles {layout.angles}"
     )
     print(f"  {record.describe()}; --factor s counts from C")
+    for line in _multimodal_lines(model, layout):
+        print(f"  {line}")
     rows = [
         {**row, "shipped": _shipped(record, row["layer_type"] if layout.per_type_rotary else None)}
         for row in layout.describe()

@@ -93,11 +93,11 @@ def run(args) -> int:
 def _print_serving(written) -> None:
     """How to start vLLM, SGLang and llama.cpp on the written checkpoint for its max_position_embeddings
     (ctxext.serving.lengths: only the flags each engine needs)."""
-    from ..serving.engines import read_served_model, served_length
+    from ..serving.engines import declared_max_position_embeddings, read_served_model, served_length
     from ..serving.lengths import serve_lines
 
     model = read_served_model(written.output)
-    target = int(model.config["max_position_embeddings"])
+    target = declared_max_position_embeddings(model)
     reason = (
         "its rope type needs `import ctxext`"
         if not written.form.native

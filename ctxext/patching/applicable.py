@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
 
+from ..auto_classes import auto_model_class
 from ..errors import CtxextError
 from ..methods import METHODS, get_method
 from .families import rotary_host
@@ -18,7 +18,7 @@ def skeleton(config) -> nn.Module:
     """The model of `config` with every weight on the meta device but its rotary module, which is real."""
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = auto_model_class(config).from_config(config)
     except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as error:
         what = getattr(config, "model_type", type(config).__name__)
         raise CtxextError(f"transformers cannot build a causal LM of type '{what}': {error}") from None

@@ -30,14 +30,30 @@ from ..methods.frequency import rope_inv_freq
 FULL = "full_attention"  # transformers' name of a layer that attends to every earlier token
 SECTIONS = 3  # multimodal RoPE's position sections: temporal, height, width
 # rope_parameters keys that belong to the family rather than to a rope type: Ministral 3's query temperature, and
+SECTION_NAMES = ("temporal", "height", "width")
 # how a multimodal rotary splits its pairs among the position sections (Qwen3.5). A patch keeps them.
 FAMILY_ROPE_KEYS = ("llama_4_scaling_beta", "mrope_section", "mrope_interleaved")
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    # PEFT wraps the transformers model; the rotary embedding lives in the model it wraps.
+    # PEFT wraps the transformers model; the rotary embedding lives in the model it wraps. A vision-language model
+    # (Qwen2-VL, Qwen3-VL, GLM-4V, ...) keeps it in its language model.
     get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
+    model = get_base_model() if callable(get_base_model) else model
+    return language_model_of(model) or model
+
+
+def language_model_of(model: nn.Module) -> nn.Module | None:
+    """The text model inside a composite model (a vision-language model: its config has a `text_config`, and the
+    model or its base holds the module built from it as `language_model`), or None for a text model."""
+    text_config = getattr(getattr(model, "config", None), "text_config", None)
+    if text_config is None:
+        return None
+    for holder in (model, getattr(model, "model", None)):
+        language_model = getattr(holder, "language_model", None)
+        if isinstance(language_model, nn.Module) and getattr(language_model, "config", None) is text_config:
+            return language_model
+    return None
 
 
 # ------------------------------------------------------------------------------------------ the config

@@ -32,6 +32,7 @@ from .families import (
     attention_of,
     config_refusal,
     latent_attention_scale,
+    language_model_of,
     layer_rope_parameters,
     own_partial_rotary_factor,
     per_base_rotaries,
@@ -218,7 +219,10 @@ class PatchPlan(NamedTuple):
         """One line on what the patch does to the model's context, e.g. 'yarn x2 composes with the shipped llama3
         x8: 131072 -> 262144'."""
         how = f" {self.extension.how}" if self.extension.how else f" counts from L = {self.original_length}"
-        told = f"{self.spec.name} x{self.params.factor:g}{how}: {self.context_before} -> {self.max_position_embeddings}"
+        told = (
+            f"{self.spec.name} x{self.params.factor:g}{how}{self.part}: {self.context_before} -> "
+            f"{self.max_position_embeddings}"
+        )
         if self.left_alone:
             told += (
                 f"; {', '.join(self.left_alone)} left as shipped (their layers slide within L = "
@@ -234,6 +238,7 @@ def plan_patch(
     original_max_position_embeddings: int | None = None,
     logn: bool = False,
     layer_types: str | list | None = None,
+    part: str = ""  # where in a composite model the patch goes, e.g. " (the language model of qwen2_vl)"
     query_temperature: float | None = None,
     replace_shipped: bool = False,
     target_length: int | None = None,
@@ -285,7 +290,7 @@ def plan_patch(
     note = remap_reach_note(spec.name, attention.remap, L, reach, new_context, length_asked)
     return PatchPlan(
         *(host, layout, record, ext, chosen, spec, method_params, L, attention, layers, native_temperature),
-        *(written, shipped, tuple(composed_written), new_context, left_alone, note),
+        *(written, shipped, tuple(composed_written), new_context, left_alone, note, _part_patched(model)),
     )
 
 
@@ -312,6 +317,31 @@ def remap_reach_note(method: str, remap: RemapParams | None, L: int, reach, decl
         f"; {setting} keeps relative positions within L = {L} only up to {reach} tokens ({remap.reach_rule()}): "
         f"{declared} declared as asked" + (f" ({within} reaches it)" if within else "")
     )
+
+def _part_patched(model: nn.Module) -> str:
+    """' (the language model of qwen2_vl)' where `model` is a composite model whose language model is patched."""
+    language_model = language_model_of(model)
+    return f" (the language model of {model.config.model_type})" if language_model is not None else ""
+
+
+def _rope_to_patch(host: nn.Module, replace, given_L) -> tuple[RopeLayout, RopeRecord, str]:
+    """(layout, record, a note for `describe`) of the rope a patch starts from: the model's as it is or, where the
+    patch replaces what the model has (`replace_shipped`, or an explicit L other than its C) and the config records
+    the rope from before ctxext changed it (SOURCE_KEY: a checkpoint ctxext wrote, reloaded), that one, base and
+    lengths, so that ntk x4 then ntk x2 replacing it is ntk x2 on the source. Without it, the raised base a native
+    form wrote would read as the model's own, and the new base change would go on top of the old one."""
+    layout, record = rope_layout(host), host_rope_record(host)
+    source = recorded_source(host.config)
+    replacing = bool(replace) or (given_L is not None and given_L != record.trained_context)
+    before = rope_record(host.config, source) if source is not None and replacing else record
+    if before == record:
+        return layout, record, ""
+    note = (
+        f"; replaces the patch ctxext recorded ({SOURCE_KEY}) and starts from the rope from before it "
+        f"({before.describe()}), not from the {record.trained_context} tokens the model serves now"
+    )
+    return dataclasses.replace(layout, bases={key: before.of(key).base for key in layout.bases}), before, note
+
 
 
 def _extension_and_params(

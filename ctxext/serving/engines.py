@@ -129,7 +129,7 @@ class ServedModel:
     @property
     def rotary_dim(self) -> int:
         """Rotated channels per head, from config.json (a checkpoint's)."""
-        config = self.config
+        config = text_config_of(self.config)
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         return int(head_dim * (own_partial_rotary_factor(self.rope_parameters) or 1.0))
 
@@ -160,22 +160,34 @@ def read_served_model(path) -> ServedModel:
     if not (path / "config.json").is_file():
         raise CtxextError(f"'{path}' is neither a checkpoint directory (with config.json) nor a GGUF file")
     config = json.loads((path / "config.json").read_text())
-    rope = config.get("rope_parameters") or {
-        **(config.get("rope_scaling") or {"rope_type": "default"}),
-        "rope_theta": config.get("rope_theta", 10000.0),
+    text = text_config_of(config)
+    rope = text.get("rope_parameters") or {
+        **(text.get("rope_scaling") or {"rope_type": "default"}),
+        "rope_theta": text.get("rope_theta", 10000.0),
     }
     record = None
     if (path / "ctxext.yaml").is_file():
         record = yaml.safe_load((path / "ctxext.yaml").read_text())
     return ServedModel(
-        path, "checkpoint", config.get("model_type", "?"), dict(rope), config.get("ctxext_attention"), record, config
+        path, "checkpoint", config.get("model_type", "?"), dict(rope), text.get("ctxext_attention"), record, config
     )
+
+
+def text_config_of(config: dict) -> dict:
+    """The part of a config.json dict that holds the rope and the lengths: a vision-language model's text_config,
+    else the whole config."""
+    return config["text_config"] if isinstance(config.get("text_config"), dict) else config
+
+
+def declared_max_position_embeddings(model: ServedModel) -> int:
+    """config.json's max_position_embeddings (a vision-language model's text model's)."""
+    return int(text_config_of(model.config).get("max_position_embeddings") or 0)
 
 
 def served_length(model: ServedModel) -> int:
     """The context the checkpoint declares: config.json's max_position_embeddings, or L x factor from ctxext.yaml
     (the length the method was chosen for) where that is longer (dynamic NTK keeps L in the config)."""
-    declared = int(model.config.get("max_position_embeddings") or 0)
+    declared = declared_max_position_embeddings(model)
     if model.record and model.record.get("factor"):
         chosen = int(round(model.record["original_max_position_embeddings"] * float(model.record["factor"])))
         return max(chosen, declared)
@@ -187,7 +199,7 @@ def serving(model: ServedModel, engine: str) -> Serving:
     max_position_embeddings stops short of it (dynamic NTK keeps L there, which transformers' 'dynamic' scales from):
     vLLM's cos/sin cache ends at max_position_embeddings, and SGLang refuses a longer --context-length."""
     length = served_length(model)
-    short = int(model.config.get("max_position_embeddings") or length) < length
+    short = (declared_max_position_embeddings(model) or length) < length
     if engine == "vllm":
         return Serving(engine, length, {"max_position_embeddings": length} if short else {})
     return Serving(engine, length, env={"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"} if short else {})
@@ -267,7 +279,7 @@ def _gguf_file(model: ServedModel, engine: str) -> Support | None:
 def _sglang_dual_chunk_on_qwen2(model: ServedModel, engine: str) -> Support | None:
     if not (_attention_method(model) == "dual_chunk" and engine == "sglang" and model.family == "qwen2"):
         return None
-    if "dual_chunk_attention_config" in model.config:
+    if "dual_chunk_attention_config" in text_config_of(model.config):
         return Support(
             engine,
             "approximate",
@@ -624,12 +636,19 @@ def export_checkpoint(model: ServedModel, engine: str, output, overwrite: bool =
             if item.is_file():
                 shutil.copy2(item, staging / item.name)
         (staging / "config.json").write_text(
-            json.dumps({**with_both_spellings(model.config, rope), **extra}, indent=2, sort_keys=True) + "\n"
+            json.dumps(_config_with(model.config, rope, extra), indent=2, sort_keys=True) + "\n"
         )
         if (staging / "ctxext.yaml").exists():
             with open(staging / "ctxext.yaml", "a") as f:
                 f.write(f"exported_for: {engine}\n")
     return how
+
+
+def _config_with(config: dict, rope: dict, extra: dict) -> dict:
+    """config.json with `rope` in both spellings and the `extra` keys, in a vision-language model's text_config."""
+    if text_config_of(config) is config:
+        return {**with_both_spellings(config, rope), **extra}
+    return {**config, "text_config": {**with_both_spellings(config["text_config"], rope), **extra}}
 
 
 def _longrope_switch_past(form, spec, params, model: ServedModel, L: int, base: float) -> tuple[dict, dict, str]:

@@ -217,11 +217,15 @@ def write_config_for_serving(model, folder, format: str = "native") -> RopeForm:
     spellings. The caller writes `folder` atomically; this only replaces one file inside it."""
     form = model_rope_form(model, format)
     path = Path(folder) / "config.json"
-    config = json.loads(path.read_text())
+    written = json.loads(path.read_text())
+    # a vision-language model keeps its language model's rope in text_config
+    composite = isinstance(written.get("text_config"), dict)
+    config = written["text_config"] if composite else written
     if is_nested(form.rope_parameters):  # no 4.x spelling nests by layer type: transformers 5's form alone
         require_base(form.rope_parameters)
         config["rope_parameters"] = with_float_numbers(form.rope_parameters)
     else:
         config = with_both_spellings(config, form.rope_parameters)
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    written = {**written, "text_config": config} if composite else config
+    path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
     return form

@@ -28,6 +28,7 @@ import transformers
 from huggingface_hub import try_to_load_from_cache
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ..auto_classes import auto_model_class
 from ..config import EXTENSION_KEYS, load_method_config
 from ..errors import CtxextError, first_line
 from ..patching.record import LayerTypeRope, RopeRecord, rope_record
@@ -44,9 +45,12 @@ LOGIT_TOLERANCE = (1e-5, 1e-3)
 PERPLEXITY_TOLERANCE = {"float": 0.005, "quantised": 0.05}
 PLAIN_LOGITS = textwrap.dedent("""
     import sys, torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     ids = torch.load(sys.argv[2], weights_only=True)
-    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+    causal = AutoConfig.from_pretrained(sys.argv[1]).model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    auto_class = AutoModelForCausalLM if causal else AutoModelForImageTextToText
+    model = auto_class.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
     with torch.no_grad():
         torch.save(model(ids).logits, sys.argv[3])
     print("ctxext imported" if "ctxext" in sys.modules else "ctxext not imported")
@@ -146,7 +150,8 @@ def plain_rope(rope: LayerTypeRope) -> dict:
 def transformers_parity(model: ServedModel, n_tokens: int) -> tuple[bool, str]:
     """(agrees, what was measured) for a checkpoint written by ctxext."""
     config = AutoConfig.from_pretrained(model.path)
-    ids = _random_ids(config.vocab_size, n_tokens)
+    text_config = getattr(config, "text_config", None) or config  # a vision-language model's language model
+    ids = _random_ids(text_config.vocab_size, n_tokens)
     with tempfile.TemporaryDirectory() as scratch:
         torch.save(ids, Path(scratch) / "ids.pt")
         result = subprocess.run(
@@ -167,8 +172,8 @@ def transformers_parity(model: ServedModel, n_tokens: int) -> tuple[bool, str]:
         if "ctxext not imported" not in result.stdout:
             return False, "the subprocess imported ctxext; the check is void"
         plain = torch.load(Path(scratch) / "logits.pt", weights_only=True)
-    against = _unscaled(config, model)
-    reference = AutoModelForCausalLM.from_pretrained(model.path, config=config, dtype=torch.float32).eval()
+    against = _unscaled(text_config, model)
+    reference = auto_model_class(config).from_pretrained(model.path, config=config, dtype=torch.float32).eval()
     with torch.no_grad():
         unpatched = reference(ids).logits
         _method_config(model).apply(reference)

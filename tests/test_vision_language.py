@@ -1,0 +1,100 @@
+"""Vision-language models (MRoPE): Qwen2-VL, Qwen2.5-VL, Qwen3-VL (interleaved sections) and GLM-4V.
+
+ctxext patches the language model inside the composite model. The oracle is transformers' own rope type on the
+same weights: the VLM built from a config whose text_config carries native yarn, compared past L on text-only
+input and on a text + image sequence whose 3-section position ids come from the model's own `get_rope_index`
+(they advance more slowly than tokens over the video). The CLI writes an image-text-to-text checkpoint that plain
+transformers reloads with the same logits, and `ctxext export` keeps the sections in text_config.
+"""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText
+
+import ctxext
+from ctxext.cli import main
+from tests.helpers import VLM_L, VLM_TEXT_ROPE, VLM_TOKENS, save_tiny_checkpoint, tiny_vlm, tiny_vlm_config
+
+VLMS = list(VLM_TEXT_ROPE)
+YARN = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": VLM_L}
+SEQ = 3 * VLM_L  # past 2L: the scaling changes every pair
+
+
+def native_yarn_vlm(model_type: str, patched) -> torch.nn.Module:
+    config = tiny_vlm_config(model_type, **YARN)
+    config.text_config.max_position_embeddings = 2 * VLM_L
+    reference = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").eval()
+    reference.load_state_dict(patched.state_dict())
+    return reference
+
+
+def image_sequence(vlm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, 3-section position ids from the model's get_rope_index) of text, a 4 x 4 image, then text."""
+    merge = vlm.config.vision_config.spatial_merge_size
+    grid = torch.tensor([[1, 4 * merge, 4 * merge]])  # 16 image tokens after merging, 4 positions wide
+    image = int(grid.prod()) // merge**2
+    text = SEQ - image - 10
+    ids = torch.cat(
+        [
+            torch.randint(3, 110, (10,)),
+            torch.full((image,), VLM_TOKENS["image_token_id"]),
+            torch.randint(3, 110, (text,)),
+        ]
+    )[None]
+    types = (ids == VLM_TOKENS["image_token_id"]).int()
+    positions, _ = vlm.model.get_rope_index(ids, types, image_grid_thw=grid)
+    return ids, positions
+
+
+def text_model_output(vlm, ids, positions=None) -> torch.Tensor:
+    with torch.no_grad():
+        return vlm.model.language_model(input_ids=ids, position_ids=positions).last_hidden_state
+
+
+@pytest.mark.parametrize("model_type", VLMS)
+def test_yarn_on_a_vision_language_model_is_transformers_yarn(model_type):
+    vlm = ctxext.patch(tiny_vlm(model_type), "yarn", factor=2)
+    reference = native_yarn_vlm(model_type, vlm)
+    ids = torch.randint(3, 110, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(vlm(ids).logits, reference(ids).logits)
+    ids, positions = image_sequence(vlm)
+    assert int(positions.max()) + 1 < SEQ  # the image's positions advance more slowly than its tokens
+    torch.testing.assert_close(
+        text_model_output(vlm, ids, positions), text_model_output(reference, ids, positions), rtol=0, atol=1e-6
+    )
+    assert ctxext.applied_method(vlm)["method"] == "yarn"
+
+
+@pytest.mark.parametrize("model_type", VLMS)
+def test_the_cli_writes_a_checkpoint_plain_transformers_reloads_patched(model_type, tmp_path, capsys):
+    source = save_tiny_checkpoint(tmp_path / "vlm", tiny_vlm(model_type))
+    out = tmp_path / "yarn"
+    assert main(["patch", str(source), "--method", "yarn", "--factor", "2", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "max_position_embeddings: 32 -> 64" in printed
+    config = json.loads((out / "config.json").read_text())
+    written = config["text_config"]["rope_parameters"]
+    assert written["rope_type"] == "yarn" and written["mrope_section"] == VLM_TEXT_ROPE[model_type]["mrope_section"]
+    reloaded = AutoModelForImageTextToText.from_pretrained(out).eval()
+    expected = ctxext.patch(AutoModelForImageTextToText.from_pretrained(source).eval(), "yarn", factor=2)
+    ids = torch.randint(3, 110, (1, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, expected(ids).logits)
+    assert main(["export", str(out), "--engine", "vllm", "-o", str(tmp_path / "vllm")]) == 0
+    exported = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert exported["text_config"]["rope_parameters"] == written and "rope_parameters" not in exported
+
+
+def test_methods_describes_the_language_model_and_counts_position_ids(tmp_path, capsys):
+    source = save_tiny_checkpoint(tmp_path / "vlm", tiny_vlm("qwen2_5_vl"))
+    assert main(["methods", "--model", str(source)]) == 0
+    printed = capsys.readouterr().out
+    assert "position ids" in printed and "yarn          applies" in printed
+
+
+def test_a_remapping_method_on_mrope_is_refused_with_the_reason():
+    with pytest.raises(ctxext.CtxextError, match="3 position sections"):
+        ctxext.patch(tiny_vlm("qwen2_vl"), "self_extend", factor=2, window=8)
