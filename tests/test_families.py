@@ -64,6 +64,8 @@ def status(model_type: str) -> tuple[str, str]:
     if not all(layout.uses_rope[i] for i in range(len(layout.uses_rope)) if layout.attention[i]):
         notes.append("NoPE layers")
     modules = [attention_of(layer) for layer in ctxext.patching.rotary_host(model).layers]
+    if any(layout.interface_bypasses):
+        notes.append("its attention never calls transformers' attention interface (no attention-level methods)")
     if any(has_attention_sinks(module) for module in modules):
         notes.append("attention sinks (no remapping)")
     if any(value_head_dim(module) for module in modules) and not layout.latent_attention:

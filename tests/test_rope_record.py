@@ -262,6 +262,7 @@ def request(**changes) -> AttentionRequest:
 def test_the_refusal_rules_are_ordered_and_the_first_match_wins():
     assert first_refusal(request()) is None
     assert [rule.__name__ for rule in RULES] == [
+        "attention_interface_bypassed",
         "multimodal_sections",
         "complex_angles",
         "implementation",
@@ -291,6 +292,11 @@ def test_the_refusal_rules_are_ordered_and_the_first_match_wins():
     logn = request(method="", remaps=False, layout=layout(angles="complex", sinks=(True, True)))
     assert first_refusal(logn) is None
     assert "log-n scaling has no layer to act on" in first_refusal(dataclasses.replace(logn, layers=()))
+    # a layer whose forward never calls the attention interface: before every other reason, for log-n too
+    bypassed = layout(angles="complex", interface_bypasses=(None, "fast_forward from module 'unsloth.models.llama'"))
+    for refused in (dataclasses.replace(everything, layout=bypassed), dataclasses.replace(logn, layout=bypassed)):
+        assert "Attention (layer 1) runs fast_forward from module 'unsloth.models.llama'" in first_refusal(refused)
+    assert first_refusal(dataclasses.replace(logn, layout=bypassed, layers=(0,))) is None  # not on that layer
 
 
 def test_the_table_is_what_patch_asks():

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..errors import CtxextError
 from ..methods.frequency import rope_inv_freq
+from .takes_effect import interface_bypass
 
 FULL = "full_attention"  # transformers' name of a layer that attends to every earlier token
 SECTIONS = 3  # multimodal RoPE's position sections: temporal, height, width
@@ -134,16 +135,20 @@ def config_missing_base(config) -> str | None:
     return missing_base(getattr(config, "rope_parameters", None))
 
 
-def missing_base_error(where: str, what: str, in_file: str | None = None) -> CtxextError:
+class MissingBaseError(CtxextError):
+    """A rope parameter set without its base (`missing_base`): one line that says how to put it back."""
+
+
+def missing_base_error(where: str, what: str, in_file: str | None = None) -> MissingBaseError:
     """The one line for a rope parameter set without its base (`missing_base`): what dropped it and how to put it
     back, in the config object or (`in_file`) in that config.json."""
     dropped = "transformers drops it when config.rope_scaling is assigned"
     if in_file is not None:
-        return CtxextError(
+        return MissingBaseError(
             f"{what}: {in_file}'s {where} has no rope_theta ({dropped}, and save_pretrained writes it so); put the "
             f"model's original base back as {where}['rope_theta'] in that file, e.g. from its original config.json"
         )
-    return CtxextError(
+    return MissingBaseError(
         f"{what}: {where} has no rope_theta ({dropped}); set config.{where}['rope_theta'] to the model's original "
         "base, e.g. from its original config.json"
     )
@@ -232,6 +237,9 @@ class RopeLayout:
     attention_classes: tuple[str | None, ...] = ()
     sinks: tuple[bool, ...] = ()
     value_head_dims: tuple[tuple[int, int] | None, ...] = ()
+    # Per layer: where its running forward comes from, where that forward never calls transformers' attention
+    # interface (Unsloth's fast attention, a family that attends in its own code), else None (`interface_bypass`)
+    interface_bypasses: tuple[str | None, ...] = ()
 
     @property
     def types(self) -> tuple[str, ...]:
@@ -615,6 +623,7 @@ def rope_layout(model: nn.Module) -> RopeLayout:
         attention_classes=tuple(None if module is None else type(module).__name__ for module in modules),
         sinks=tuple(has_attention_sinks(module) for module in modules),
         value_head_dims=tuple(_value_and_head_dims(module) for module in modules),
+        interface_bypasses=tuple(interface_bypass(module) for module in modules),
     )
 
 

@@ -44,6 +44,7 @@ from .families import (
 from .record import RopeRecord, host_rope_record, model_rope_record
 from .rope_types import longrope_form, rope_parameters_for, why_no_longrope_form, with_mscales
 from .rotary import PatchUndo, ScaledRotaryEmbedding
+from .takes_effect import check_rotary_is_called
 
 
 def patch(
@@ -119,6 +120,7 @@ def apply_plan(plan: PatchPlan) -> None:
     """Carry out a plan on its (unpatched) model: the config records the method, the scaled rotary replaces the
     model's own (kept for `unpatch`), and the attention wrapper goes on where the method needs it."""
     host, layout = plan.host, plan.layout
+    check_rotary_is_called(host, plan.spec.name)  # before any change: a forward that bypasses it is refused
     undo = _write_config(plan)
     scaled = _scaled_rotary(plan)
     scaled.undo = undo

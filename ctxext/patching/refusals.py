@@ -2,7 +2,8 @@
 
 Each rule reads an `AttentionRequest` (plain data: the model's rope layout, the layers the method would go on, the
 attention implementation, a few config values) and returns the one-line reason, or None. The order is the order a
-user meets the reasons in, most basic first: what the rotary layout cannot express (multimodal sections, complex
+user meets the reasons in, most basic first: a layer whose forward never calls the attention interface (nothing
+ctxext installs there would run), what the rotary layout cannot express (multimodal sections, complex
 angles), what the attention implementation cannot run, where the method has no layer to act on, what the attention
 computes beyond softmax(q.k) v (latent attention, other angle layouts, soft-capping, sinks), a sliding window
 shorter than the context, and values of another head size. `patch` asks it before anything changes; installing
@@ -42,6 +43,25 @@ class AttentionRequest:
 
 
 Rule = Callable[[AttentionRequest], "str | None"]
+
+
+def attention_interface_bypassed(r: AttentionRequest) -> str | None:
+    """ctxext's attention function runs only where the layer's forward calls transformers' attention interface:
+    a forward of its own (Unsloth's fast attention; a family that attends in its own code) would train or
+    generate unpatched."""
+    bypasses = r.layout.interface_bypasses
+    for index in (i for i in r.layers if i < len(bypasses) and bypasses[i]):
+        origin = bypasses[index]
+        if origin.split("module '")[-1].startswith("transformers.models."):
+            fix = "this family attends in its own code; use a frequency method"
+        else:
+            fix = "load the model without the library that replaced it (Unsloth's fast attention does), or use a frequency method"
+        return (
+            f"{r.name} would not take effect: {r.layout.attention_classes[index]} (layer {index}) runs {origin}, "
+            f"which never calls transformers' attention interface (ALL_ATTENTION_FUNCTIONS), where ctxext's "
+            f"attention runs; {fix}"
+        )
+    return None
 
 
 def multimodal_sections(r: AttentionRequest) -> str | None:
@@ -156,6 +176,7 @@ def value_head_size(r: AttentionRequest) -> str | None:
 
 
 RULES: tuple[Rule, ...] = (
+    attention_interface_bypassed,
     multimodal_sections,
     complex_angles,
     implementation,
