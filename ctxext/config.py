@@ -36,6 +36,7 @@ TOP_LEVEL_KEYS = (
     "original_max_position_embeddings",
     "logn",
     "layer_types",
+    "mrope_sections",
     "query_temperature",
     "replace_shipped",
     "target_length",
@@ -57,6 +58,9 @@ class MethodConfig:
     # Which layer types a model with one set of frequencies per type has scaled: None (= "full"), "all", or
     # names such as "full_attention,sliding_attention" (see ctxext.patching.families.RopeLayout)
     layer_types: str | None = None
+    # On multimodal RoPE (Qwen2-VL, ...): the position sections whose pairs the method scales, e.g. "temporal";
+    # None scales every pair (see ctxext.patching.mrope_axes)
+    mrope_sections: str | list | None = None
     query_temperature: float | None = None  # beta of q *= 1 + beta ln(1 + floor(p / L)), on top of the method
     # Where the extension counts from (ctxext.patching.compose): by default s times the model's trained context C,
     # composed with a shipped scaling. `target_length` N gives s = N / C; `replace_shipped` counts from L0 and
@@ -86,6 +90,10 @@ class MethodConfig:
             check_original_length_for_logn(self.original_max_position_embeddings)
         if self.query_temperature is not None:
             check_query_temperature(self.query_temperature)
+        if self.mrope_sections is not None:
+            from .patching.mrope_axes import parse_sections  # noqa: PLC0415 -- torch stays out of --help
+
+            parse_sections(self.mrope_sections)
         if self.layer_types is not None and not (isinstance(self.layer_types, str) and self.layer_types.strip()):
             raise CtxextError(
                 f"layer_types must be full, all, or layer type names separated by commas, got {self.layer_types!r}"
@@ -104,6 +112,7 @@ class MethodConfig:
             layer_types=self.layer_types,
             query_temperature=self.query_temperature,
             **self.extension,
+            **self.sections,
             **self.params,
         )
 
@@ -122,8 +131,14 @@ class MethodConfig:
             self.query_temperature,
             replace_shipped=self.replace_shipped,
             target_length=self.target_length,
+            **self.sections,
             **self.params,
         )
+
+    @property
+    def sections(self) -> dict:
+        """`mrope_sections` as `patch` takes it, where set."""
+        return {} if self.mrope_sections is None else {"mrope_sections": self.mrope_sections}
 
     @property
     def extension(self) -> dict:
@@ -141,7 +156,7 @@ class MethodConfig:
             out["layer_types"] = self.layer_types
         if self.query_temperature is not None:
             out["query_temperature"] = self.query_temperature
-        return {**out, **self.extension, **self.params}
+        return {**out, **self.sections, **self.extension, **self.params}
 
     @property
     def label(self) -> str:
@@ -156,6 +171,9 @@ class MethodConfig:
             name = self.method if self.method == "none" else f"{self.method} x{self.factor:g}"
             if self.target_length is not None:
                 name = f"{self.method} to {self.target_length}"
+        if self.mrope_sections is not None:
+            sections = self.mrope_sections if isinstance(self.mrope_sections, str) else ",".join(self.mrope_sections)
+            name = f"{name} on {sections}"
         name = f"{name} +logn" if self.logn else name
         return name if self.query_temperature is None else f"{name} +qt{self.query_temperature:g}"
 
@@ -188,6 +206,7 @@ class MethodConfig:
             original_max_position_embeddings=values.pop("original_max_position_embeddings", None),
             logn=values.pop("logn", False),
             layer_types=values.pop("layer_types", None),
+            mrope_sections=values.pop("mrope_sections", None),
             query_temperature=values.pop("query_temperature", None),
             replace_shipped=values.pop("replace_shipped", False),
             target_length=values.pop("target_length", None),

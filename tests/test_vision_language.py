@@ -15,7 +15,8 @@ from transformers import AutoModelForImageTextToText
 
 import ctxext
 from ctxext.cli import main
-from tests.helpers import VLM_L, VLM_TEXT_ROPE, VLM_TOKENS, save_tiny_checkpoint, tiny_vlm, tiny_vlm_config
+from ctxext.patching.families import rope_layout
+from tests.helpers import VLM_L, VLM_TEXT_ROPE, VLM_TOKENS, save_tiny_checkpoint, tiny_model, tiny_vlm, tiny_vlm_config
 
 VLMS = list(VLM_TEXT_ROPE)
 YARN = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": VLM_L}
@@ -98,3 +99,68 @@ def test_methods_describes_the_language_model_and_counts_position_ids(tmp_path, 
 def test_a_remapping_method_on_mrope_is_refused_with_the_reason():
     with pytest.raises(ctxext.CtxextError, match="3 position sections"):
         ctxext.patch(tiny_vlm("qwen2_vl"), "self_extend", factor=2, window=8)
+
+
+# ----------------------------------------------------------------------------------- axis-selective scaling
+def unit_cos_sin(rotary, ids, positions) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of each pair's angle, the attention factor divided out (angles alone: 'rotate as')."""
+    x = torch.zeros(1, ids.shape[1], 1)
+    with torch.no_grad():
+        cos, sin = rotary(x, positions)
+    norm = torch.sqrt(cos**2 + sin**2)
+    return cos / norm, sin / norm
+
+
+@pytest.mark.parametrize("model_type", VLMS)
+def test_temporal_only_yarn_rotates_the_other_sections_as_shipped(model_type):
+    shipped = tiny_vlm(model_type)
+    patched = ctxext.patch(tiny_vlm(model_type), "yarn", factor=2, mrope_sections="temporal")
+    yarn = native_yarn_vlm(model_type, shipped)
+    ids, positions = image_sequence(shipped)
+    got = unit_cos_sin(patched.model.language_model.rotary_emb, ids, positions)
+    plain = unit_cos_sin(shipped.model.language_model.rotary_emb, ids, positions)
+    scaled = unit_cos_sin(yarn.model.language_model.rotary_emb, ids, positions)
+    layout = rope_layout(shipped)
+    pairs = torch.tensor([section == 0 for section in layout.sections])
+    # pair i's angle sits at columns i and i + pairs (rotate-half), or 2i and 2i + 1 (GLM-4V's interleaved pairs)
+    temporal = pairs.repeat_interleave(2) if layout.angles == "interleaved" else pairs.repeat(2)
+    assert 0 < int(pairs.sum()) < len(pairs) and bool((scaled[1] != plain[1])[..., temporal].any())
+    for mine, native_yarn, shipped_angles in zip(got, scaled, plain):  # 1e-5: float32 rounding of the unit circle
+        torch.testing.assert_close(mine[..., temporal], native_yarn[..., temporal], rtol=0, atol=1e-5)
+        torch.testing.assert_close(mine[..., ~temporal], shipped_angles[..., ~temporal], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_axis_selective_checkpoint_reloads_in_plain_transformers(model_type, tmp_path, capsys):
+    source = save_tiny_checkpoint(tmp_path / "vlm", tiny_vlm(model_type))
+    out = tmp_path / "temporal"
+    flags = ["--method", "yarn", "--factor", "4", "--mrope-sections", "temporal", "-o", str(out)]
+    assert main(["patch", str(source), *flags]) == 0
+    assert "temporal sections only" in capsys.readouterr().out
+    written = json.loads((out / "config.json").read_text())["text_config"]["rope_parameters"]
+    layout = rope_layout(tiny_vlm(model_type))
+    kept = [factor for factor, section in zip(written["short_factor"], layout.sections) if section != 0]
+    assert written["rope_type"] == "longrope" and kept == [1.0] * len(kept)
+    reloaded = AutoModelForImageTextToText.from_pretrained(out).eval()
+    in_memory = ctxext.patch(
+        AutoModelForImageTextToText.from_pretrained(source).eval(), "yarn", factor=4, mrope_sections="temporal"
+    )
+    ids, positions = image_sequence(reloaded)
+    torch.testing.assert_close(
+        text_model_output(reloaded, ids, positions), text_model_output(in_memory, ids, positions), rtol=0, atol=0
+    )
+    assert "mrope_sections: temporal" in (out / "ctxext.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    "model,method,sections,message",
+    [
+        (lambda: tiny_vlm("qwen2_vl"), "self_extend", "temporal", "static frequency method"),
+        (lambda: tiny_vlm("qwen2_vl"), "dynamic_ntk", "temporal", "static frequency method"),
+        (lambda: tiny_vlm("qwen2_vl"), "yarn", "depth", "unknown section 'depth'"),
+        (lambda: tiny_model("llama"), "yarn", "temporal", "no multimodal RoPE"),
+    ],
+)
+def test_axis_selective_scaling_refuses_what_it_cannot_do_in_one_line(model, method, sections, message):
+    with pytest.raises(ctxext.CtxextError, match=message):
+        ctxext.patch(model(), method, factor=2, mrope_sections=sections)

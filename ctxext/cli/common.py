@@ -130,6 +130,16 @@ def _add_query_and_layer_flags(group) -> None:
         "'full' (default: the full-attention layers, Google's recipe; sliding layers never see past their "
         "window), 'all', or names such as full_attention,sliding_attention ('ctxext methods --model MODEL' lists them)",
     )
+    group.add_argument(
+        "--mrope-sections",
+        dest="mrope_sections",
+        default=argparse.SUPPRESS,
+        metavar="SECTIONS",
+        help="on a model with multimodal RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V): the position sections "
+        "whose rotary pairs the method scales, e.g. 'temporal' (or t, h, w, comma-separated); the others keep "
+        "their trained frequencies. Written as per-pair longrope, which transformers computes exactly "
+        "(default: every pair)",
+    )
 
 
 def split_method_params(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], dict]:

@@ -41,6 +41,7 @@ from .families import (
     rotary_dim,
     rotary_host,
 )
+from .mrope_axes import axis_selective, describe_sections, parse_sections
 from .record import RopeRecord, host_rope_record, model_rope_record
 from .rope_types import longrope_form, rope_parameters_for, why_no_longrope_form, with_mscales
 from .rotary import PatchUndo, ScaledRotaryEmbedding
@@ -58,6 +59,7 @@ def patch(
     replace_shipped: bool = False,
     target_length: int | None = None,
     allow_shorter: bool = False,
+    mrope_sections: str | list | None = None,
     **params,
 ) -> nn.Module:
     """Apply `method` at scale `factor` to the model's rotary embedding (and attention, where the method needs it);
@@ -97,6 +99,7 @@ def patch(
         query_temperature,
         replace_shipped=replace_shipped,
         target_length=target_length,
+        mrope_sections=mrope_sections,
         **params,
     )
     try:
@@ -212,6 +215,7 @@ class PatchPlan(NamedTuple):
     max_position_embeddings: int  # what the config records after the patch
     left_alone: tuple = ()  # chosen layer types a remapping method leaves as shipped: their layers slide within L
     reach_note: str = ""  # how a remapping method's reach and the declared length relate (`remap_reach_note`)
+    part: str = ""  # where in a composite model the patch goes, e.g. " (the language model of qwen2_vl)"
 
     @property
     def context_before(self) -> int:
@@ -240,10 +244,10 @@ def plan_patch(
     original_max_position_embeddings: int | None = None,
     logn: bool = False,
     layer_types: str | list | None = None,
-    part: str = ""  # where in a composite model the patch goes, e.g. " (the language model of qwen2_vl)"
     query_temperature: float | None = None,
     replace_shipped: bool = False,
     target_length: int | None = None,
+    mrope_sections: str | list | None = None,
     **params,
 ) -> PatchPlan:
     """Everything `patch` decides before it changes anything, or the one-line CtxextError that refuses it.
@@ -264,6 +268,7 @@ def plan_patch(
         record, layout, spec, keys, factor, target_length, original_max_position_embeddings, replace_shipped, params
     )
     L = ext.original_length
+    spec, method_params, on_sections = _on_mrope_sections(layout, ext, spec, method_params, L, mrope_sections)
     if logn:
         check_original_length_for_logn(L)
     native_temperature, wrapped_temperature = _split_query_temperature(record, keys, query_temperature)
@@ -292,8 +297,22 @@ def plan_patch(
     note = remap_reach_note(spec.name, attention.remap, L, reach, new_context, length_asked)
     return PatchPlan(
         *(host, layout, record, ext, chosen, spec, method_params, L, attention, layers, native_temperature),
-        *(written, shipped, tuple(composed_written), new_context, left_alone, note, _part_patched(model)),
+        *(written, shipped, tuple(composed_written), new_context, left_alone, note, _part_patched(model) + on_sections),
     )
+
+
+def _on_mrope_sections(layout: RopeLayout, ext: Extension, spec, method_params, L: int, mrope_sections):
+    """(method, parameters, a note for `describe`): the method itself, or on the chosen MRoPE sections only, as
+    per-pair longrope (ctxext.patching.mrope_axes)."""
+    sections = parse_sections(mrope_sections)
+    if sections is None:
+        return spec, method_params, ""
+    if ext.composed:
+        raise CtxextError("mrope_sections does not compose with a shipped scaling; use --replace-shipped to replace it")
+    asked = spec.name
+    spec, method_params = axis_selective(layout, spec, method_params, L, sections)
+    note = f", {asked} on the {describe_sections(sections)} sections only (per-pair longrope; the others as trained)"
+    return spec, method_params, note
 
 
 def remap_reach_note(method: str, remap: RemapParams | None, L: int, reach, declared: int, length_asked: bool) -> str:
@@ -320,30 +339,11 @@ def remap_reach_note(method: str, remap: RemapParams | None, L: int, reach, decl
         f"{declared} declared as asked" + (f" ({within} reaches it)" if within else "")
     )
 
+
 def _part_patched(model: nn.Module) -> str:
     """' (the language model of qwen2_vl)' where `model` is a composite model whose language model is patched."""
     language_model = language_model_of(model)
     return f" (the language model of {model.config.model_type})" if language_model is not None else ""
-
-
-def _rope_to_patch(host: nn.Module, replace, given_L) -> tuple[RopeLayout, RopeRecord, str]:
-    """(layout, record, a note for `describe`) of the rope a patch starts from: the model's as it is or, where the
-    patch replaces what the model has (`replace_shipped`, or an explicit L other than its C) and the config records
-    the rope from before ctxext changed it (SOURCE_KEY: a checkpoint ctxext wrote, reloaded), that one, base and
-    lengths, so that ntk x4 then ntk x2 replacing it is ntk x2 on the source. Without it, the raised base a native
-    form wrote would read as the model's own, and the new base change would go on top of the old one."""
-    layout, record = rope_layout(host), host_rope_record(host)
-    source = recorded_source(host.config)
-    replacing = bool(replace) or (given_L is not None and given_L != record.trained_context)
-    before = rope_record(host.config, source) if source is not None and replacing else record
-    if before == record:
-        return layout, record, ""
-    note = (
-        f"; replaces the patch ctxext recorded ({SOURCE_KEY}) and starts from the rope from before it "
-        f"({before.describe()}), not from the {record.trained_context} tokens the model serves now"
-    )
-    return dataclasses.replace(layout, bases={key: before.of(key).base for key in layout.bases}), before, note
-
 
 
 def _extension_and_params(
