@@ -206,3 +206,79 @@ def shipped_model(family):
         values["max_position_embeddings"] = 4 * L
 
     return rebuilt_with(family, change)
+
+
+# DeepSeek V3 / Kimi K2 as they ship (Kimi K2's text model is deepseek_v3 in transformers 5.24: kimi_k25's
+# text_config maps kimi_k2 to it): yarn x40 over 4096 with mscale = mscale_all_dim = 1, served at 163840
+DEEPSEEK_V3_YARN = {
+    "rope_type": "yarn",
+    "factor": 40.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+DEEPSEEK_V3_CONTEXT = 163840
+
+
+def deepseek_v3_as_shipped(rope_parameters: dict | None = None, max_position_embeddings: int = DEEPSEEK_V3_CONTEXT):
+    """The tiny DeepSeek V3 with DeepSeek V3's published rope numbers (or `rope_parameters`), its weights kept."""
+
+    def change(values):
+        rope = rope_parameters or DEEPSEEK_V3_YARN
+        values["rope_parameters"] = {**rope, "rope_theta": float(values["rope_parameters"]["rope_theta"])}
+        values["max_position_embeddings"] = max_position_embeddings
+
+    return rebuilt_with("deepseek_v3", change)
+
+
+# DeepSeek V4 (shared/notes/families-2026.md): rope parameters keyed main (sliding layers) and compress (compressed
+# layers, and the rotary module each compressor and indexer owns); head_dim 32 x 0.25 rotates 4 pairs, interleaved.
+# transformers 5.24 has no SDPA for it (eager only). Compress rates small enough that 48 tokens fill windows.
+DEEPSEEK_V4_COMPRESSED = ("compressed_sparse_attention", "heavily_compressed_attention")
+DEEPSEEK_V4_TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=32,
+    partial_rotary_factor=0.25,
+    q_lora_rank=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    max_position_embeddings=L,
+    sliding_window=SLIDING,  # an int: None fails its strict validation
+    compress_rates={DEEPSEEK_V4_COMPRESSED[0]: 4, DEEPSEEK_V4_COMPRESSED[1]: 8},
+    mlp_layer_types=["moe", "moe"],
+    o_groups=2,
+    o_lora_rank=16,
+    index_n_heads=2,
+    index_head_dim=16,
+    index_topk=4,
+    hc_mult=2,
+    hc_sinkhorn_iters=2,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+)
+
+
+def deepseek_v4_config(compressed: str = DEEPSEEK_V4_COMPRESSED[0], rope_parameters: dict | None = None):
+    """A tiny DeepSeek V4 config: a sliding layer, then a `compressed` one; its own rope parameters by default."""
+    extra = {} if rope_parameters is None else {"rope_parameters": rope_parameters}
+    return CONFIG_MAPPING["deepseek_v4"](**DEEPSEEK_V4_TINY, layer_types=["sliding_attention", compressed], **extra)
+
+
+def deepseek_v4_model(compressed: str = DEEPSEEK_V4_COMPRESSED[0], rope_parameters: dict | None = None, like=None):
+    """The tiny DeepSeek V4 (fp32, eval, eager attention), random with seed 0 or with the weights of `like`."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = deepseek_v4_config(compressed, rope_parameters)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    if like is not None:
+        model.load_state_dict(like.state_dict())
+    return model

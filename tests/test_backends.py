@@ -296,11 +296,18 @@ def test_pose_gapped_positions_match_the_oracle_at_the_real_positions(family, me
         torch.cat((torch.arange(0, 20), torch.arange(19, 39))),  # repeats one
     ],
 )
-def test_pose_positions_that_do_not_increase_are_refused(positions):
+def test_position_ids_that_do_not_increase_start_a_new_document(positions):
+    """One sequence's positions never go back, so there a packed row's next document starts (even under a mask
+    of ones): each part equals itself run alone at its own position ids, seeing nothing of the other."""
     model = patched_model("llama", "self_extend", METHODS["self_extend"])
     inputs = tokens(len(positions), seed=19)
-    with torch.no_grad(), pytest.raises(CtxextError, match="increase"):
-        model(inputs, position_ids=positions[None], attention_mask=torch.ones_like(inputs), use_cache=False)
+    with torch.no_grad():
+        got = model(inputs, position_ids=positions[None], attention_mask=torch.ones_like(inputs), use_cache=False)
+        parts = [
+            model(inputs[:, part], position_ids=positions[None, part], use_cache=False).logits
+            for part in (slice(0, 20), slice(20, 40))
+        ]
+    assert max_error(got.logits, torch.cat(parts, dim=1)) < 1e-5
 
 
 # ------------------------------------------------------------------ 7. flex_attention, left-padded batch
@@ -353,16 +360,19 @@ def test_a_reused_position_ids_tensor_does_not_bring_back_an_earlier_forwards_pa
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_packed_sequences_are_refused_and_a_mask_of_ones_means_gapped_positions(implementation):
-    """transformers reads position ids that jump, given no attention_mask, as packed sequences; the remapping
-    kernel reads only padding from a mask, so that is refused rather than silently mixed up. With a mask of
-    ones the gap is a PoSE gap: the first 20 tokens see only themselves, as when run alone."""
+def test_position_ids_that_jump_are_packed_documents_without_a_mask_and_a_pose_gap_with_one(implementation):
+    """transformers reads position ids that jump, given no attention_mask (and no cache), as packed sequences and
+    masks across them; ctxext reads the same documents from its mask: each part equals itself run alone at its
+    own position ids. With a mask of ones the gap is a PoSE gap: the first 20 tokens see only themselves, as
+    when run alone, and the last 20 see them too."""
     x = tokens(length=40)
     gapped = torch.cat((torch.arange(20), torch.arange(40, 60)))[None]
     model = patched_model("llama", "self_extend", {"group_size": 4, "window": 8}, attn_implementation=implementation)
     with torch.no_grad():
-        with pytest.raises(CtxextError, match="packed sequences"):
-            model(x, position_ids=gapped, use_cache=False)
+        packed = model(x, position_ids=gapped, use_cache=False).logits
         pose = model(x, position_ids=gapped, attention_mask=torch.ones_like(x), use_cache=False).logits
         alone = model(x[:, :20], use_cache=False).logits
+        second = model(x[:, 20:], position_ids=gapped[:, 20:], use_cache=False).logits
+    assert max_error(packed, torch.cat((alone, second), dim=1)) < 1e-5
     assert max_error(pose[:, :20], alone) < 1e-5
+    assert max_error(pose[:, 20:], second) > 1e-4  # the PoSE row's second part sees the first

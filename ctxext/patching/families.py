@@ -556,6 +556,63 @@ def _probe_sections(rotary: nn.Module, layout: str) -> tuple[int, ...]:
     return sections
 
 
+def _layer_rope_keys(config, layers: list) -> tuple[str, ...]:
+    """Each layer's type as the key of the rope parameters it reads: `config.layer_types` (full_attention past their
+    end), or where the layer's attention names the rope parameters it reads, that name (`rope_layer_type`: DeepSeek
+    V4 keys them main and compress, not by its layer types; sliding layers read main, compressed ones compress)."""
+    configured = list(getattr(config, "layer_types", None) or [])
+    rope_parameters = getattr(config, "rope_parameters", None) or {}
+    keys = []
+    for i, layer in enumerate(layers):
+        named = getattr(attention_of(layer), "rope_layer_type", None)
+        if isinstance(named, str) and is_nested(rope_parameters) and named in rope_parameters:
+            keys.append(named)
+        else:
+            keys.append(configured[i] if i < len(configured) else FULL)
+    return tuple(keys)
+
+
+def layer_rotaries(host: nn.Module) -> list[tuple[str, nn.Module, str, nn.Module]]:
+    """(path, parent, attribute name, module) of each rotary module inside the decoder layers (a module holding
+    `inv_freq` buffers), other than the base model's own: DeepSeek V4's compressors and their indexers each build a
+    DeepseekV4RotaryEmbedding from the model's config and call it with layer_type='compress' (transformers 5.24,
+    modeling_deepseek_v4.py: DeepseekV4HCACompressor, DeepseekV4Indexer, DeepseekV4CSACompressor). A patch puts
+    the base model's scaled rotary in their place (`replace_layer_rotaries` in patch.py)."""
+    found, pending = [], [("layers", _layers_module(host))]
+    while pending:  # not into a rotary module: ctxext's own (put there by a patch) holds the model's as `original`
+        path, parent = pending.pop(0)
+        for name, child in parent.named_children():
+            if child is host.rotary_emb:
+                continue
+            if any(buffer.endswith("inv_freq") for buffer, _ in child.named_buffers(recurse=False)):
+                found.append((f"{path}.{name}", parent, name, child))
+            else:
+                pending.append((f"{path}.{name}", child))
+    return found
+
+
+def _layers_module(host: nn.Module) -> nn.Module:
+    layers = getattr(host, "layers", None)
+    return layers if isinstance(layers, nn.Module) else nn.ModuleList()
+
+
+def check_layer_rotaries(host: nn.Module, rotary: nn.Module) -> None:
+    """Refuse, naming the module, a rotary module inside the layers (`layer_rotaries`) that a patch of the base
+    model's rotary would not reproduce: another class, or other frequencies than `rotary` holds under one name."""
+    for path, _, _, module in layer_rotaries(host):
+        what = f"{path} ({type(module).__name__}) computes rope positions of its own"
+        if type(module) is not type(rotary):
+            raise CtxextError(f"{what}, not with the base model's {type(rotary).__name__}, which ctxext does not patch")
+        for name, buffer in module.named_buffers(recurse=False):
+            theirs = getattr(rotary, name, None)
+            if buffer.is_meta or not name.endswith("inv_freq"):
+                continue
+            if not isinstance(theirs, torch.Tensor) or theirs.is_meta or not torch.equal(buffer.cpu(), theirs.cpu()):
+                raise CtxextError(
+                    f"{what}: its {name} differs from the base model's rotary_emb, which ctxext does not patch"
+                )
+
+
 def _rotary_keys(config, rotary, layer_types: tuple, uses_rope: tuple, attention: tuple) -> list:
     """The layer types whose own rope parameters a per-type rotary reads: those of layers that attend with RoPE."""
     keys = [t for t, rope, attends in zip(layer_types, uses_rope, attention) if rope and attends]
@@ -584,8 +641,7 @@ def rope_layout(model: nn.Module) -> RopeLayout:
     layers = _decoder_layers(host)
     if not layers:
         raise CtxextError(f"{type(host).__name__} has no decoder layers ('layers') for ctxext to patch")
-    configured = list(getattr(config, "layer_types", None) or [])
-    layer_types = tuple(configured[i] if i < len(configured) else FULL for i in range(len(layers)))
+    layer_types = _layer_rope_keys(config, layers)
     modules = [attention_of(layer) for layer in layers]
     attention = tuple(module is not None for module in modules)
     uses_rope = tuple(module is not None and bool(getattr(module, "use_rope", True)) for module in modules)
@@ -607,6 +663,7 @@ def rope_layout(model: nn.Module) -> RopeLayout:
         layouts.add(layout)
         dims[key] = dim
         bases[key] = shipped_base(rope_parameters_of(config, key), dim)
+    check_layer_rotaries(host, rotary)
     angles = layouts.pop() if len(layouts) == 1 else "mixed"
     return RopeLayout(
         model_type=getattr(config, "model_type", None),
@@ -636,6 +693,8 @@ def _value_and_head_dims(module: nn.Module | None) -> tuple[int, int] | None:
 def _window(module: nn.Module, config, layer_type: str) -> int | None:
     """A layer's sliding window, or None where it sees every earlier token."""
     if getattr(config, "use_sliding_window", True) is False or getattr(module, "is_sliding", True) is False:
+        return None
+    if getattr(module, "compressor", None) is not None:  # DeepSeek V4: compressed entries reach every earlier token
         return None
     window = getattr(module, "sliding_window", None)
     if window is None and (layer_type == "sliding_attention" or not getattr(config, "layer_types", None)):

@@ -34,6 +34,7 @@ from .families import (
     latent_attention_scale,
     language_model_of,
     layer_rope_parameters,
+    layer_rotaries,
     own_partial_rotary_factor,
     per_base_rotaries,
     rope_layout,
@@ -130,6 +131,7 @@ def apply_plan(plan: PatchPlan) -> None:
     scaled.to(rotary_device(host))
     host.rotary_emb = scaled
     undo.per_base_rotaries = replace_per_base_rotaries(host, scaled)
+    undo.layer_rotaries = replace_layer_rotaries(host, scaled)
     if layout.latent_attention:  # the softmax scale MLA attention computed from the rope parameters at build time
         undo.latent_attention_scales = rescale_latent_attention(host, host.config)
     record_attention_in_config(
@@ -356,11 +358,36 @@ def _extension_and_params(
     ext = extension(record, spec, given, keys, remaps, given_L, replace)
     method_params = spec.make_params(factor=factor_for(target_length, factor, ext.original_length), **params)
     if ext.composed and layout.latent_attention:
+        return _latent_attention_yarn(record, spec, ext.composed, method_params, params)
+    return ext, method_params
+
+
+# What a yarn over L0 in place of a shipped yarn keeps of it unless given: its ramp, and DeepSeek's temperature
+# (mscale on cos/sin, mscale_all_dim in the softmax scale MLA attention builds from the rope parameters)
+LATENT_YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def _latent_attention_yarn(record: RopeRecord, spec: Method, keys: tuple, method_params, params: dict):
+    """(Extension, parameters) of yarn x s on multi-head latent attention that shipped a yarn (DeepSeek V3, Kimi K2:
+    yarn x40 over L0 4096, C 163840): one yarn over L0 at factor s C / L0 replaces the shipped one, keeping its
+    LATENT_YARN_KEYS unless given; that is DeepSeek's own form, whose softmax scale the family's attention derives
+    from the written factor, so a reload computes what the patch does. It is not yarn x s composed with the shipped
+    frequencies (their ramps differ: docs/guides/methods.md, 'DeepSeek V3 / Kimi K2'), and the line says so. Any
+    other method there is refused: its composed per-pair form cannot carry that softmax scale."""
+    shipped = [record.of(key) for key in keys]
+    if spec.name != "yarn" or any(rope.rope_type != "yarn" for rope in shipped):
         raise CtxextError(
             f"{spec.name} does not compose with the shipped {record.full.describe()} of multi-head latent attention "
-            "(its softmax scale is built from the shipped yarn's factor); use --replace-shipped"
+            "(its softmax scale is built from the shipped yarn's factor); use yarn, which extends it as one yarn "
+            "over L0, or --replace-shipped"
         )
-    return ext, method_params
+    C, L0, kept = record.trained_context, record.original_length, shipped[0].parameters
+    given = {**{name: kept[name] for name in LATENT_YARN_KEYS if name in kept}, **params}
+    how = (
+        f"over L0 = {L0} replaces the shipped {shipped[0].describe()} (x{method_params.factor:g} of C = {C}; on "
+        "multi-head latent attention yarn extends a shipped yarn as one yarn over L0, not composed with it)"
+    )
+    return Extension(L0, (), how), spec.make_params(factor=method_params.factor * C / L0, **given)
 
 
 def _split_query_temperature(record: RopeRecord, keys: tuple, beta: float | None) -> tuple[float | None, float | None]:
@@ -587,6 +614,17 @@ def replace_per_base_rotaries(host: nn.Module, scaled: nn.Module) -> list:
     return replaced
 
 
+def replace_layer_rotaries(host: nn.Module, scaled: nn.Module) -> list:
+    """Put `scaled` in place of each rotary module inside the layers (`families.layer_rotaries`: DeepSeek V4's
+    compressors and indexers, which `rope_layout` has checked hold the base model's frequencies), so that every
+    rope position the model computes is scaled alike; [(parent, name, the module replaced)] for `unpatch`."""
+    replaced = []
+    for _, parent, name, module in layer_rotaries(host):
+        replaced.append((parent, name, module))
+        setattr(parent, name, scaled)
+    return replaced
+
+
 def restore_per_base_rotaries(host: nn.Module, replaced: list) -> None:
     """Undo `replace_per_base_rotaries`."""
     modules = per_base_rotaries(host)
@@ -617,6 +655,8 @@ def unpatch(model: nn.Module) -> nn.Module:
         host.rotary_emb = scaled.original
         undo = scaled.undo
         restore_per_base_rotaries(host, undo.per_base_rotaries)
+        for parent, name, module in undo.layer_rotaries:
+            setattr(parent, name, module)
         host.config.rope_parameters = undo.rope_parameters
         host.config.max_position_embeddings = undo.max_position_embeddings
         if undo.has_top_level_original_length:

@@ -24,13 +24,15 @@ _NONE = object()  # a config without the attribute (`PatchUndo.original_max_posi
 class PatchUndo:
     """What `patch` changed on a model, kept on its `ScaledRotaryEmbedding` so that `unpatch` puts it back bit for
     bit: the config's rope parameters, lengths and attention record as they were, the per-base rotary modules it
-    replaced (Granite SWA) and the MLA softmax scales it rescaled ([(module, scale)])."""
+    replaced (Granite SWA), the rotary modules inside the layers it replaced (DeepSeek V4's compressors and
+    indexers) and the MLA softmax scales it rescaled ([(module, scale)])."""
 
     rope_parameters: dict
     max_position_embeddings: int
     attention: dict | None  # the config's `ctxext_attention` before the patch
     original_max_position_embeddings: object = _NONE  # Phi-3's top-level L, where its config has one
     per_base_rotaries: list = dataclasses.field(default_factory=list)
+    layer_rotaries: list = dataclasses.field(default_factory=list)  # [(parent, name, module)]: DeepSeek V4's
     latent_attention_scales: list = dataclasses.field(default_factory=list)
 
     @property

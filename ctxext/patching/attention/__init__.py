@@ -24,7 +24,8 @@ config, so plain `AutoModelForCausalLM.from_pretrained` works after `import ctxe
 
 Where things are: `install` (install/remove, the wrapper's registration, config.json and the load hook),
 `forward` (`ctxext_attention` and the remapped forward), `regions` (each region's queries and keys, `KeptKeys`),
-`positions` (key positions and padding read from the mask), `rotation` (apply/undo RoPE, (cos, sin) at any
+`layout` (a full forward's padding, packed documents and each key's position within its document, read
+from the mask, the position ids and `cu_seq_lens_k`), `positions` (key positions and padding with a KV cache), `rotation` (apply/undo RoPE, (cos, sin) at any
 position), `memo` (`ForwardPlan`, `ForwardMemo`) and `state` (`AttentionState`, what a patched layer carries).
 
 Threads: one patched model may run forwards in several threads at once, at different lengths. The settings on

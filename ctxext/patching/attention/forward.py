@@ -12,8 +12,8 @@ from ... import compat
 from ...errors import CtxextError
 from ...methods.attention import AttentionSettings, logn_scale, query_temperature_scale
 from ..remap_kernel import attend_regions
+from .layout import TokenLayout, counted_from_each_start, full_mask_view, is_default, token_layout
 from .memo import ForwardPlan
-from .positions import key_padding_from_mask, key_positions
 from .regions import region_plans, region_queries_and_keys
 from .state import AttentionState, state_of
 
@@ -27,8 +27,9 @@ def ctxext_attention(module, query, key, value, attention_mask, inner: str = "sd
     settings = state.settings
     q_len, total = query.shape[2], key.shape[2]
     position_ids = kwargs.get("position_ids")
-    plan = state.memo.plan_for(position_ids, attention_mask, total, q_len)
-    query = _scaled_query(plan, settings, query, position_ids, total)
+    cu_seq_lens = kwargs.get("cu_seq_lens_k")
+    plan = state.memo.plan_for(position_ids, attention_mask, total, q_len, cu_seq_lens)
+    query = _scaled_query(plan, settings, query, _query_positions(position_ids, attention_mask, total, q_len))
     remap = settings.remap
     if remap is None:
         return call_inner(module, inner, query, key, value, attention_mask, **kwargs)
@@ -38,23 +39,35 @@ def ctxext_attention(module, query, key, value, attention_mask, inner: str = "sd
             f"{settings.method} does not support sliding-window attention: this layer's window is {window} "
             f"tokens and the sequence has {total}; set config.sliding_window = None (or use_sliding_window = False)"
         )
-    key_allowed = plan.remember("padding", lambda: key_padding_from_mask(attention_mask, q_len, total))
-    positions = plan.remember("positions", lambda: key_positions(position_ids, total, q_len, key_allowed))
-    if plan.remember("plain", lambda: _within_first_region(remap, positions)):
+    # Rows that share default position ids are counted from their own first real token where the method's
+    # rule depends on where a sequence starts (a shift-invariant one keeps the model's own rotation of keys).
+    layout = plan.remember(
+        "layout",
+        lambda: token_layout(position_ids, attention_mask, total, q_len, cu_seq_lens, not remap.shift_invariant),
+    )
+    if plan.remember("plain", lambda: _within_first_region(remap, layout)):
         return call_inner(module, inner, query, key, value, attention_mask, **kwargs)
     return _remapped_forward(module, state, plan, query, key, value, kwargs)
 
 
-def _scaled_query(
-    plan: ForwardPlan, settings: AttentionSettings, query: torch.Tensor, position_ids, total: int
-) -> torch.Tensor:
+def _query_positions(position_ids, attention_mask, total: int, q_len: int):
+    """A function giving the queries' positions, as the scales read them: the position ids, counted from each
+    row's first real token where padded rows share transformers' default ones (`counted_from_each_start`)."""
+
+    def positions() -> torch.Tensor:
+        if position_ids is None:
+            return torch.arange(total - q_len, total)[None]
+        ids = position_ids.cpu()
+        if q_len == total and is_default(ids):
+            return counted_from_each_start(ids, full_mask_view(attention_mask, total)[0])
+        return ids
+
+    return positions
+
+
+def _scaled_query(plan: ForwardPlan, settings: AttentionSettings, query: torch.Tensor, query_positions):
     """The query times log-n's factor max(1, ln n / ln L) and then the query temperature's, where the settings
-    ask for them, at the queries' own position ids (padding tokens carry small ones: factor 1)."""
-    q_len = query.shape[2]
-
-    def query_positions():
-        return torch.arange(total - q_len, total)[None] if position_ids is None else position_ids.cpu()
-
+    ask for them, at the queries' own positions (padding tokens carry small ones: factor 1)."""
     if settings.logn:
         scale = plan.remember(
             ("logn", query.device),
@@ -80,13 +93,17 @@ def call_inner(module, inner: str, query, key, value, attention_mask, **kwargs):
     return function(module, query, key, value, attention_mask, **kwargs)
 
 
-def _within_first_region(remap, positions: torch.Tensor) -> bool:
-    """Whether every (query, key) pair lies in region 0, where r' = r: then the model's own attention runs."""
-    span = int((positions[:, -1] - positions[:, 0]).max()) + 1
+def _within_first_region(remap, layout: TokenLayout) -> bool:
+    """Whether every (query, key) pair lies in region 0, where r' = r, in documents the model's own mask keeps
+    apart: then the model's own attention runs."""
+    if not layout.mask_separates:
+        return False
+    first = layout.first_positions()
+    span = int((layout.positions - first).max()) + 1
     if span > remap.plain_up_to():
         return False
     # A shift-invariant rule only sees i - j; the others are plain only from position 0.
-    return remap.shift_invariant or bool((positions[:, 0] == 0).all())
+    return remap.shift_invariant or bool((first == 0).all())
 
 
 def _remapped_forward(module, state: AttentionState, plan: ForwardPlan, query, key, value, kwargs):
@@ -95,20 +112,22 @@ def _remapped_forward(module, state: AttentionState, plan: ForwardPlan, query, k
     q_len = query.shape[2]
     if module.training and kwargs.get("dropout", 0.0) > 0:
         raise CtxextError(f"{state.settings.method} does not implement attention dropout; set attention_dropout=0")
-    key_allowed = plan.values["padding"]
-    if key_allowed is not None and not bool(plan.remember("last_seen", lambda: key_allowed[:, -1].all())):
-        # The last query always sees itself, unless the cache hands over slots it has not filled yet.
+    layout = plan.values["layout"]
+    key_allowed, total = layout.key_allowed, key.shape[2]
+    last_seen = q_len == total or key_allowed is None or plan.remember("last_seen", lambda: key_allowed[:, -1].all())
+    if not bool(last_seen):
+        # With a cache the last query always sees itself, unless the cache hands over slots it has not filled
+        # yet (in a full forward the last token of a right-padded row is padding).
         raise CtxextError(
             f"{state.settings.method} needs a cache that holds exactly the tokens seen so far "
             "(DynamicCache, the default), not a StaticCache or a sliding-window cache"
         )
-
-    positions = plan.values["positions"]
+    positions = layout.positions
     regions = plan.remember("region list", lambda: remap.regions_for(positions[:, positions.shape[1] - q_len :]))
     plans = plan.remember(
-        ("regions", state.query_block), lambda: region_plans(regions, positions, q_len, key_allowed, state.query_block)
+        ("regions", state.query_block), lambda: region_plans(regions, layout, q_len, state.query_block)
     )
-    queries, keys = region_queries_and_keys(module, state, plan, query, key, positions, regions)
+    queries, keys = region_queries_and_keys(module, state, plan, query, key, layout, regions)
     outputs = [
         attend_regions(
             queries if rows is None else [q[rows] for q in queries],

@@ -30,16 +30,20 @@ class ForwardPlan:
     the device a few times (reading positions and the mask), not once per layer and query block.
     """
 
-    def __init__(self, position_ids, attention_mask, total: int, q_len: int):
+    def __init__(self, position_ids, attention_mask, total: int, q_len: int, cu_seq_lens=None):
         self._same_position_ids = _identity(position_ids)
         self._same_mask = _identity(attention_mask)
+        self._same_documents = _identity(cu_seq_lens)
         self.shape = (total, q_len)
         self.values: dict = {}
 
-    def serves(self, position_ids, attention_mask, total: int, q_len: int) -> bool:
+    def serves(self, position_ids, attention_mask, total: int, q_len: int, cu_seq_lens=None) -> bool:
         """Whether a layer called with these arguments is still in the forward this plan was built for."""
         return (
-            self.shape == (total, q_len) and self._same_position_ids(position_ids) and self._same_mask(attention_mask)
+            self.shape == (total, q_len)
+            and self._same_position_ids(position_ids)
+            and self._same_mask(attention_mask)
+            and self._same_documents(cu_seq_lens)
         )
 
     def remember(self, name, compute: Callable):
@@ -73,10 +77,11 @@ class ForwardMemo:
         layer = layers[layer_idx]
         return layer if getattr(layer, "keys", None) is key else None
 
-    def plan_for(self, position_ids, attention_mask, total: int, q_len: int) -> ForwardPlan:
-        """This thread's plan for the forward these arguments belong to (a new one when a new forward began)."""
+    def plan_for(self, position_ids, attention_mask, total: int, q_len: int, cu_seq_lens=None) -> ForwardPlan:
+        """This thread's plan for the forward these arguments belong to (a new one when a new forward began);
+        `cu_seq_lens`: a packed row's document boundaries, where the collator passed them."""
         plan = getattr(self._local, "plan", None)
-        if plan is None or not plan.serves(position_ids, attention_mask, total, q_len):
-            plan = ForwardPlan(position_ids, attention_mask, total, q_len)
+        if plan is None or not plan.serves(position_ids, attention_mask, total, q_len, cu_seq_lens):
+            plan = ForwardPlan(position_ids, attention_mask, total, q_len, cu_seq_lens)
             self._local.plan = plan
         return plan

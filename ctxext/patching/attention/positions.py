@@ -1,5 +1,6 @@
-"""What a remapping forward reads from the model's inputs: every key's position (`key_positions`) and which keys
-are padding (`key_padding_from_mask`), refusing masks and position ids the remapping backends could not honour."""
+"""What a remapping forward with earlier keys in a cache reads from the model's inputs: every key's position
+(`key_positions`) and which keys are padding (`key_padding_from_mask`), refusing masks and position ids the
+remapping backends could not honour. A full forward (padded and packed rows) is read by `layout.token_layout`."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ def key_positions(position_ids, total: int, q_len: int, key_allowed: torch.Tenso
     ids = position_ids.detach().to("cpu", torch.long)
     anchored = ids[:, -1:] - (total - 1) + order  # token order, ending at the last position id
     in_order = ids == anchored[:, total - q_len :]
-    if key_allowed is not None:
-        in_order |= ~key_allowed[:, total - q_len :].cpu()
+    if key_allowed is not None:  # position ids may be (1, q_len) for a batch of padded rows
+        in_order = in_order | ~key_allowed[:, total - q_len :].cpu()
     if bool(in_order.all()):
         return anchored
     if q_len < total:
@@ -59,6 +60,15 @@ def key_padding_from_mask(attention_mask, q_len: int, total: int) -> torch.Tenso
         allowed = key_padding(mask, total)
         _check_causal_with_padding(mask[:, 0].sum(-1), allowed, torch.arange(q_len), q_len, total)
         return allowed
+    _, rows, visible = mask_rows(attention_mask, q_len, total)
+    allowed = key_padding(visible[:, -1], total)
+    _check_causal_with_padding(visible.sum(-1), allowed, rows, q_len, total)
+    return allowed
+
+
+def mask_rows(attention_mask, q_len: int, total: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(batch, a sample of up to 64 query rows, (batch, rows, total) bool: which keys each sees) from a
+    flex_attention BlockMask, asked through its mask_mod."""
     mask_mod = getattr(attention_mask, "mask_mod", None)
     if mask_mod is None:
         raise CtxextError(f"position remapping cannot read an attention mask of type {type(attention_mask).__name__}")
@@ -67,11 +77,9 @@ def key_padding_from_mask(attention_mask, q_len: int, total: int) -> torch.Tenso
     b = torch.arange(batch, device=device)[:, None, None]
     kv = torch.arange(total, device=device)[None, None]
     zero = torch.zeros((), dtype=torch.long, device=device)
-    rows = torch.unique(torch.linspace(0, q_len - 1, min(q_len, 64)).long())  # a sample of query rows
+    rows = torch.unique(torch.linspace(0, q_len - 1, min(q_len, 64)).long())
     visible = mask_mod(b, zero, rows.to(device)[None, :, None], kv).expand(batch, len(rows), total)
-    allowed = key_padding(visible[:, -1], total)
-    _check_causal_with_padding(visible.sum(-1), allowed, rows, q_len, total)
-    return allowed
+    return batch, rows, visible
 
 
 def _check_causal_with_padding(
@@ -81,8 +89,7 @@ def _check_causal_with_padding(
 
     `visible` (batch, len(rows)) counts the keys the model's mask lets each of those query rows see; with only
     causality and key padding that is the number of unpadded keys up to the query. A padding query may also
-    see nothing, or every key (SDPA unmasks such rows); a packed sequence's first segment, which looks like
-    left padding from the last query, sees its own earlier keys and is caught here.
+    see nothing, or every key (SDPA unmasks such rows).
     """
     keys = (total - q_len + rows).cpu()
     allowed = torch.ones(1, total, dtype=torch.bool) if allowed is None else allowed.cpu()
@@ -91,8 +98,6 @@ def _check_causal_with_padding(
     padding_query = ~allowed[:, keys] & ((visible == 0) | (visible == total))
     if bool(((visible != expected) & ~padding_query).any()):
         raise CtxextError(
-            "position remapping reads only causality and padding from the attention mask, and this "
-            "one hides other keys too (packed sequences: transformers builds them from position ids "
-            "that jump when no attention_mask is given). For gapped positions (PoSE) pass "
-            "attention_mask=torch.ones_like(input_ids); run packed sequences one at a time"
+            "position remapping with a KV cache reads only causality and padding from the attention mask, "
+            "and this one hides other keys too (a sliding window, a custom mask): pass a causal mask or none"
         )

@@ -14,22 +14,28 @@ from torch import nn
 
 from ...methods.attention import AttentionSettings
 from ..remap_kernel import RegionPlan
+from .layout import TokenLayout, key_index
 from .memo import ForwardPlan
 from .rotation import PlanRotary, RotaryIdentity, is_dynamic_rotary, rotary_tables, undo_rotation
 from .state import AttentionState
 
 
-def region_plans(regions, positions: torch.Tensor, q_len: int, key_allowed, query_block: int):
-    """[(rows, RegionPlan)]: one plan for the whole batch when every row's bounds agree, else one per row."""
+def region_plans(regions, layout: TokenLayout, q_len: int, query_block: int):
+    """[(rows, RegionPlan)]: one plan for the whole batch when every row's bounds agree, else one per row.
+
+    Each query's bounds stay inside its own document (a packed row's documents never see one another)."""
+    positions, key_allowed = layout.positions, layout.key_allowed
     total = positions.shape[1]
+    search, low, width = layout.search_keys()
+    documents = layout.documents.expand_as(search)
     bounds = []
-    for row in positions:
+    for keys, row, document in zip(search, positions.expand_as(search), documents[:, total - q_len :]):
         query_positions = row[total - q_len :]
         lows, highs = [], []
         for region in regions:
             lo, hi = region.key_range(query_positions)
-            lows.append(torch.searchsorted(row, lo))
-            highs.append(torch.searchsorted(row, hi))
+            lows.append(key_index(keys, low, width, document, lo))
+            highs.append(key_index(keys, low, width, document, hi))
         bounds.append((torch.stack(lows), torch.stack(highs)))
     if all(torch.equal(lo, bounds[0][0]) and torch.equal(hi, bounds[0][1]) for lo, hi in bounds):
         return [(None, RegionPlan(*bounds[0], total, key_allowed, query_block))]
@@ -43,18 +49,21 @@ def region_plans(regions, positions: torch.Tensor, q_len: int, key_allowed, quer
 
 
 def region_queries_and_keys(
-    module, state: AttentionState, plan: ForwardPlan, query, key, positions: torch.Tensor, regions: list
+    module, state: AttentionState, plan: ForwardPlan, query, key, layout: TokenLayout, regions: list
 ):
     """([queries], [keys]), one of each per region: rotated by the region's rules (the model's own rotation where
-    a region keeps it), from the rotated query and keys and the model's (cos, sin). Keys that a cache layer kept
-    from the previous forward (`KeptKeys`) are not rotated again: only the new ones are."""
+    a region keeps it), from the rotated query and keys, turned back with the model's (cos, sin) at the positions
+    it rotated them at. Keys that a cache layer kept from the previous forward (`KeptKeys`) are not rotated
+    again: only the new ones are."""
     q_len, total = query.shape[2], key.shape[2]
+    positions = layout.positions
     layer = _cache_layer_keeping_keys(module, state, query, key)
     region_names = tuple(region.name for region in regions)
     kept = KeptKeys.reusable(layer, state, key, positions, q_len, region_names)
     start = 0 if kept is None else kept.length  # keys [start, total) are rotated by this forward
     new_positions = positions[:, start:]
-    cos_k, sin_k = rotary_tables(plan, state.host, query, ("keys", start), lambda: new_positions, state.layer_type)
+    rotated_at = layout.rotated_at[:, start:]
+    cos_k, sin_k = rotary_tables(plan, state.host, query, ("keys", start), lambda: rotated_at, state.layer_type)
     rotary = PlanRotary(plan, state.host, state.layer_type, module.layer_idx, n_pairs=cos_k.shape[-1] // 2)
     plain_query = undo_rotation(query, cos_k[:, -q_len:], sin_k[:, -q_len:])
     queries = _rotated_queries(rotary, regions, query, plain_query, positions[:, total - q_len :])
