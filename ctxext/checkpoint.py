@@ -19,6 +19,7 @@ from .patching.applicable import skeleton
 from .patching.families import rotary_host
 from .patching.pair_selection import select_pairs, selection_record
 from .patching.patch import check_not_shorter, recorded_rope_parameters, shipped_rope
+from .patching.record import SOURCE_KEY, recorded_source
 from .serving.forms import FORMATS, RopeForm, write_config_for_serving
 
 NO_TOKENIZER = "none in the source (no tokenizer files), none written"  # ctxext.yaml's `tokenizer` then
@@ -78,6 +79,7 @@ def write_patched_checkpoint(
     tokenizer = load_tokenizer(source, optional=True)  # patch only copies it: a checkpoint may have none
     check_tokenizer_for_pairs(tokenizer, pair_selection, source)
     model = load_model(source, dtype="auto", device="cpu")
+    with_source_rope(rotary_host(model).config, source)
     original_length = plan.record.trained_context
     extra_record = dict(extra_record or {})
     if tokenizer is None:
@@ -134,9 +136,21 @@ def check_source(source: str, method_config):
     layout cannot take, a shape the method cannot take), before any weights load: `patch`'s own checks, asked of
     a meta-device skeleton of the model; and a result shorter than the model's trained context, unless asked for.
     The plan (ctxext.patching.patch.PatchPlan), which says what the patch does to the model's context."""
-    plan = method_config.plan(skeleton(load_config(source)))
+    plan = method_config.plan(skeleton(with_source_rope(load_config(source), source)))
     check_not_shorter(plan, method_config.allow_shorter)
     return plan
+
+
+def with_source_rope(config, source: str):
+    """`config`, given the `source_rope` of the source's ctxext.yaml as its SOURCE_KEY where config.json records
+    none (a checkpoint ctxext wrote before config.json carried it): replacing that checkpoint's patch then starts
+    from the rope ctxext changed, not from the base its native form raised (ctxext.patching.patch._rope_to_patch)."""
+    path = Path(source) / "ctxext.yaml"
+    if recorded_source(config) is None and path.is_file():
+        recorded = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("source_rope")
+        if isinstance(recorded, dict) and isinstance(recorded.get("rope_parameters"), dict):
+            setattr(config, SOURCE_KEY, recorded)
+    return config
 
 
 def with_selected_pairs(model, tokenizer, method_config, pair_selection: tuple[str, int], original_length: int):

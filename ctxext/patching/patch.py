@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from .families import (
     rotary_host,
 )
 from .mrope_axes import axis_selective, describe_sections, parse_sections
-from .record import RopeRecord, host_rope_record, model_rope_record
+from .record import SOURCE_KEY, RopeRecord, host_rope_record, model_rope_record, recorded_source, rope_record
 from .rope_types import longrope_form, rope_parameters_for, why_no_longrope_form, with_mscales
 from .rotary import PatchUndo, ScaledRotaryEmbedding
 from .takes_effect import check_rotary_is_called
@@ -147,7 +148,9 @@ def _write_config(plan: PatchPlan) -> PatchUndo:
         copy.deepcopy(config.rope_parameters),
         config.max_position_embeddings,
         copy.deepcopy(getattr(config, CONFIG_KEY, None)),
+        source_rope=copy.deepcopy(getattr(config, SOURCE_KEY, None)),
     )
+    setattr(config, SOURCE_KEY, recorded_source(config) or shipped_rope(plan.host))  # before ctxext's first change
     config.rope_parameters = copy.deepcopy(with_written(config.rope_parameters, plan.written))
     config.max_position_embeddings = plan.max_position_embeddings
     if hasattr(config, "original_max_position_embeddings"):
@@ -255,8 +258,7 @@ def plan_patch(
     """Everything `patch` decides before it changes anything, or the one-line CtxextError that refuses it.
     Reads the model's modules and config only, so it also answers for a model built on the meta device."""
     host = rotary_host(model)
-    layout = rope_layout(host)
-    record = host_rope_record(host)
+    layout, record, from_source = _rope_to_patch(host, replace_shipped, original_max_position_embeddings)
     chosen = layout.select_types(layer_types)
     keys = chosen or (None,)
     spec = get_method(method)
@@ -296,7 +298,7 @@ def plan_patch(
     new_context = _context_after(written, shipped, record, L, method_params.factor)
     if reach is not None and not length_asked:  # a remapping method's own parameters say how far it reaches
         new_context = max(new_context, reach)
-    note = remap_reach_note(spec.name, attention.remap, L, reach, new_context, length_asked)
+    note = remap_reach_note(spec.name, attention.remap, L, reach, new_context, length_asked) + from_source
     return PatchPlan(
         *(host, layout, record, ext, chosen, spec, method_params, L, attention, layers, native_temperature),
         *(written, shipped, tuple(composed_written), new_context, left_alone, note, _part_patched(model) + on_sections),
@@ -315,6 +317,27 @@ def _on_mrope_sections(layout: RopeLayout, ext: Extension, spec, method_params, 
     spec, method_params = axis_selective(layout, spec, method_params, L, sections)
     note = f", {asked} on the {describe_sections(sections)} sections only (per-pair longrope; the others as trained)"
     return spec, method_params, note
+
+
+def _rope_to_patch(host: nn.Module, replace, given_L) -> tuple[RopeLayout, RopeRecord, str]:
+    """(layout, record, a note for `describe`) of the rope a patch starts from: the model's as it is or, where the
+    patch replaces what the model has (`replace_shipped`, or an explicit L other than its C) and the config records
+    the rope from before ctxext changed it (SOURCE_KEY: a checkpoint ctxext wrote, reloaded), that one's base and
+    L0, so that ntk x4 then ntk x2 replacing it is ntk x2 on the source (C stays what the model serves now, so a
+    shorter result is still said). Without it, the raised base a native form wrote would read as the model's own,
+    and the new base change would go on top of the old one."""
+    layout, record = rope_layout(host), host_rope_record(host)
+    source = recorded_source(host.config)
+    replacing = bool(replace) or (given_L is not None and given_L != record.trained_context)
+    before = rope_record(host.config, source) if source is not None and replacing else record
+    if before == record:
+        return layout, record, ""
+    before = dataclasses.replace(before, trained_context=max(before.trained_context, record.trained_context))
+    note = (
+        f"; replaces the patch ctxext recorded ({SOURCE_KEY}) and starts from the rope from before it "
+        f"({before.describe()}), not from the {record.trained_context} tokens the model serves now"
+    )
+    return dataclasses.replace(layout, bases={key: before.of(key).base for key in layout.bases}), before, note
 
 
 def remap_reach_note(method: str, remap: RemapParams | None, L: int, reach, declared: int, length_asked: bool) -> str:
@@ -663,6 +686,10 @@ def unpatch(model: nn.Module) -> nn.Module:
             host.config.original_max_position_embeddings = undo.original_max_position_embeddings
         for module, scale in undo.latent_attention_scales:
             module.scaling = scale
+        if undo.source_rope is not None:
+            setattr(host.config, SOURCE_KEY, undo.source_rope)
+        elif hasattr(host.config, SOURCE_KEY):
+            delattr(host.config, SOURCE_KEY)
         saved_attention = undo.attention
         if saved_attention is not None:
             setattr(host.config, CONFIG_KEY, saved_attention)

@@ -169,6 +169,18 @@ def _rotary_dim(config, parameters: dict) -> int:
     return int(head_dim * (own_partial_rotary_factor(parameters, config) or 1.0))
 
 
+# In the config: the rope the model had before ctxext first changed it (in `patch.shipped_rope`'s form), written by
+# `patch` and kept by later patches; config.json carries it, so that a checkpoint ctxext wrote, reloaded, can be
+# patched again from its source (`recorded_source`), not from the base a native form raised.
+SOURCE_KEY = "ctxext_source_rope"
+
+
+def recorded_source(config) -> dict | None:
+    """The rope a config records as the one before ctxext changed it (SOURCE_KEY), or None where it has none."""
+    value = getattr(config, SOURCE_KEY, None)
+    return copy.deepcopy(value) if isinstance(value, dict) and isinstance(value.get("rope_parameters"), dict) else None
+
+
 def model_rope_record(model) -> RopeRecord:
     """The record of a loaded model as shipped: an in-memory patch is looked through."""
     return host_rope_record(rotary_host(model))

@@ -34,6 +34,7 @@ class PatchUndo:
     per_base_rotaries: list = dataclasses.field(default_factory=list)
     layer_rotaries: list = dataclasses.field(default_factory=list)  # [(parent, name, module)]: DeepSeek V4's
     latent_attention_scales: list = dataclasses.field(default_factory=list)
+    source_rope: dict | None = None  # the config's `ctxext_source_rope` before the patch (record.SOURCE_KEY)
 
     @property
     def has_top_level_original_length(self) -> bool:
