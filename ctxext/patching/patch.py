@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -32,10 +31,9 @@ from .families import (
     RopeLayout,
     attention_of,
     config_refusal,
-    latent_attention_scale,
     language_model_of,
+    latent_attention_scale,
     layer_rope_parameters,
-    layer_rotaries,
     own_partial_rotary_factor,
     per_base_rotaries,
     rope_layout,
@@ -44,7 +42,7 @@ from .families import (
     rotary_host,
 )
 from .mrope_axes import axis_selective, describe_sections, parse_sections
-from .record import SOURCE_KEY, RopeRecord, host_rope_record, model_rope_record, recorded_source, rope_record
+from .record import RopeRecord, host_rope_record, model_rope_record
 from .rope_types import longrope_form, rope_parameters_for, why_no_longrope_form, with_mscales
 from .rotary import PatchUndo, ScaledRotaryEmbedding
 from .takes_effect import check_rotary_is_called
@@ -75,21 +73,19 @@ def patch(
     scaling and counts from L0 (or L) instead. A patch that would leave the model a shorter context than C warns
     here (unless `allow_shorter=True`); `ctxext patch` refuses to write such a checkpoint.
 
-    The config is updated so that `save_pretrained` records the method: `rope_parameters` names it and
-    `max_position_embeddings` becomes L*factor (dynamic methods keep L there, because transformers reads
-    it as the length where scaling starts). Patching a patched model replaces the earlier patch. Where the family's
-    config refuses that form (Phi-3, PhiMoE), a static method is written as longrope with equal factor sets, and
-    a dynamic or remapping method, which no such form expresses, is refused (`rope_parameters_to_write`).
+    The config records the method for `save_pretrained`: `rope_parameters` names it, `max_position_embeddings` is
+    L*factor (dynamic methods keep L, where transformers starts scaling). A patch replaces an earlier one. Where the
+    family's config refuses that form (Phi-3, PhiMoE), a static method is written as longrope with equal factor
+    sets; a dynamic or remapping method, which no such form expresses, is refused (`rope_parameters_to_write`).
 
-    `logn=True` adds log-n query scaling (any method); `query_temperature=beta` multiplies queries by
-    1 + beta ln(1 + floor(p / L)) (Llama 4 / Ministral 3), written as the family's own `llama_4_scaling_beta`
-    where its attention reads that key, else applied by ctxext's attention wrapper. Remapping methods patch the
-    attention layers too. Attention settings are recorded as `ctxext_attention` in the config (see patching/attention.py).
+    `logn=True` adds log-n query scaling; `query_temperature=beta` multiplies queries by 1 + beta ln(1 + floor(p /
+    L)) (Llama 4 / Ministral 3), as the family's own `llama_4_scaling_beta` where its attention reads it, else in
+    ctxext's attention wrapper, which remapping methods install too (recorded as `ctxext_attention`).
 
-    `layer_types` (`full`, the default, `all`, or layer type names) chooses which layer types' frequencies a
-    model with one set per layer type (Gemma 3) has scaled; the others keep theirs. Attention-level methods go
-    only on the chosen layers that apply RoPE (never a NoPE layer); a remapping method also skips a sliding
-    layer whose window is at most L. See `RopeLayout`.
+    `layer_types` (`full`, the default, `all`, or layer type names) chooses which layer types' frequencies a model
+    with one set per type (Gemma 3) has scaled; attention-level methods go only on the chosen layers that apply RoPE,
+    a remapping method not on a sliding layer whose window is at most L (`RopeLayout`). `mrope_sections` scales only
+    those sections of a multimodal RoPE (ctxext.patching.mrope_axes).
     """
     plan = plan_patch(
         model,
@@ -132,7 +128,6 @@ def apply_plan(plan: PatchPlan) -> None:
     scaled.to(rotary_device(host))
     host.rotary_emb = scaled
     undo.per_base_rotaries = replace_per_base_rotaries(host, scaled)
-    undo.layer_rotaries = replace_layer_rotaries(host, scaled)
     if layout.latent_attention:  # the softmax scale MLA attention computed from the rope parameters at build time
         undo.latent_attention_scales = rescale_latent_attention(host, host.config)
     record_attention_in_config(
@@ -148,9 +143,7 @@ def _write_config(plan: PatchPlan) -> PatchUndo:
         copy.deepcopy(config.rope_parameters),
         config.max_position_embeddings,
         copy.deepcopy(getattr(config, CONFIG_KEY, None)),
-        source_rope=copy.deepcopy(getattr(config, SOURCE_KEY, None)),
     )
-    setattr(config, SOURCE_KEY, recorded_source(config) or shipped_rope(plan.host))  # before ctxext's first change
     config.rope_parameters = copy.deepcopy(with_written(config.rope_parameters, plan.written))
     config.max_position_embeddings = plan.max_position_embeddings
     if hasattr(config, "original_max_position_embeddings"):
@@ -258,7 +251,8 @@ def plan_patch(
     """Everything `patch` decides before it changes anything, or the one-line CtxextError that refuses it.
     Reads the model's modules and config only, so it also answers for a model built on the meta device."""
     host = rotary_host(model)
-    layout, record, from_source = _rope_to_patch(host, replace_shipped, original_max_position_embeddings)
+    layout = rope_layout(host)
+    record = host_rope_record(host)
     chosen = layout.select_types(layer_types)
     keys = chosen or (None,)
     spec = get_method(method)
@@ -294,11 +288,7 @@ def plan_patch(
         host, layout, keys, spec, method_params, L, native_temperature, shipped, composed_written
     )
     length_asked = target_length is not None or method_params.factor != 1.0
-    reach = None if attention.remap is None else attention.remap.reach(L)
-    new_context = _context_after(written, shipped, record, L, method_params.factor)
-    if reach is not None and not length_asked:  # a remapping method's own parameters say how far it reaches
-        new_context = max(new_context, reach)
-    note = remap_reach_note(spec.name, attention.remap, L, reach, new_context, length_asked) + from_source
+    new_context, note = _declared_context(written, shipped, record, attention, L, method_params.factor, length_asked)
     return PatchPlan(
         *(host, layout, record, ext, chosen, spec, method_params, L, attention, layers, native_temperature),
         *(written, shipped, tuple(composed_written), new_context, left_alone, note, _part_patched(model) + on_sections),
@@ -319,25 +309,14 @@ def _on_mrope_sections(layout: RopeLayout, ext: Extension, spec, method_params, 
     return spec, method_params, note
 
 
-def _rope_to_patch(host: nn.Module, replace, given_L) -> tuple[RopeLayout, RopeRecord, str]:
-    """(layout, record, a note for `describe`) of the rope a patch starts from: the model's as it is or, where the
-    patch replaces what the model has (`replace_shipped`, or an explicit L other than its C) and the config records
-    the rope from before ctxext changed it (SOURCE_KEY: a checkpoint ctxext wrote, reloaded), that one's base and
-    L0, so that ntk x4 then ntk x2 replacing it is ntk x2 on the source (C stays what the model serves now, so a
-    shorter result is still said). Without it, the raised base a native form wrote would read as the model's own,
-    and the new base change would go on top of the old one."""
-    layout, record = rope_layout(host), host_rope_record(host)
-    source = recorded_source(host.config)
-    replacing = bool(replace) or (given_L is not None and given_L != record.trained_context)
-    before = rope_record(host.config, source) if source is not None and replacing else record
-    if before == record:
-        return layout, record, ""
-    before = dataclasses.replace(before, trained_context=max(before.trained_context, record.trained_context))
-    note = (
-        f"; replaces the patch ctxext recorded ({SOURCE_KEY}) and starts from the rope from before it "
-        f"({before.describe()}), not from the {record.trained_context} tokens the model serves now"
-    )
-    return dataclasses.replace(layout, bases={key: before.of(key).base for key in layout.bases}), before, note
+def _declared_context(written, shipped, record, attention, L: int, factor: float, length_asked: bool):
+    """(max_position_embeddings after the patch, what `describe` says of a remapping method's reach): without a
+    length asked for, the reach of the method's own parameters where that is longer (`RemapParams.reach`)."""
+    reach = None if attention.remap is None else attention.remap.reach(L)
+    new_context = _context_after(written, shipped, record, L, factor)
+    if reach is not None and not length_asked:
+        new_context = max(new_context, reach)
+    return new_context, remap_reach_note(attention.method, attention.remap, L, reach, new_context, length_asked)
 
 
 def remap_reach_note(method: str, remap: RemapParams | None, L: int, reach, declared: int, length_asked: bool) -> str:
@@ -381,36 +360,11 @@ def _extension_and_params(
     ext = extension(record, spec, given, keys, remaps, given_L, replace)
     method_params = spec.make_params(factor=factor_for(target_length, factor, ext.original_length), **params)
     if ext.composed and layout.latent_attention:
-        return _latent_attention_yarn(record, spec, ext.composed, method_params, params)
-    return ext, method_params
-
-
-# What a yarn over L0 in place of a shipped yarn keeps of it unless given: its ramp, and DeepSeek's temperature
-# (mscale on cos/sin, mscale_all_dim in the softmax scale MLA attention builds from the rope parameters)
-LATENT_YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-
-
-def _latent_attention_yarn(record: RopeRecord, spec: Method, keys: tuple, method_params, params: dict):
-    """(Extension, parameters) of yarn x s on multi-head latent attention that shipped a yarn (DeepSeek V3, Kimi K2:
-    yarn x40 over L0 4096, C 163840): one yarn over L0 at factor s C / L0 replaces the shipped one, keeping its
-    LATENT_YARN_KEYS unless given; that is DeepSeek's own form, whose softmax scale the family's attention derives
-    from the written factor, so a reload computes what the patch does. It is not yarn x s composed with the shipped
-    frequencies (their ramps differ: docs/guides/methods.md, 'DeepSeek V3 / Kimi K2'), and the line says so. Any
-    other method there is refused: its composed per-pair form cannot carry that softmax scale."""
-    shipped = [record.of(key) for key in keys]
-    if spec.name != "yarn" or any(rope.rope_type != "yarn" for rope in shipped):
         raise CtxextError(
             f"{spec.name} does not compose with the shipped {record.full.describe()} of multi-head latent attention "
-            "(its softmax scale is built from the shipped yarn's factor); use yarn, which extends it as one yarn "
-            "over L0, or --replace-shipped"
+            "(its softmax scale is built from the shipped yarn's factor); use --replace-shipped"
         )
-    C, L0, kept = record.trained_context, record.original_length, shipped[0].parameters
-    given = {**{name: kept[name] for name in LATENT_YARN_KEYS if name in kept}, **params}
-    how = (
-        f"over L0 = {L0} replaces the shipped {shipped[0].describe()} (x{method_params.factor:g} of C = {C}; on "
-        "multi-head latent attention yarn extends a shipped yarn as one yarn over L0, not composed with it)"
-    )
-    return Extension(L0, (), how), spec.make_params(factor=method_params.factor * C / L0, **given)
+    return ext, method_params
 
 
 def _split_query_temperature(record: RopeRecord, keys: tuple, beta: float | None) -> tuple[float | None, float | None]:
@@ -637,17 +591,6 @@ def replace_per_base_rotaries(host: nn.Module, scaled: nn.Module) -> list:
     return replaced
 
 
-def replace_layer_rotaries(host: nn.Module, scaled: nn.Module) -> list:
-    """Put `scaled` in place of each rotary module inside the layers (`families.layer_rotaries`: DeepSeek V4's
-    compressors and indexers, which `rope_layout` has checked hold the base model's frequencies), so that every
-    rope position the model computes is scaled alike; [(parent, name, the module replaced)] for `unpatch`."""
-    replaced = []
-    for _, parent, name, module in layer_rotaries(host):
-        replaced.append((parent, name, module))
-        setattr(parent, name, scaled)
-    return replaced
-
-
 def restore_per_base_rotaries(host: nn.Module, replaced: list) -> None:
     """Undo `replace_per_base_rotaries`."""
     modules = per_base_rotaries(host)
@@ -678,18 +621,12 @@ def unpatch(model: nn.Module) -> nn.Module:
         host.rotary_emb = scaled.original
         undo = scaled.undo
         restore_per_base_rotaries(host, undo.per_base_rotaries)
-        for parent, name, module in undo.layer_rotaries:
-            setattr(parent, name, module)
         host.config.rope_parameters = undo.rope_parameters
         host.config.max_position_embeddings = undo.max_position_embeddings
         if undo.has_top_level_original_length:
             host.config.original_max_position_embeddings = undo.original_max_position_embeddings
         for module, scale in undo.latent_attention_scales:
             module.scaling = scale
-        if undo.source_rope is not None:
-            setattr(host.config, SOURCE_KEY, undo.source_rope)
-        elif hasattr(host.config, SOURCE_KEY):
-            delattr(host.config, SOURCE_KEY)
         saved_attention = undo.attention
         if saved_attention is not None:
             setattr(host.config, CONFIG_KEY, saved_attention)
