@@ -9,7 +9,7 @@ if transformers' configuration module is already imported, and otherwise puts a 
 that does it right after transformers imports it. That keeps the contract that after `import ctxext`, plain
 `AutoModelForCausalLM.from_pretrained` loads a ctxext checkpoint.
 
-The import waits until no transformers or ctxext module is half-imported (the finder sees each of them
+The import waits until no transformers, PEFT or ctxext module is half-imported (the finder sees each of them
 finish): importing `ctxext.patching` in the middle of, say, `transformers.modeling_utils` importing its
 config module would find names that are not defined yet.
 """
@@ -25,7 +25,7 @@ TRIGGER = "transformers.configuration_utils"  # every config and model class imp
 # imported in this order: the rope types and load hook, then the PEFT/transformers adapter hooks (an adapter
 # saved from a patched model carries the patch, and loading it applies it: ctxext.integrations.adapters)
 TARGETS = ("ctxext.patching", "ctxext.integrations.hooks")
-WATCHED = ("transformers", "ctxext")
+WATCHED = ("transformers", "peft", "ctxext")  # peft: the adapter hooks import it, so never while it is half-imported
 
 
 def _watched(name: str) -> bool:

@@ -49,6 +49,19 @@ def test_import_ctxext_is_light_and_registers_once_transformers_is_imported():
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
 
 
+@pytest.mark.parametrize("then", ["import peft", "from peft import LoraConfig", "from trl import SFTTrainer"])
+def test_import_ctxext_then_a_library_that_imports_transformers_registers_everything(then):
+    """`import ctxext` then `import peft` (what trainers such as axolotl do first): PEFT imports transformers
+    while it is half-imported itself, and the adapter hooks, which import PEFT, wait until it is whole (this
+    raised ImportError: cannot import name 'PeftModel' from partially initialized module 'peft')."""
+    code = (
+        f"import sys, ctxext; {then}; "
+        "print(all(name in sys.modules for name in ('ctxext.patching', 'ctxext.integrations.hooks')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
+
+
 def without_spaces(text: str) -> str:
     """`text` with all whitespace gone: argparse re-wraps lines (and breaks words at hyphens)."""
     return "".join(text.split())
