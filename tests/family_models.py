@@ -51,6 +51,142 @@ MLA_SMALL = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_he
 MLA_MOE_SMALL = dict(n_shared_experts=1, n_group=1, topk_group=1)
 
 
+DROP = object()  # a generic small value a family must not be given (RECIPES)
+MOE_SHARED = dict(shared_expert_intermediate_size=32)
+LINEAR_ATTENTION = dict(
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4
+)
+DSA_INDEXER = dict(index_topk=8, index_head_dim=16, index_n_heads=2)  # DeepSeek Sparse Attention's indexer
+# What a family needs beyond the generic small values, each found by building it (docs: the families-2026 notes):
+# keys a family's config requires, sizes its validators tie together, and generic values it must not get.
+RECIPES = {
+    # Gemma 4: the full layers' head size (popped into per_layer_config) and a small per-layer-input table
+    "gemma4_text": dict(global_head_dim=32, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16),
+    "gemma4_unified_text": dict(global_head_dim=32),
+    # MLA with a DSA indexer: as many key/value heads as heads (else sdpa's shapes disagree: 4 vs 8)
+    "deepseek_v32": dict(**DSA_INDEXER, num_key_value_heads=4),
+    "glm_moe_dsa": dict(**DSA_INDEXER, num_key_value_heads=4),
+    "axk2": dict(**DSA_INDEXER, num_key_value_heads=4, mlp_layer_types=["dense", "sparse"]),
+    "dots3_note_text": dict(
+        **DSA_INDEXER,
+        mlp_layer_types=["dense", "sparse"],
+        shared_experts_intermediate_size=32,
+        layer_types=["sliding_attention", "indexed_attention"],
+        sliding_window=8,
+        per_layer_config={},  # else its 46-layer per-layer defaults apply
+        num_key_value_heads=4,
+        head_dim=16,  # qk_nope + qk_rope (its validator)
+    ),
+    # its indexer's sizes: without them token_budget // compress_ratio is None // None
+    "qwen4_exp_text": dict(
+        **MOE_SHARED,
+        **LINEAR_ATTENTION,
+        layer_types=["linear_attention", "indexed_attention"],
+        hc_count=2,
+        hc_lowrank=8,
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=16,
+        indexer_budget=8,
+        indexer_compress_ratio=4,
+    ),
+    "laguna": dict(
+        **MOE_SHARED,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        num_attention_heads_per_layer=[4, 4],
+    ),
+    "olmo_hybrid": dict(  # at least one layer of each kind (validate_architecture)
+        head_dim=DROP,
+        layer_types=["linear_attention", "full_attention"],
+        **{**LINEAR_ATTENTION, "linear_num_value_heads": 2},
+    ),
+    "dory": dict(
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        n_input_layers=1,
+        n_recurrent_layers=0,
+        n_output_layers=1,
+    ),
+    # no layer_types (its layers_block_type is a read-only property)
+    "falcon_h1": dict(
+        layer_types=DROP, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=16
+    ),
+    # n_heads x d_head == mamba_expand (2) x hidden
+    "bamba": dict(
+        layer_types=DROP,
+        head_dim=DROP,
+        attn_layer_indices=[1],
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_d_state=8,
+        mamba_chunk_size=16,
+    ),
+    "lfm2_moe": dict(head_dim=DROP, num_dense_layers=1, layer_types=["conv", "full_attention"]),
+    "falcon": dict(
+        head_dim=DROP, num_kv_heads=2, new_decoder_architecture=True, alibi=False, layer_types=DROP, sliding_window=DROP
+    ),
+    # a sliding and a full hybrid (CCA) layer; its QK norm's learned key scale is set after building (KEY_SCALES)
+    "zaya": dict(
+        num_experts_per_tok=1,
+        router_hidden_size=16,
+        layer_types=["hybrid_sliding", "hybrid"],
+        sliding_window=SLIDING,
+    ),
+    "recurrent_gemma": dict(layer_types=DROP, block_types=["recurrent", "attention"]),
+    "gemma3n_text": dict(  # no layer reuses another's cache; a small per-layer-input table, no activation sparsity
+        num_kv_shared_layers=0,
+        vocab_size_per_layer_input=128,
+        hidden_size_per_layer_input=16,
+        laurel_rank=8,
+        activation_sparsity_pattern=[0.0, 0.0],
+    ),
+    # sliding_window an int (its strict validation), past L so the methods have work; a small depth decoder
+    "moshi": dict(sliding_window=4 * L, audio_vocab_size=128, num_codebooks=2, ffn_dim=128),
+    "dots1": dict(n_shared_experts=1),
+    # sub-configs of their own: small vision and audio towers, and BLT's patcher, local encoder/decoder and global
+    "phi4_multimodal": dict(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+        audio_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_blocks=1,
+            num_attention_heads=2,
+            ext_pw_out_channel=32,
+            depthwise_separable_out_channel=32,
+            nemo_conv_channels=32,
+        ),
+    ),
+    "blt": dict(
+        patcher_config=dict(**TINY_SHAPE, vocab_size=260),
+        encoder_config=dict(**TINY_SHAPE, hidden_size_global=64, vocab_size=260),
+        decoder_config=dict(**TINY_SHAPE, hidden_size_global=64, vocab_size=260),
+        global_config=dict(**TINY_SHAPE),
+        encoder_hash_byte_group_vocab=128,
+        vocab_size=260,
+    ),
+    "dbrx": dict(
+        d_model=64,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=L,
+        attn_config=dict(kv_n_heads=2, rope_theta=1e4, clip_qkv=8.0),  # clip_qkv None: torch.clamp fails
+        ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2),
+    ),
+}
+
+
+def _zaya_key_scale(model) -> None:
+    """Zaya's QK norm multiplies every key by a learned per-head scale that transformers initialises to 0 (every
+    key 0: uniform attention, which no RoPE changes, so any patch would look exact); 1, as after training."""
+    for layer in model.model.layers:
+        torch.nn.init.ones_(layer.self_attn.qk_norm.temp)
+
+
+AFTER_BUILD = {"zaya": _zaya_key_scale}  # what a family's random initialisation leaves that a checkpoint never has
+
+
 def rope_families() -> list[str]:
     """Every causal-LM model type whose default config has rope parameters, in the installed transformers."""
     found = []
@@ -74,8 +210,29 @@ def _partial_rotary_factor(default) -> float:
     return float(parameters.get("partial_rotary_factor") or getattr(default, "partial_rotary_factor", None) or 1.0)
 
 
+def _has(config, name: str) -> bool:
+    """hasattr that counts an attribute set per layer (Gemma 4's head_dim raises when read off the whole config)."""
+    try:
+        getattr(config, name)
+    except AttributeError:
+        return False
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError: it is there, per layer
+        return True
+    return True
+
+
 def _values(model_type: str, default) -> dict:
-    values = {k: v for k, v in SMALL.items() if hasattr(default, k) or k in ("pad_token_id", "bos_token_id")}
+    values = _generic_values(model_type, default)
+    for key, value in RECIPES.get(model_type, {}).items():
+        if value is DROP:
+            values.pop(key, None)
+        else:
+            values[key] = value
+    return values
+
+
+def _generic_values(model_type: str, default) -> dict:
+    values = {k: v for k, v in SMALL.items() if _has(default, k) or k in ("pad_token_id", "bos_token_id")}
     types = set(getattr(default, "layer_types", None) or [])
     if "sliding_attention" in types and "full_attention" in types:
         values["layer_types"] = ["sliding_attention", "full_attention"]
@@ -84,17 +241,17 @@ def _values(model_type: str, default) -> dict:
         values["layer_types"] = [sorted(types)[0]] * 2
         if "sliding_attention" in types:  # every layer sliding: a window past L, so the methods have work
             values["sliding_window"] = 4 * L
-    if hasattr(default, "sliding_window") and "sliding_window" not in values:
+    if _has(default, "sliding_window") and "sliding_window" not in values:
         values["sliding_window"] = None  # one window for every layer (Mistral): off, so the layers see everything
     if getattr(default, "qk_rope_head_dim", None):  # MLA (DeepSeek): small latent ranks, RoPE on 8 channels a head
         values.update(MLA_SMALL, head_dim=MLA_SMALL["qk_rope_head_dim"])
-        values.update({k: v for k, v in MLA_MOE_SMALL.items() if hasattr(default, k)})
+        values.update({k: v for k, v in MLA_MOE_SMALL.items() if _has(default, k)})
     if int(values.get("head_dim", 0) * _partial_rotary_factor(default)) % 2:  # real configs rotate whole pairs
         values["head_dim"] = 24  # MiMo V2 Flash's 0.334: 8 rotated channels (16 would rotate 5)
     if model_type in MROPE_SMALL:
         head_dim, keys = MROPE_SMALL[model_type]
         values.update(head_dim=head_dim, rope_parameters={**default.rope_parameters, **keys})
-    if hasattr(default, "no_rope_layers"):
+    if _has(default, "no_rope_layers"):
         values["no_rope_layers"] = [1, 0]  # SmolLM3: layer 1 is NoPE
     return values
 
@@ -116,6 +273,7 @@ def build(model_type: str):
                 model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
             except ValueError:  # a family without SDPA
                 model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+            AFTER_BUILD.get(model_type, lambda _: None)(model)
         except Exception as error:  # noqa: BLE001 - the reason is the finding
             return None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
     return model.float().eval(), None

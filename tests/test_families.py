@@ -280,7 +280,7 @@ def assert_self_extend_matches_the_per_cell_reference(model, name: str) -> None:
         for i, layer_type in enumerate(layout.layer_types)
         if layout.attention[i]
         and (getattr(config, "no_rope_layers", None) or [1] * 99)[i]
-        and not (layer_type == "sliding_attention" and (config.sliding_window or math.inf) <= L)
+        and not ("sliding" in layer_type and (config.sliding_window or math.inf) <= L)  # Zaya's hybrid_sliding too
     }
     with torch.no_grad():
         ctxext.patch(model, "self_extend", group_size=G, window=W)

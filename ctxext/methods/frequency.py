@@ -428,6 +428,21 @@ def proportional_fraction(rotary_dim: int, base: float, original_max_position_em
     return p
 
 
+def p_rope_pairs(rope_proportion: float, rotary_dim: int) -> int:
+    """The pairs p-RoPE keeps a frequency on: int(p * d // 2), as transformers' `proportional` rounds it."""
+    return int(rope_proportion * rotary_dim // 2)
+
+
+def on_rotated_pairs(inv_freq: torch.Tensor, pairs: int | None) -> torch.Tensor:
+    """`inv_freq` on a layer that rotates only its first `pairs` pairs (p-RoPE: Gemma 4's full layers), the others
+    turning by frequency 0 as it ships them; unchanged where `pairs` is None."""
+    if pairs is None:
+        return inv_freq
+    inv_freq = inv_freq.clone()
+    inv_freq[pairs:] = 0.0
+    return inv_freq
+
+
 def proportional_inv_freq(rotary_dim, base, original_max_position_embeddings, params, seq_len=None):
     # transformers' `proportional`: theta_i for the first int(p*d//2) pairs, 0 for the rest, all divided by s.
     kept = proportional_kept_pairs(rotary_dim, base, original_max_position_embeddings, params)

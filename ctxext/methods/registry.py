@@ -82,6 +82,10 @@ class Method:
         """The `rope_type` a patched config records: the transformers name where one matches exactly."""
         if self.hf_rope_type and not getattr(params, "dynamic", False) and params.transformers_compatible():
             return self.hf_rope_type
+        return self.ctxext_rope_type(params)
+
+    def ctxext_rope_type(self, params: MethodParams) -> str:
+        """ctxext's own rope type of the method: `ctxext_<name>`, `ctxext_<name>_dynamic` where it is dynamic."""
         # "dynamic" in the name makes transformers recompute frequencies as the length grows.
         base_name = self.name.removeprefix("dynamic_")
         return f"ctxext_{base_name}_dynamic" if self.is_dynamic(params) else f"ctxext_{base_name}"

@@ -21,6 +21,7 @@ from ..errors import CtxextError
 from ..methods import Method, MethodParams, composed_per_pair_factors, rope_inv_freq
 from .families import FAMILY_ROPE_KEYS, module_frequencies
 from .record import LayerTypeRope, RopeRecord
+from .rope_types import keeps_p_rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +73,12 @@ def extension(
             how = f"rotates with plain RoPE in place of the shipped {_names(shipped)} and remaps past L0 = {L0}"
         return Extension(L, (), how)
     if not scaled:  # plain RoPE, or p-RoPE's layout of the head
+        p_rope = {key: rope for key, rope in shipped.items() if rope.rotated_pairs is not None}
+        if p_rope and keeps_p_rope(method):
+            pairs = ", ".join(
+                f"{rope.rotated_pairs} of {rope.rotary_dim // 2} on {key}" for key, rope in p_rope.items()
+            )
+            return Extension(C, (), f"turns the pairs the shipped p-RoPE turns ({pairs}), the rest kept at frequency 0")
         return Extension(C, (), f"replaces the shipped {_names(shipped)}" if shipped else "")
     if method.is_dynamic(params):
         raise CtxextError(

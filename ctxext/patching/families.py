@@ -73,7 +73,7 @@ def layer_rope_parameters(rope_parameters: dict, layer_type: str | None = None) 
     if not is_nested(rope_parameters):
         return rope_parameters
     if layer_type is None:
-        layer_type = FULL if FULL in rope_parameters else sorted(rope_parameters)[0]
+        layer_type = default_layer_type(sorted(rope_parameters))
     if layer_type not in rope_parameters:
         raise CtxextError(
             f"layer type '{layer_type}' has no rope parameters; this model has {', '.join(sorted(rope_parameters))}"
@@ -199,9 +199,57 @@ def own_partial_rotary_factor(rope_parameters: dict, config=None) -> float | Non
 
 
 def rotary_dim(config, layer_type: str | None = None) -> int:
-    """The number of rotated channels per head: head_dim, times the model's own partial rotary factor."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return int(head_dim * (own_partial_rotary_factor(rope_parameters_of(config, layer_type), config) or 1.0))
+    """The number of rotated channels per head of a layer type: its head_dim, times the model's own partial rotary
+    factor (each read from the layer type's own configuration, `layer_config`)."""
+    own = layer_config(config, layer_type)
+    factor = own_partial_rotary_factor(rope_parameters_of(config, layer_type), own)
+    return int(head_dim_of(config, layer_type) * (factor or 1.0))
+
+
+def layer_config(config, layer_type: str | None = None):
+    """The configuration a layer type's layers are built from: `config.per_layer_config[layer_type]` where the
+    config sets attributes per layer (Gemma 4: its full-attention layers' head_dim is `global_head_dim`, and
+    reading `config.head_dim` raises transformers' AmbiguousGlobalPerLayerAttributeError), else the config. None:
+    the layer type an extension moves by default (`default_layer_type`)."""
+    if not getattr(config, "is_heterogeneous", False):
+        return config
+    layer_type = layer_type or default_layer_type(getattr(config, "layer_types", None) or ())
+    try:
+        return config.per_layer_config[layer_type]
+    except (ValueError, KeyError, TypeError, IndexError):  # no such type, or its layers differ among themselves
+        return config
+
+
+def head_dim_of(config, layer_type: str | None = None) -> int:
+    """A layer type's query/key head size, from its own configuration (`layer_config`); a one-line CtxextError where
+    even that holds none (its layers have several)."""
+    own = layer_config(config, layer_type)
+    try:
+        return int(getattr(own, "head_dim", None) or own.hidden_size // own.num_attention_heads)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError: a size that differs per layer
+        name = getattr(config, "model_type", None) or type(config).__name__
+        raise CtxextError(
+            f"{name}: its layers{f' of type {layer_type}' if layer_type else ''} have several head sizes "
+            "(per_layer_config), which ctxext reads per layer type only"
+        ) from None
+
+
+SLIDING = ("sliding_attention", "chunked_attention")  # layer types that see a bounded window of earlier tokens
+
+
+def default_layer_type(types) -> str | None:
+    """The layer type an extension moves by default: full_attention; where a model has none, its first layer type
+    that is not sliding (DeepSeek V3.2's `indexed_attention`, Zaya's `hybrid`); else its first."""
+    types = list(dict.fromkeys(types))
+    if FULL in types:
+        return FULL
+    return next((t for t in types if not is_sliding_type(t)), types[0] if types else None)
+
+
+def is_sliding_type(layer_type: str) -> bool:
+    """Whether a layer type's name says it sees only a window of earlier tokens (sliding_attention,
+    chunked_attention, Zaya's hybrid_sliding, ...)."""
+    return layer_type in SLIDING or "sliding" in layer_type
 
 
 # ------------------------------------------------------------------------------------------ the model
@@ -250,13 +298,27 @@ class RopeLayout:
                 seen.append(layer_type)
         return tuple(seen)
 
+    def non_sliding_types(self) -> tuple[str, ...]:
+        """The RoPE layer types `--layer-types full` means: those whose layers are not all sliding-window layers
+        (by their windows, or a name that says so: `is_sliding_type`); all of them where every type slides."""
+        sliding = {
+            layer_type
+            for layer_type in self.types
+            if is_sliding_type(layer_type)
+            or layer_type != FULL
+            and all(self.windows[i] is not None for i, t in enumerate(self.layer_types) if t == layer_type)
+        }
+        return tuple(t for t in self.types if t not in sliding) or self.types
+
     def select_types(self, choice: str | list | tuple | None) -> tuple[str, ...] | None:
         """The layer types a frequency method scales, from `--layer-types` (full, all or names); None means the
         one set of frequencies every layer shares.
 
-        `full` (the default) is the full-attention layers: Gemma 3's recipe, since a sliding layer never sees a
-        key farther than its window. On a model whose rotary module serves every layer type with one set of
-        frequencies, only `all` and `full` are accepted, and both scale that one set.
+        `full` (the default) is every RoPE layer type that is not sliding (`non_sliding_types`: full_attention,
+        DeepSeek V3.2's indexed_attention, Zaya's hybrid, ...), or all of them where every one slides: Gemma 3's
+        recipe, since a sliding layer never sees a key farther than its window. On a model whose rotary module
+        serves every layer type with one set of frequencies, only `all` and `full` are accepted, and both scale
+        that one set.
         """
         names = _layer_type_names(choice)
         if not self.per_type_rotary:
@@ -269,7 +331,7 @@ class RopeLayout:
         if names == ["all"]:
             return self.types
         if names == ["full"]:
-            names = [FULL]
+            names = list(self.non_sliding_types())
         unknown = [name for name in names if name not in self.types]
         if unknown:
             raise CtxextError(

@@ -43,7 +43,15 @@ from .families import (
 )
 from .mrope_axes import axis_selective, describe_sections, parse_sections
 from .record import RopeRecord, host_rope_record, model_rope_record
-from .rope_types import longrope_form, rope_parameters_for, why_no_longrope_form, with_mscales
+from .rope_types import (
+    keeps_p_rope,
+    longrope_form,
+    p_rope_form,
+    p_rope_share,
+    rope_parameters_for,
+    why_no_longrope_form,
+    with_mscales,
+)
 from .rotary import PatchUndo, ScaledRotaryEmbedding
 from .takes_effect import check_rotary_is_called
 
@@ -171,7 +179,17 @@ def _scaled_rotary(plan: PatchPlan) -> ScaledRotaryEmbedding:
         shipped=plan.shipped,
         composed=family_rotary(host.rotary_emb, host.config) if plan.composed else None,
         composed_keys=plan.composed,
+        rotated_pairs=p_rope_pairs_of(plan.record, keys, plan.spec),
     )
+
+
+def p_rope_pairs_of(record: RopeRecord, keys: tuple, spec: Method) -> dict:
+    """{layer type: the pairs that turn} for the chosen types that rotate with p-RoPE (Gemma 4's full layers),
+    where the method keeps that layout (every method but `proportional`, which sets its own p)."""
+    if not keeps_p_rope(spec):
+        return {}
+    pairs = {key: record.of(key).rotated_pairs for key in keys}
+    return {key: n for key, n in pairs.items() if n is not None}
 
 
 def rotary_device(host: nn.Module) -> torch.device:
@@ -232,7 +250,17 @@ class PatchPlan(NamedTuple):
                 f"; {', '.join(self.left_alone)} left as shipped (their layers slide within L = "
                 f"{self.original_length}, so they never see a distance to remap)"
             )
-        return told + self.reach_note
+        return told + self.reach_note + self.layer_types_note()
+
+    def layer_types_note(self) -> str:
+        """Which layer types the patch scales, on a model with frequencies per layer type: '; layer types:
+        full_attention (sliding_attention left as shipped)'. Empty where one set serves every layer."""
+        if not self.chosen:
+            return ""
+        others = [key for key in self.layout.types if key not in self.chosen and key not in self.left_alone]
+        return f"; layer types: {', '.join(self.chosen)}" + (
+            f" ({', '.join(others)} left as shipped)" if others else ""
+        )
 
 
 def plan_patch(
@@ -513,6 +541,9 @@ class RopeForms:
         if key in self.composed:
             return copy.deepcopy(self.composed[key])
         dims, base = self.layout.rotary_dims[key], self.layout.bases[key]
+        p = p_rope_share(own)
+        if p is not None:  # p-RoPE (Gemma 4's full layers): the method on the pairs that turn, in one form only
+            return p_rope_form(self.spec, self.method_params, dims, base, self.L, p)
         return write(self.spec, self.method_params, dims, base, self.L, own_partial_rotary_factor(own))
 
     def with_family_keys(self, written: dict) -> dict:

@@ -16,9 +16,13 @@ import copy
 import dataclasses
 
 from ..errors import CtxextError
+from ..methods.frequency import p_rope_pairs
 from .families import (
     FULL,
+    default_layer_type,
+    head_dim_of,
     is_nested,
+    layer_config,
     layer_rope_parameters,
     missing_base,
     missing_base_error,
@@ -61,10 +65,21 @@ class LayerTypeRope:
         frequency method replaces as it replaces plain RoPE."""
         return (self.static and self.rope_type != "proportional") or self.rope_type == "longrope"
 
+    @property
+    def rotated_pairs(self) -> int | None:
+        """p-RoPE (rope type `proportional`: Gemma 4's full-attention layers): the int(p x d // 2) pairs that turn,
+        p being its partial_rotary_factor; the rest turn by frequency 0. None where every pair turns."""
+        if self.rope_type != "proportional":
+            return None
+        return p_rope_pairs(float(self.parameters.get("partial_rotary_factor", 1.0)), self.rotary_dim)
+
     def describe(self) -> str:
         """'llama3 x8', 'yarn x4', 'longrope', 'default'."""
         factor = self.parameters.get("factor")
-        return f"{self.rope_type} x{float(factor):g}" if factor and self.rope_type != "longrope" else self.rope_type
+        text = f"{self.rope_type} x{float(factor):g}" if factor and self.rope_type != "longrope" else self.rope_type
+        if self.rotated_pairs is not None:
+            text += f" (p-RoPE: {self.rotated_pairs} of {self.rotary_dim // 2} pairs turn)"
+        return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +104,7 @@ class RopeRecord:
         whose context an extension moves."""
         if None in self.types:
             return self.types[None]
-        return self.types.get(FULL) or self.types[sorted(self.types)[0]]
+        return self.types.get(FULL) or self.types[default_layer_type(sorted(self.types))]
 
     @property
     def base(self) -> float:
@@ -140,9 +155,13 @@ def rope_record(config, saved: dict | None = None) -> RopeRecord:
         parameters = copy.deepcopy(layer_rope_parameters(rope_parameters, key))
         if "rope_theta" not in parameters:
             continue
-        dim = _rotary_dim(config, parameters)
+        dim = _rotary_dim(config, parameters, key)
         types[key] = LayerTypeRope(
-            key, parameters, shipped_base(parameters, dim), dim, own_partial_rotary_factor(parameters, config)
+            key,
+            parameters,
+            shipped_base(parameters, dim),
+            dim,
+            own_partial_rotary_factor(parameters, layer_config(config, key)),
         )
     if not types:
         name = getattr(config, "model_type", None) or type(config).__name__
@@ -164,9 +183,9 @@ def trained_context(parameters: dict, original_length: int, max_position_embeddi
     return max_position_embeddings
 
 
-def _rotary_dim(config, parameters: dict) -> int:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return int(head_dim * (own_partial_rotary_factor(parameters, config) or 1.0))
+def _rotary_dim(config, parameters: dict, key: str | None) -> int:
+    """Channels rotated per head of one layer type, from its own configuration (Gemma 4's full layers: head 512)."""
+    return int(head_dim_of(config, key) * (own_partial_rotary_factor(parameters, layer_config(config, key)) or 1.0))
 
 
 # In the config: the rope the model had before ctxext first changed it (in `patch.shipped_rope`'s form), written by

@@ -17,7 +17,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from .. import compat
 from ..errors import CtxextError
 from ..methods import METHODS, Method, MethodParams, compute_inv_freq, per_pair_factors
-from ..methods.frequency import proportional_fraction
+from ..methods.frequency import on_rotated_pairs, p_rope_pairs, proportional_fraction
 from ..methods.registry import method_for_rope_type
 from ..methods.remapping import RemapParams
 from .families import FAMILY_ROPE_KEYS, ntk_alpha, rope_parameters_of, rotary_dim
@@ -125,6 +125,60 @@ def rope_parameters_for(
     return with_float_numbers(rope_parameters)
 
 
+# p-RoPE's p beside a ctxext rope type (`p_rope_form`): the method's frequencies on the int(p d // 2) pairs that
+# turn, the others at frequency 0, as the layer ships them. ctxext's name for p (the proportional method's parameter).
+ROPE_PROPORTION = "rope_proportion"
+
+
+def p_rope_share(rope_parameters: dict) -> float | None:
+    """p where a layer type rotates with p-RoPE (transformers' `proportional`, the whole head, the int(p d // 2)
+    highest-frequency pairs turning: Gemma 4's full-attention layers), else None."""
+    if rope_parameters.get("rope_type") != "proportional":
+        return None
+    return float(rope_parameters.get("partial_rotary_factor", 1.0))
+
+
+def keeps_p_rope(method: Method) -> bool:
+    """Whether `method` on a p-RoPE layer turns only the pairs that layer turns: every method but `proportional`,
+    which chooses its own p."""
+    return method.hf_rope_type != "proportional"
+
+
+def p_rope_form(
+    method: Method, params: MethodParams, rotary_dim: int, base: float, original_max_position_embeddings: int, p: float
+) -> dict:
+    """The rope parameters of `method` on a layer type that rotates with p-RoPE of share p (`p_rope_share`), the
+    pairs at frequency 0 kept so, in the form transformers computes: plain frequencies as its own `proportional`;
+    linear (position interpolation) as `proportional` with the factor (transformers' proportional divides every
+    frequency by it); `proportional` itself as the method writes it (it sets its own p); any other method as
+    ctxext's own type with p as `rope_proportion` (transformers' yarn or llama3 there would turn every pair, or,
+    given p as partial_rotary_factor, only p of the channels: 32 vs 8 in Gemma 4's attention)."""
+    L = original_max_position_embeddings
+    rope_type = method.rope_type(params)
+    if not keeps_p_rope(method):
+        return rope_parameters_for(method, params, rotary_dim, base, L)
+    if rope_type in ("default", "linear"):
+        values = {k: v for k, v in rope_parameters_for(method, params, rotary_dim, base, L).items() if k != "rope_type"}
+        return with_float_numbers({"rope_type": "proportional", **values, "partial_rotary_factor": p})
+    if method.is_dynamic(params):
+        raise CtxextError(
+            f"{method.name} follows the length, which on p-RoPE layers (rope type proportional, frequencies per "
+            "layer type) no checkpoint reloads exactly: transformers' dynamic update of such a rotary sets "
+            "attention_scaling, not the layer type's own, and recomputes longrope over every pair; use a static method"
+        )
+    values = {k: v for k, v in params.to_dict().items() if v is not None and k not in method.forced and k != "dynamic"}
+    rope_type = method.ctxext_rope_type(params)
+    return with_float_numbers(
+        {
+            "rope_type": rope_type,
+            "rope_theta": base,
+            **values,
+            "original_max_position_embeddings": L,
+            ROPE_PROPORTION: p,
+        }
+    )
+
+
 def longrope_form(
     method: Method,
     params: MethodParams,
@@ -208,7 +262,8 @@ def params_from_rope_parameters(rope_parameters: dict) -> tuple[Method, MethodPa
     """Rebuild (method, params) from a ctxext rope_type's saved parameters."""
     method, implied = method_for_rope_type(rope_parameters["rope_type"])
     fields = {f.name for f in dataclasses.fields(method.params_cls)}
-    skip = {"rope_type", "rope_theta", "partial_rotary_factor", "original_max_position_embeddings", *FAMILY_ROPE_KEYS}
+    skip = {"rope_type", "rope_theta", "partial_rotary_factor", "original_max_position_embeddings", ROPE_PROPORTION}
+    skip |= set(FAMILY_ROPE_KEYS)
     unknown = set(rope_parameters) - fields - skip
     if unknown:
         raise CtxextError(
@@ -241,14 +296,12 @@ def _ctxext_rope_init(config, device=None, seq_len=None, layer_type=None):
     method, params = params_from_rope_parameters(rope_parameters)
     if seq_len is not None:
         seq_len = int(seq_len)
+    dim = rotary_dim(config, layer_type)
     inv_freq, attention_factor = compute_inv_freq(
-        method,
-        params,
-        rotary_dim(config, layer_type),
-        rope_parameters["rope_theta"],
-        rope_parameters["original_max_position_embeddings"],
-        seq_len,
+        method, params, dim, rope_parameters["rope_theta"], rope_parameters["original_max_position_embeddings"], seq_len
     )
+    if ROPE_PROPORTION in rope_parameters and keeps_p_rope(method):  # p-RoPE's layer: the pairs it turns (p_rope_form)
+        inv_freq = on_rotated_pairs(inv_freq, p_rope_pairs(float(rope_parameters[ROPE_PROPORTION]), dim))
     return inv_freq.to(device), attention_factor
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..methods import Method, MethodParams, compute_inv_freq
+from ..methods.frequency import on_rotated_pairs
 from .families import SECTIONS, module_frequencies, ntk_alpha, rope_parameters_of, rotary_host
 
 _NONE = object()  # a config without the attribute (`PatchUndo.original_max_position_embeddings`)
@@ -60,6 +61,9 @@ class ScaledRotaryEmbedding(nn.Module):
     rotary pair i turns by the positions of its section sections[i] times its scaled frequency, as the family does
     with its own. For text alone the sections are equal and this is plain RoPE.
 
+    `rotated_pairs` ({layer type: n}) names the layer types that rotate with p-RoPE (Gemma 4's full layers:
+    transformers' `proportional`): the method's frequencies there turn the first n pairs, the others keep frequency 0.
+
     `shipped` names the layer types whose frequencies stay the model's own (a remapping method on a model that
     shipped a static scaling, e.g. Llama 3.1's llama3 or Gemma 3's linear: `patch`): those are answered by the
     model's own module, whatever the positions, and `inv_freq` reads its frequencies. `composed_keys` names those
@@ -90,6 +94,7 @@ class ScaledRotaryEmbedding(nn.Module):
         shipped: tuple = (),
         composed: nn.Module | None = None,
         composed_keys: tuple = (),
+        rotated_pairs: dict | None = None,
     ):
         super().__init__()
         self.method = method
@@ -104,6 +109,8 @@ class ScaledRotaryEmbedding(nn.Module):
         self.shipped = tuple(shipped)
         self.composed = composed
         self.composed_keys = tuple(composed_keys)
+        # p-RoPE layer types ({key: pairs}, Gemma 4's full layers): the method's frequencies on the pairs that turn
+        self.rotated_pairs = dict(rotated_pairs or {})
         # float32 always: a model cast to bf16 must not round the frequencies.
         self._static = {key: self._own_frequencies(key) for key in self.scaled}
         # A dynamic method's last (length, inv_freq, attention scaling) per layer type: the dict is replaced whole,
@@ -138,10 +145,12 @@ class ScaledRotaryEmbedding(nn.Module):
         return self._static[self.first_key][1]
 
     def frequencies(self, seq_len: int | None, key=None) -> tuple[torch.Tensor, float]:
-        rotary_dim, base = self.scaled[key if key in self.scaled else self.first_key]
-        return compute_inv_freq(
+        key = key if key in self.scaled else self.first_key
+        rotary_dim, base = self.scaled[key]
+        inv_freq, scaling = compute_inv_freq(
             self.method, self.params, rotary_dim, base, self.original_max_position_embeddings, seq_len
         )
+        return on_rotated_pairs(inv_freq, self.rotated_pairs.get(key)), scaling
 
     def _inv_freq_for(self, key, position_ids: torch.Tensor, device) -> tuple[torch.Tensor, float]:
         if not self.dynamic:
