@@ -2,13 +2,18 @@
 
 - **Cells**: every process walks the same order of a stage's cells and computes those whose index in it is congruent
   to its rank modulo N (`my_share`), each writing its own cell files into the cache (which must be one folder all
-  the processes see). Then the main process runs the stage as a single process would: it finds every cell (it
-  computes again only one that failed, to record why), and its measurements reach the other processes.
+  the processes see). Then, once every process has finished its share (each says so with a file, `MainOnly`), the
+  main process runs the stage as a single process would: it finds every cell (it computes again only one that
+  failed, to record why), and its measurements reach the other processes. The split is a function of the cells'
+  order alone, never of timing: before the main process waited for the others' shares, a main process that finished
+  first computed the cells a slower process had not written yet, both computed them, and the split (9 cells against
+  5 under load) depended on which was faster.
 - **Once, on the main process**: the searches (an Optuna study's trials depend on which trials have finished when
   the next is sampled, so a study shared among processes would not give a single process's trials), the report
   and --write-best. The other processes wait for it by polling a file the main process writes when it is done
   (`MainOnly`), not inside a collective: torch.distributed's collectives give up after 30 minutes (gloo's default)
-  and a search can run for hours. Then the main process's result reaches them in one broadcast.
+  and a search can run for hours; the main process waits for the others' arrival files the same way (a share of
+  cells can run for hours too). Then the main process's result reaches them in one broadcast.
 - **Alone**: what one process computes by itself (its cells, the main process's searches) must not join the
   others' collectives, yet ctxext.eval's passkey (also the searches' passkey objectives) shards its trials among
   the processes `ctxext.runtime.Processes()` finds in the environment. `alone()` says WORLD_SIZE=1 meanwhile, so
@@ -42,8 +47,9 @@ def wait_for_file(path: Path, poll_seconds: float = POLL_SECONDS) -> None:
 
 
 class MainOnly:
-    """Runs steps on the main process while the others wait for them; `folder` holds the files that say a step is
-    done (one folder per launched compare, named by the main process's random token)."""
+    """Runs steps on the main process, once every process has arrived at the step, while the others wait for it;
+    `folder` holds the files that say a process has arrived and that a step is done (one folder per launched compare,
+    named by the main process's random token)."""
 
     def __init__(self, processes, cache_dir: Path):
         self.processes = processes
@@ -51,12 +57,14 @@ class MainOnly:
         self.steps = 0
 
     def run(self, fn: Callable):
-        """fn() on the main process; its value on every process. An exception there stops every process
+        """fn() on the main process once every other process has arrived here (what they did before, e.g. their
+        share of a stage's cells, is written); its value on every process. An exception there stops every process
         (`ctxext.runtime.on_main_first`: the main process raises it, the others a CtxextError with its message)."""
         if self.processes.world_size == 1:
             return fn()
         self.steps += 1
         done = self.folder / f"{self.steps}.done"
+        self.arrive()
         value = [None]
 
         def on_main():
@@ -74,7 +82,23 @@ class MainOnly:
         self.processes.state.wait_for_everyone()  # every process has seen `done`: it can go
         if self.processes.is_main:
             done.unlink(missing_ok=True)
+            for path in self.arrivals():
+                path.unlink(missing_ok=True)
         return result
+
+    def arrivals(self) -> list[Path]:
+        """The files by which the other processes say they have reached this step."""
+        return [self.folder / f"{self.steps}.arrived.{rank}" for rank in range(1, self.processes.world_size)]
+
+    def arrive(self) -> None:
+        """Another process: say it has reached this step. The main process: wait until every other one has."""
+        if not self.processes.is_main:
+            arrived = self.folder / f"{self.steps}.arrived.{self.processes.rank}"
+            arrived.parent.mkdir(parents=True, exist_ok=True)
+            arrived.touch()
+            return
+        for path in self.arrivals():
+            wait_for_file(path)
 
     def close(self) -> None:
         if self.processes.is_main and self.folder.is_dir():
