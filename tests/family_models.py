@@ -134,6 +134,8 @@ RECIPES = {
         layer_types=["hybrid_sliding", "hybrid"],
         sliding_window=SLIDING,
     ),
+    # RoPE is an option of its config, off by default (then no module computes it)
+    "granitemoehybrid": dict(position_embedding_type="rope", layer_types=["linear_attention", "full_attention"]),
     "recurrent_gemma": dict(layer_types=DROP, block_types=["recurrent", "attention"]),
     "gemma3n_text": dict(  # no layer reuses another's cache; a small per-layer-input table, no activation sparsity
         num_kv_shared_layers=0,

@@ -391,7 +391,10 @@ def _layer_type_names(choice) -> list[str]:
 
 
 def rotary_host(model: nn.Module) -> nn.Module:
-    """The module that owns `rotary_emb` (the bare base model), or a one-line CtxextError saying what is missing."""
+    """The base model: the module whose forward computes RoPE once for all its decoder layers, with its rotary
+    module (found by what it is, `is_rotary_module`, whatever its name: LFM2-MoE's `pos_emb`) and its decoder layers
+    (falcon's `h`, DBRX's `blocks`) reachable as `rotary_emb` and `layers` (`_alias`); or a one-line CtxextError
+    saying what is missing."""
     model = _unwrap(model)
     config = getattr(model, "config", None)
     name = getattr(config, "model_type", None) or type(model).__name__
@@ -399,14 +402,95 @@ def rotary_host(model: nn.Module) -> nn.Module:
         check_supported(config, f"model type '{name}'")
     prefix = getattr(model, "base_model_prefix", None) or "model"
     for host in (model, getattr(model, prefix, None), getattr(model, "model", None)):
-        if host is not None and isinstance(getattr(host, "rotary_emb", None), nn.Module):
-            return host
+        if not isinstance(host, nn.Module):
+            continue
+        if not isinstance(getattr(host, "rotary_emb", None), nn.Module):
+            found = [child for child, module in host.named_children() if is_rotary_module(module)]
+            if len(found) != 1:
+                continue
+            _alias(host, "rotary_emb", found[0])
+        stacks = decoder_stacks(host, depth=1) if getattr(host, "layers", None) is None else []
+        if len(stacks) == 1:
+            _alias(host, "layers", stacks[0])
+        return host
+    raise _no_rotary_error(model, name, config)
+
+
+def _no_rotary_error(model: nn.Module, name: str, config) -> CtxextError:
     if config is None or not getattr(config, "rope_parameters", None):
-        raise CtxextError(f"{name} has no rotary position embedding (RoPE): there is nothing for ctxext to scale")
-    raise CtxextError(
-        f"{name} has no 'rotary_emb' module on its base model: its layers compute RoPE in their own way, which "
-        "ctxext does not patch (ctxext needs a transformers >= 5 model with one rotary module)"
+        return CtxextError(f"{name} has no rotary position embedding (RoPE): there is nothing for ctxext to scale")
+    paths = [path for path, module in model.named_modules() if is_rotary_module(module)]
+    if not paths:
+        return CtxextError(
+            f"{name} has rope parameters in its config but no rotary module (no module holds inv_freq and takes "
+            "(x, position_ids)): no layer of it computes RoPE, so there is nothing for ctxext to scale"
+        )
+    listed = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    return CtxextError(
+        f"{name} has no rotary module on its base model: its {len(paths)} rotary module(s) sit at {listed}, which "
+        "ctxext does not patch (it patches the one rotary module a base model calls for all its decoder layers)"
     )
+
+
+def is_rotary_module(module: nn.Module) -> bool:
+    """Whether `module` is a rotary embedding of the kind transformers builds: an `inv_freq` buffer (or one per layer
+    type, `{layer_type}_inv_freq`) and forward(x, position_ids[, layer_type])."""
+    buffers = [name for name, _ in module.named_buffers(recurse=False)]
+    if not any(name == "inv_freq" or name.endswith("_inv_freq") for name in buffers):
+        return False
+    try:
+        parameters = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return len(parameters) >= 2 and parameters[1] == "position_ids"
+
+
+class _AliasedModules(dict):
+    """A module's `_modules` in which a second name reaches a child (`aliases`: {second name: its name}): what
+    nn.Module's attribute lookup and assignment read, while named_modules, state_dict and saving see only the
+    child's own name. ctxext reads and replaces a model's rotary module and layers as `rotary_emb` and `layers`."""
+
+    aliases: dict
+
+    def _name(self, key):
+        return self.__dict__.get("aliases", {}).get(key, key)
+
+    def __contains__(self, key):
+        return super().__contains__(self._name(key))
+
+    def __getitem__(self, key):
+        return super().__getitem__(self._name(key))
+
+    def __setitem__(self, key, value):
+        super().__setitem__(self._name(key), value)
+
+    def __delitem__(self, key):
+        super().__delitem__(self._name(key))
+
+    def get(self, key, default=None):
+        return super().get(self._name(key), default)
+
+
+def _alias(host: nn.Module, alias: str, name: str) -> None:
+    """Make `host.<alias>` read and replace `host.<name>` (`_AliasedModules`)."""
+    modules = host.__dict__["_modules"]
+    if not isinstance(modules, _AliasedModules):
+        modules = _AliasedModules(modules)
+        modules.aliases = {}
+        host.__dict__["_modules"] = modules
+    modules.aliases[alias] = name
+
+
+def decoder_stacks(host: nn.Module, depth: int = 3) -> list[str]:
+    """Paths (within `depth` levels of `host`) of the module lists of decoder layers: lists in which a layer has a
+    softmax-attention submodule (`attention_of`), outermost first, a list inside another one left out."""
+    found = []
+    for path, module in host.named_modules():
+        inside = any(path.startswith(f"{outer}.") for outer in found)
+        candidate = path and path.count(".") < depth and not inside and isinstance(module, nn.ModuleList)
+        if candidate and any(attention_of(layer) is not None for layer in module):
+            found.append(path)
+    return found
 
 
 def per_base_rotaries(host: nn.Module) -> nn.ModuleList | None:
@@ -442,16 +526,30 @@ def _layer_bases(config, layer_count: int) -> tuple[float, ...]:
 
 
 def _decoder_layers(host: nn.Module) -> list[nn.Module]:
+    """The base model's decoder layers (`layers`, or the one list of them `rotary_host` found under another name), or
+    a one-line CtxextError naming what there is instead."""
     layers = getattr(host, "layers", None)
-    return list(layers) if layers is not None else []
+    if layers is not None:
+        return list(layers)
+    stacks = decoder_stacks(host)
+    if not stacks:
+        raise CtxextError(
+            f"{type(host).__name__} has no list of decoder layers with an attention module (a ModuleList whose "
+            "layers hold self_attn or the like) for ctxext to patch"
+        )
+    raise CtxextError(
+        f"{type(host).__name__} runs its decoder layers as {len(stacks)} stacks ({', '.join(stacks)}), not one list "
+        "of layers, which ctxext does not patch"
+    )
 
 
 def attention_of(layer: nn.Module) -> nn.Module | None:
     """A decoder layer's softmax-attention module (None for linear-attention, Mamba or convolution layers)."""
-    for name in ("self_attn", "self_attention", "attention", "attn"):
-        module = getattr(layer, name, None)
-        if isinstance(module, nn.Module) and hasattr(module, "layer_idx"):
-            return module
+    for holder in (layer, *layer.children()):  # or one level down (DBRX: norm_attn_norm.attn)
+        for name in ("self_attn", "self_attention", "attention", "attn"):
+            module = getattr(holder, name, None)
+            if isinstance(module, nn.Module) and hasattr(module, "layer_idx"):
+                return module
     return None
 
 
@@ -701,8 +799,6 @@ def rope_layout(model: nn.Module) -> RopeLayout:
             "ctxext does not patch yet"
         )
     layers = _decoder_layers(host)
-    if not layers:
-        raise CtxextError(f"{type(host).__name__} has no decoder layers ('layers') for ctxext to patch")
     layer_types = _layer_rope_keys(config, layers)
     modules = [attention_of(layer) for layer in layers]
     attention = tuple(module is not None for module in modules)

@@ -77,7 +77,10 @@ def check_rotary_is_called(host: nn.Module, method: str) -> None:
     ctxext puts there would not change the angles the layers rotate by."""
     forward = running_forward(host)
     names = referenced_names(forward)
-    if names is None or any(name in names for name in ROTARY_NAMES):
+    # a rotary module ctxext reaches as rotary_emb under its own name (families._alias: LFM2-MoE's pos_emb)
+    aliases = getattr(host.__dict__.get("_modules"), "aliases", {})
+    called = (*ROTARY_NAMES, *(aliases[name] for name in ROTARY_NAMES if name in aliases))
+    if names is None or any(name in names for name in called):
         return
     raise CtxextError(
         f"{type(host).__name__}'s forward ({_origin(forward)}) never calls its rotary module (rotary_emb), so "
