@@ -48,3 +48,22 @@ def test_the_comparison_pages_run_time_and_missing_count_are_its_cells():
     count = re.search(r"\*\*Partial report: (\d+) cells are missing\*\*", page)
     assert (int(count[1]) if count else 0) == len(missing)
     assert not re.search(r"\d+ h of computation on a 2-core", (REPO / "docs/guides/methods.md").read_text())
+
+
+def test_the_readmes_cost_of_256k_is_the_cost_line():
+    """README's step 1 quotes the cost line of Llama-3.1-8B at 256k (tests/test_cost.py checks it by hand)."""
+    from transformers import AutoConfig
+
+    from ctxext.cost import DATA_OPTIONS, SHAKESPEARE_TOKENS, context_cost, render_cost
+
+    readme = (REPO / "README.md").read_text()
+    assert "ctxext methods --model meta-llama/Llama-3.1-8B --target-length 256k" in readme
+    config = AutoConfig.from_pretrained(REPO / "tests/fixtures/configs/llama-3.1-8b")
+    printed = "\n".join(render_cost("meta-llama/Llama-3.1-8B", context_cost(config, 262144)))
+    quoted = " ".join(readme.split())
+    for claim in re.findall(r"\*\*(KV cache: [^*]+|prefill: [^*]+)\*\*", quoted):
+        assert claim in printed, claim
+    assert len(re.findall(r"\*\*(KV cache: |prefill: )", quoted)) == 2
+    assert f"average {DATA_OPTIONS['pg19'][0]:,} words" in quoted
+    assert f"make at most {SHAKESPEARE_TOKENS // 262144} such documents" in quoted
+    assert "window needs one document of 262,144 tokens and compare 4 of them" in quoted

@@ -19,7 +19,8 @@ DESCRIPTION = (
 FORMATTER_CLASS = HelpFormatter  # wraps prose, keeps the examples one a line
 EPILOG = (
     "examples:\n  ctxext methods -v\n  ctxext methods --model ./gemma-3-1b\n"
-    "  ctxext methods --model ./gemma-3-1b --layer-types all --json layout.json"
+    "  ctxext methods --model ./gemma-3-1b --layer-types all --json layout.json\n"
+    "  ctxext methods --model meta-llama/Llama-3.1-8B --target-length 256k"
 )
 
 
@@ -32,14 +33,34 @@ def add_arguments(parser) -> None:
         help="with --model: the layer types a frequency method would scale (full, the default; all; or names)",
     )
     parser.add_argument("--json", metavar="FILE", help="with --model: also write the layout and the verdicts")
+    parser.add_argument(
+        "--target-length",
+        dest="target_length",
+        metavar="N",
+        help="with --model: also what N tokens cost it (e.g. 256k): the KV cache a sequence, the prefill FLOPs, "
+        "the data that holds an N-token window (from config.json alone)",
+    )
 
 
 def run(args) -> int:
     if args.model is None:
-        if args.layer_types or args.json:
-            raise CtxextError("--layer-types and --json describe a model: add --model MODEL")
+        if args.layer_types or args.json or args.target_length:
+            raise CtxextError("--layer-types, --json and --target-length describe a model: add --model MODEL")
         return _list_methods(args.verbose)
-    return _describe_model(args.model, args.layer_types, args.json)
+    code = _describe_model(args.model, args.layer_types, args.json)
+    if args.target_length:
+        _print_cost(args.model, args.target_length)
+    return code
+
+
+def _print_cost(model_name: str, target_length: str) -> None:
+    from ..cost import context_cost, render_cost
+    from ..eval.options import parse_length
+    from ..loading import load_config
+
+    tokens = parse_length(target_length, "--target-length")
+    print("")
+    print("\n".join(render_cost(model_name, context_cost(load_config(model_name), tokens))))
 
 
 def _list_methods(verbose: bool) -> int:

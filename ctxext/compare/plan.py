@@ -16,6 +16,7 @@ import torch
 from transformers.utils import cached_file
 
 from ..config import MethodConfig
+from ..cost import prefill_flops
 from ..dispatch import check_placement
 from ..errors import CtxextError
 from ..eval.perplexity import text_tokens_per_window
@@ -209,20 +210,6 @@ def split_documents(request: CompareRequest, documents: list, bos_id: int | None
 
 
 # ------------------------------------------------------------------------------------------- estimates
-def forward_flops(model_config, tokens: int) -> float:
-    """FLOPs of one forward pass over `tokens` tokens: 2 x parameters per token plus causal attention."""
-    h = model_config.hidden_size
-    layers = model_config.num_hidden_layers
-    heads = model_config.num_attention_heads
-    kv = getattr(model_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(model_config, "head_dim", None) or h // heads
-    inter = getattr(model_config, "intermediate_size", None) or 4 * h
-    per_layer = h * heads * head_dim * 2 + h * kv * head_dim * 2 + 3 * h * inter
-    per_token = 2 * (layers * per_layer + model_config.vocab_size * h)
-    attention = 2 * layers * heads * head_dim * tokens * tokens  # QK^T and AV over the causal half
-    return per_token * tokens + attention
-
-
 def measured_flops(device, dtype, seconds: float = 0.2) -> float:
     """FLOP/s of square matmuls in `dtype` on `device`, measured for about `seconds`."""
     n = 512
@@ -265,7 +252,7 @@ def estimate_screen(plan: ComparePlan, throughput: float) -> dict:
         "passkey": len(plan.request.passkey_depths) * plan.request.passkey_trials,
     }
     forwards = screen_forwards(values)
-    per_forward = {n: forward_flops(plan.model_config, n) / (throughput * EFFICIENCY) for n in plan.lengths}
+    per_forward = {n: prefill_flops(plan.model_config, n) / (throughput * EFFICIENCY) for n in plan.lengths}
     return {
         "screen_seconds": sum(forwards[n] * per_forward[n] for n in plan.lengths),
         "forward_seconds": per_forward,

@@ -121,7 +121,7 @@ def shape_from_config(config) -> ModelShape:
         heads=heads,
         kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
         head_dim=int(head_dim),
-        intermediate=int(text.intermediate_size),
+        intermediate=int(getattr(text, "intermediate_size", None) or 4 * text.hidden_size),  # none named: GPT-2's 4h
         vocab=int(text.vocab_size),
         tied=bool(getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False)),
         attention_bias=bool(getattr(text, "attention_bias", False) or model_type == "qwen2"),
@@ -140,10 +140,15 @@ def read_model_shape(model: str) -> ModelShape:
 
 
 # ------------------------------------------------------------------------------------------ parameters
+def projection_weights(m: ModelShape) -> int:
+    """One layer's matrix weights: q, k, v, o and the gated MLP's gate, up and down (what a token multiplies)."""
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    return m.hidden * q + 2 * m.hidden * kv + q * m.hidden + 3 * m.hidden * m.intermediate
+
+
 def layer_parameters(m: ModelShape) -> int:
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    attention = m.hidden * q + 2 * m.hidden * kv + q * m.hidden + ((q + 2 * kv) if m.attention_bias else 0)
-    return attention + 3 * m.hidden * m.intermediate + norm_parameters_per_layer(m)
+    return projection_weights(m) + ((q + 2 * kv) if m.attention_bias else 0) + norm_parameters_per_layer(m)
 
 
 def norm_parameters_per_layer(m: ModelShape) -> int:
