@@ -117,15 +117,27 @@ def check_tokenizer_for_pairs(tokenizer, pair_selection: tuple[str, int] | None,
 
 
 def checkpoint_record(source: str, method_config, model, applied: dict, format: str, form: RopeForm, extra: dict):
-    """What ctxext.yaml records: the source, the method and its parameters, the lengths, how it was written."""
+    """What ctxext.yaml records: the source, the method and its parameters, the lengths, how it was written.
+
+    `factor` is the one applied (with `--target-length N` that is N over the L it counts from, the target kept
+    beside it), so that L x factor is the length asked for; `written_as.composed` says that config.json holds the
+    method composed with the model's shipped scaling (which `ctxext export` then keeps, not rebuilds)."""
+    scaled = rotary_host(model).rotary_emb
+    applied_factor = applied["params"].get("factor")
     return {
         "source_model": source,
         "ctxext_version": __version__,
         **method_config.to_dict(),
+        **({} if applied_factor is None else {"factor": float(applied_factor)}),
         "original_max_position_embeddings": applied["original_max_position_embeddings"],
         "rope_parameters": recorded_rope_parameters(model),
         "max_position_embeddings": rotary_host(model).config.max_position_embeddings,
-        "written_as": {"format": format, "rope_type": applied["rope_type"], "how": form.how},
+        "written_as": {
+            "format": format,
+            "rope_type": applied["rope_type"],
+            "how": form.how,
+            "composed": bool(getattr(scaled, "composed_keys", ())),
+        },
         "source_rope": shipped_rope(model),  # the rope the method was applied to (composed with, or replaced)
         **extra,
     }

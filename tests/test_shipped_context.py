@@ -10,19 +10,26 @@ YaRN's rule from docs/METHODS.md applied to the trained wavelengths.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
+import re
 
 import pytest
 import torch
+import yaml
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import ctxext
 from ctxext.cli import main
+from ctxext.compare.serving import engine_support
 from ctxext.patching.families import module_frequencies
 from ctxext.patching.patch import plan_patch
 from ctxext.patching.record import model_rope_record
+from ctxext.serving.engines import declared_max_position_embeddings, read_served_model, served_length
+from ctxext.serving.lengths import engine_lengths
 from tests.family_models import build
 from tests.helpers import save_tiny_checkpoint
 
@@ -64,9 +71,18 @@ SHAPES = {
 }
 
 
+# the stock configurations (no scaling shipped): Qwen2.5 at 32768, Qwen3 at 40960 (its card's yarn counts from 32768)
+STOCK = {
+    "qwen2.5-stock": ("qwen2", {"rope_type": "default"}, L0, L0),
+    "qwen3-stock": ("qwen3", {"rope_type": "default"}, L0 * 5 // 4, L0 * 5 // 4),
+}
+# the five shipped shapes of issue 63 (Llama 3.1, Qwen2.5 with the card's yarn, stock Qwen2.5/Qwen3, gpt-oss, Phi-4-mini)
+SERVED = ["llama3.1", "qwen2.5-card", "qwen2.5-stock", "qwen3-stock", "gpt-oss", "phi4-mini"]
+
+
 def shipped(name: str):
     """The tiny model of the shape `name`, rebuilt with its shipped rope configuration (the weights kept)."""
-    family, rope, max_length, _ = SHAPES[name]
+    family, rope, max_length, _ = {**SHAPES, **STOCK}[name]
     model, _ = build(family)
     values = model.config.to_dict()
     if family == "gemma3_text":  # Gemma 3: per layer type; the sliding layers keep their plain base
@@ -262,3 +278,113 @@ def test_a_remapping_method_on_all_layer_types_says_which_it_leaves_and_writes_t
     assert json.dumps(written["sliding_attention"], sort_keys=True) == sliding
     ctxext.patch(model, "self_extend", factor=2.0, layer_types="all")
     assert ctxext.applied_method(model)["layer_types"] == ["full_attention"]
+
+
+# ------------------------------------------------------------------ to the engines: export copies and lengths
+def patched_checkpoint(tmp_path, name: str, *flags: str):
+    """`ctxext patch` of the shape `name` with yarn and `flags`: (its folder, C, what patch printed)."""
+    model = shipped(name)
+    C = {**SHAPES, **STOCK}[name][3]
+    save_tiny_checkpoint(tmp_path / "in", model)
+    out = tmp_path / "patched"
+    with io.StringIO() as told, contextlib.redirect_stdout(told):
+        assert main(["patch", str(tmp_path / "in"), "--method", "yarn", *flags, "-o", str(out)]) == 0
+        return out, C, told.getvalue()
+
+
+def reloaded_cos_sin(folder, positions):
+    """cos and sin of the full-attention layers of `folder` loaded in plain transformers."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return cos_sin(rotary_of(model), full_key(model), positions)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("name", SERVED)
+def test_an_export_copy_rotates_as_the_patched_checkpoint(name, engine, tmp_path, capsys):
+    """`ctxext patch --factor 2` then `ctxext export --engine E`: plain transformers' load of the copy rotates as
+    its load of the patched checkpoint at every position 0..2C-1 (before: the copy was yarn x2 rebuilt from
+    ctxext.yaml over C, 2.14 off on Llama 3.1, 2.28 on the Qwen card, 2.51 on gpt-oss); the copy's table verdict is
+    the engine's reading of the copy; where the engine reads no exact form (vLLM's gpt_oss code builds yarn
+    whatever type is written) export refuses in one line and writes nothing."""
+    patched, C, _ = patched_checkpoint(tmp_path, name, "--factor", "2")
+    copy, report = tmp_path / engine, tmp_path / "table.json"
+    capsys.readouterr()
+    code = main(["export", str(patched), "--engine", engine, "-o", str(copy), "--json", str(report)])
+    out, err = capsys.readouterr()
+    if (name, engine) == ("gpt-oss", "vllm"):
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "gpt_oss code builds yarn" in err, err
+        assert not copy.exists()
+        return
+    assert code == 0, err
+    positions = list(range(2 * C))
+    for got, want in zip(reloaded_cos_sin(copy, positions), reloaded_cos_sin(patched, positions)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    rope = json.loads((copy / "config.json").read_text())["rope_parameters"]
+    if rope["rope_type"] == "longrope" and "attention_factor" in rope:  # the scale vLLM and SGLang read
+        assert rope["short_mscale"] == rope["long_mscale"] == rope["attention_factor"]
+    level = {row["engine"]: row["level"] for row in json.loads(report.read_text())["engines"]}[engine]
+    assert level == ("approximate" if name == "phi4-mini" else "exact"), out  # Phi-4's short != long sets
+    assert (level != "exact") == (f"({level} in {engine}:" in out)
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "qwen2.5-card", "gpt-oss"])
+def test_the_composed_longrope_carries_the_scale_vllm_and_sglang_read(name, tmp_path):
+    """The composed longrope writes short_mscale = long_mscale = its attention factor (shipped x (0.1 ln 2 + 1)), so
+    that vLLM does not compute its own sqrt(1 + ln(factor) / ln L0) (1.18 for Llama 3.1's 32 over 8192, not 1.07)."""
+    model = shipped(name)
+    _, shipped_scaling = trained_frequencies(model, full_key(model), SHAPES[name][3])
+    patched, _, _ = patched_checkpoint(tmp_path, name, "--factor", "2")
+    rope = json.loads((patched / "config.json").read_text())["rope_parameters"]
+    expected = shipped_scaling * (0.1 * math.log(2) + 1)
+    assert rope["short_mscale"] == rope["long_mscale"] == pytest.approx(expected, rel=1e-9)
+    assert rope["attention_factor"] == pytest.approx(expected, rel=1e-9)
+    assert served_length(read_served_model(patched)) == 2 * SHAPES[name][3]
+
+
+def test_compare_grades_the_composed_form_patch_writes():
+    """compare's servable levels read the form `ctxext patch` writes: on Llama 3.1 the composed longrope (vLLM
+    exact: it carries the mscales), not the uncomposed yarn x2 over C; on gpt-oss vLLM's 'no'."""
+    llama = shipped("llama3.1")
+    table = engine_support({"method": "yarn", "factor": 2.0}, llama.config, SHAPES["llama3.1"][3])
+    assert table["vllm"]["level"] == "exact" and "'longrope'" in table["vllm"]["how"]
+    assert "--hf-overrides" not in table["vllm"]["how"]  # the copy declares 2C itself
+    gpt = engine_support({"method": "yarn", "factor": 2.0}, shipped("gpt-oss").config, SHAPES["gpt-oss"][3])
+    assert gpt["vllm"]["level"] == "no"
+
+
+LENGTHS_PRINTED = (
+    r"-> (\d+)",
+    r"serve (\d+) tokens",
+    r"derives (\d+)",
+    r"--max-model-len (\d+)",
+    r"--context-length (\d+)",
+    r"--ctx-size (\d+)",
+    r"n_ctx_train (\d+)",
+)
+
+
+def lengths_in(text: str) -> set[int]:
+    return {int(n) for pattern in LENGTHS_PRINTED for n in re.findall(pattern, text)}
+
+
+@pytest.mark.parametrize("how", ["factor", "target"])
+@pytest.mark.parametrize("name", SERVED)
+def test_every_length_ctxext_prints_is_the_target(name, how, tmp_path, capsys):
+    """--factor 2 and --target-length 2C alike: ctxext.yaml records the factor applied (2, and the target), and
+    every length `ctxext patch` and `ctxext export` print, and each engine's derived length after its flags, is 2C
+    (before: --target-length recorded factor 1.0, and patch said 'max_position_embeddings stays L')."""
+    C = {**SHAPES, **STOCK}[name][3]
+    flags = ["--factor", "2"] if how == "factor" else ["--target-length", str(2 * C)]
+    patched, _, told = patched_checkpoint(tmp_path, name, *flags)
+    record = yaml.safe_load((patched / "ctxext.yaml").read_text())
+    assert record["factor"] * record["original_max_position_embeddings"] == 2 * C
+    assert record.get("target_length") == (None if how == "factor" else 2 * C)
+    assert "stays L" not in told and lengths_in(told) == {2 * C}, told
+    capsys.readouterr()
+    assert main(["export", str(patched)]) == 0
+    table = capsys.readouterr().out
+    assert lengths_in(table) <= {2 * C} and f"L={C}" in table, table
+    model = read_served_model(patched)
+    assert served_length(model) == declared_max_position_embeddings(model) == 2 * C
+    for row in engine_lengths(model.config, 2 * C):
+        assert row.servable and (row.reaches or row.limit >= 2 * C), row

@@ -3,14 +3,18 @@ ctxext would write for the row's method (no weights written or loaded), and the 
 
 from __future__ import annotations
 
+import copy
 import shlex
 from pathlib import Path
 
 from ..errors import CtxextError
 from ..methods import get_method
+from ..patching.applicable import skeleton
+from ..patching.families import rotary_host
+from ..patching.patch import patch
 from ..patching.record import rope_record
 from ..serving.engines import ServedModel, engine_table
-from ..serving.forms import rope_form
+from ..serving.forms import model_rope_form, rope_form
 
 TARGETS = ("ctxext", "vllm", "sglang", "llama.cpp")
 TARGET_NAMES = {"ctxext": "ctxext runtime", "vllm": "vLLM", "sglang": "SGLang", "llama.cpp": "llama.cpp"}
@@ -19,10 +23,23 @@ TARGET_NAMES = {"ctxext": "ctxext runtime", "vllm": "vLLM", "sglang": "SGLang", 
 def compare_form(config: dict, model_config, L: int):
     """The rope form (ctxext.serving.forms.RopeForm) `ctxext patch` writes for `config` (a method mapping) on a model
     with `model_config`, counting from L, on the full-attention layers' base and rotated width (the rope record)."""
+    return _written(config, model_config, L)[0]
+
+
+def _written(config: dict, model_config, L: int):
+    """(the RopeForm `ctxext patch` writes, the config.json dict it writes it in, whether it is composed). Where the
+    model ships a scaling the method composes with it (ctxext.patching.compose): the form is then read from the
+    model patched on the meta device (`skeleton`, its rotary real), as `ctxext patch` writes it."""
     spec = get_method(config["method"])
-    params = spec.make_params(**_method_values(config))
+    values = _method_values(config)
     full = rope_record(model_config).full  # the full-attention layers: what an extension scales
-    return rope_form(spec, params, full.rotary_dim, full.base, L, full.partial_rotary_factor, "native")
+    if not full.scaled:
+        form = rope_form(spec, spec.make_params(**values), full.rotary_dim, full.base, L, full.partial_rotary_factor)
+        return form, model_config.to_dict(), False
+    model = skeleton(copy.deepcopy(model_config))
+    patch(model, config["method"], original_max_position_embeddings=L, logn=bool(config.get("logn")), **values)
+    host = rotary_host(model)
+    return model_rope_form(model, "native"), host.config.to_dict(), bool(host.rotary_emb.composed_keys)
 
 
 def _method_values(config: dict) -> dict:
@@ -32,16 +49,18 @@ def _method_values(config: dict) -> dict:
 def engine_support(config: dict, model_config, L: int) -> dict[str, dict]:
     """{engine: {"level": exact|approximate|no, "how": ...}} for the checkpoint `ctxext patch` writes for `config`
     (a method mapping) on a model with `model_config`: the written rope form, the method's record, the family."""
-    form = compare_form(config, model_config, L)
+    form, written_config, composed = _written(config, model_config, L)
     record = {
         **_method_values(config),
         "method": config["method"],
         "logn": bool(config.get("logn")),
         "original_max_position_embeddings": L,
-        "rope_parameters": {"rope_theta": form.rope_parameters["rope_theta"]},
+        "rope_parameters": {"rope_theta": rope_record(model_config).full.base},
+        "written_as": {"composed": composed},
+        "source_rope": {"rope_parameters": copy.deepcopy(model_config.rope_parameters)},
     }
     served = ServedModel(
-        Path("."), "checkpoint", model_config.model_type, form.rope_parameters, None, record, model_config.to_dict()
+        Path("."), "checkpoint", model_config.model_type, form.rope_parameters, None, record, written_config
     )
     table = {s.engine: {"level": s.level, "how": s.how} for s in engine_table(served)}
     table["ctxext"] = {"level": "exact", "how": "ctxext's own runtime: `import ctxext` before loading the checkpoint"}

@@ -27,7 +27,7 @@ from ..methods import compute_inv_freq, get_method
 from ..methods.remapping import RemapParams
 from ..outputs import atomic_output_dir, check_output_dir
 from ..patching.families import is_nested, own_partial_rotary_factor
-from .forms import rope_form, with_both_spellings, with_family_keys
+from .forms import for_engines, rope_form, with_both_spellings, with_family_keys
 from .gguf import describe, gguf_rope, is_gguf, read_gguf, self_extend_flags
 
 ENGINES = ("transformers", "vllm", "sglang", "llama.cpp")
@@ -411,6 +411,22 @@ def _type_the_family_code_builds(model: ServedModel, engine: str) -> Support | N
     return None
 
 
+def _vllm_gpt_oss_builds_yarn(model: ServedModel, engine: str) -> Support | None:
+    """vLLM's gpt_oss code (vllm/model_executor/models/gpt_oss.py, OAIAttention; read from its source as of its
+    rope_parameters API, not run) builds rope type 'yarn' from the config's factor, original length, beta_fast and
+    beta_slow whatever type is written; SGLang's passes the config's rope_scaling to get_rope as written."""
+    rope_type = _rope_type(model)
+    if not (engine == "vllm" and model.family == "gpt_oss" and rope_type != "yarn"):
+        return None
+    return Support(
+        engine,
+        "no",
+        f"its gpt_oss code builds yarn from the config's factor and beta keys whatever type is written, so "
+        f"'{rope_type}' would not load as written (read from its source); serve it with SGLang, transformers, or "
+        f"{SERVED_BY_CTXEXT.split(': ', 1)[0].removeprefix('serve it with ')}",
+    )
+
+
 # Read from the engines' model code (vLLM 0.33.0 vllm/model_executor/models/gemma3.py: get_rope per layer from
 # rope_parameters[layer_type]; SGLang 0.5.23 sglang/srt/models/gemma3_causal.py: rope_type "default" on every
 # layer, only each type's rope_theta read). Other families with nested rope parameters were not read.
@@ -518,6 +534,7 @@ VLLM_SGLANG_RULES = (
     _other_attention_method,
     _nested,
     _type_the_family_code_builds,
+    _vllm_gpt_oss_builds_yarn,
     _unknown_type,
     _integer_linear_factor,
     _dynamic,
@@ -623,6 +640,31 @@ def _proportional_as_written(model: ServedModel, engine: str) -> tuple[dict, dic
     return dict(rope), {}, "transformers' own 'proportional' type, as written"
 
 
+def is_composed(model: ServedModel) -> bool:
+    """Whether config.json holds the method composed with the model's shipped scaling (ctxext.yaml's
+    written_as.composed; for a checkpoint written before that key, its `how` says so)."""
+    written_as = (model.record or {}).get("written_as") or {}
+    if not isinstance(written_as, dict):
+        return False
+    return bool(written_as.get("composed", "composed with the model's shipped scaling" in str(written_as.get("how"))))
+
+
+def _composed_as_written(model: ServedModel, engine: str) -> tuple[dict, dict, str] | None:
+    """For a composed checkpoint (`is_composed`): the rope parameters config.json holds, which ctxext.yaml's method,
+    factor and L do not rebuild (they name the method alone, counted from C), with the keys vLLM and SGLang read
+    (`for_engines`: short/long_mscale); for SGLang, an equal-sets longrope's switch moved past the served length, as
+    `_longrope_switch_past` does (transformers computes the same with either switch). None for any other."""
+    if not is_composed(model):
+        return None
+    rope = for_engines(dict(model.rope_parameters))
+    how = f"the composed '{rope['rope_type']}' config.json holds (the method with the model's shipped scaling)"
+    L, length = int(rope.get("original_max_position_embeddings") or 0), served_length(model)
+    if engine == "sglang" and _equal_factor_sets(rope) and length > L and "attention_factor" in rope:
+        rope = {**rope, "original_max_position_embeddings": length}
+        how += f", its switch moved from L = {L} to {length}, past every position SGLang serves"
+    return rope, {}, how
+
+
 # ------------------------------------------------------------------------------------------- writing
 def export_checkpoint(model: ServedModel, engine: str, output, overwrite: bool = False) -> str:
     """Write a copy of the checkpoint whose config.json `engine` reads exactly (or, for SGLang's Dual Chunk
@@ -630,6 +672,7 @@ def export_checkpoint(model: ServedModel, engine: str, output, overwrite: bool =
     that names what is possible."""
     check_exportable(model, engine)
     rope, extra, how = engine_rope(model, engine)
+    how = _verdict_of_copy(model, engine, rope, extra, how)
     check_output_dir(output, [model.path], overwrite)
     with atomic_output_dir(output, [model.path], overwrite) as staging:
         for item in model.path.iterdir():
@@ -642,6 +685,17 @@ def export_checkpoint(model: ServedModel, engine: str, output, overwrite: bool =
             with open(staging / "ctxext.yaml", "a") as f:
                 f.write(f"exported_for: {engine}\n")
     return how
+
+
+def _verdict_of_copy(model: ServedModel, engine: str, rope: dict, extra: dict, how: str) -> str:
+    """`how`, with the engine's verdict on the copy about to be written where it is not exact (the table's rule for
+    that copy); a one-line CtxextError where the engine would not serve the copy at all (its row says no)."""
+    config = _config_with(model.config, rope, extra)
+    copy = ServedModel(model.path, model.kind, model.family, rope, model.attention, model.record, config)
+    row = next(r for r in engine_table(copy) if r.engine == engine)
+    if row.level == "no":
+        raise CtxextError(f"{engine} has no exact form of this checkpoint: {row.how}")
+    return how if row.level == "exact" else f"{how} ({row.level} in {engine}: {row.how})"
 
 
 def _config_with(config: dict, rope: dict, extra: dict) -> dict:
@@ -700,7 +754,7 @@ def engine_rope(model: ServedModel, engine: str) -> tuple[dict, dict, str]:
             f"whether {engine} reads it exactly)"
         )
     spec, params = model.method_and_params()
-    as_written = _proportional_as_written(model, engine)
+    as_written = _proportional_as_written(model, engine) or _composed_as_written(model, engine)
     if as_written is not None:
         return as_written
     L = int(model.record["original_max_position_embeddings"])

@@ -82,7 +82,7 @@ def rope_form(
     ctxext_parameters = rope_parameters_for(method, params, rotary_dim, base, L, partial_rotary_factor)
     rope_type = ctxext_parameters["rope_type"]
     if not rope_type.startswith("ctxext_"):
-        return RopeForm(_for_engines(ctxext_parameters), True, f"transformers' own '{rope_type}' type")
+        return RopeForm(for_engines(ctxext_parameters), True, f"transformers' own '{rope_type}' type")
     if format == "ctxext":
         return RopeForm(ctxext_parameters, False, f"ctxext's '{rope_type}' type (--format ctxext)")
     reason = no_native_form(method, params)
@@ -99,13 +99,13 @@ def rope_form(
             f"a base change: 'default' with rope_theta {base:g} -> {new_base:g}",
         )
     return RopeForm(
-        _for_engines(equal_sets_longrope(method, params, rotary_dim, base, L, partial_rotary_factor)),
+        for_engines(equal_sets_longrope(method, params, rotary_dim, base, L, partial_rotary_factor)),
         True,
         "'longrope' with short_factor = long_factor = theta_i/theta'_i per pair",
     )
 
 
-def _for_engines(rope_parameters: dict) -> dict:
+def for_engines(rope_parameters: dict) -> dict:
     """Add the keys vLLM and SGLang read where they do not read transformers' own.
 
     - longrope: both take the cos/sin scale from `short_mscale`/`long_mscale` and otherwise compute
@@ -167,8 +167,8 @@ def model_rope_form(model, format: str = "native") -> RopeForm:
     if not isinstance(scaled, ScaledRotaryEmbedding):
         rope_parameters = dict(host.config.rope_parameters)
         return RopeForm(rope_parameters, not rope_parameters["rope_type"].startswith("ctxext_"), "as loaded")
-    if scaled.composed_keys:  # composed with a shipped scaling: `patch` recorded its native form (compose.py)
-        rope_parameters = dict(host.config.rope_parameters)
+    if scaled.composed_keys:  # composed with a shipped scaling: `patch` recorded its native form (compose.py),
+        rope_parameters = for_engines(dict(host.config.rope_parameters))  # with the cos/sin scale engines read
         return RopeForm(
             rope_parameters,
             not rope_parameters["rope_type"].startswith("ctxext_"),
