@@ -388,3 +388,27 @@ def test_every_length_ctxext_prints_is_the_target(name, how, tmp_path, capsys):
     assert served_length(model) == declared_max_position_embeddings(model) == 2 * C
     for row in engine_lengths(model.config, 2 * C):
         assert row.servable and (row.reaches or row.limit >= 2 * C), row
+
+
+def test_stock_qwen3_says_its_card_counts_from_another_length(tmp_path, capsys):
+    """Stock Qwen3's config counts from max_position_embeddings 40960, its card's yarn x4 from 32768: `ctxext methods
+    --model` and `ctxext patch` say so and name the flag, with which patch writes the card's recipe (transformers'
+    own yarn x4 over 32768, 131072 tokens); with it given, nothing is said."""
+    model = shipped("qwen3-stock")
+    model.config.max_position_embeddings = 40960
+    save_tiny_checkpoint(tmp_path / "in", model)
+    flag = "--original-max-position-embeddings 32768 --factor 4"
+    capsys.readouterr()
+    assert main(["methods", "--model", str(tmp_path / "in")]) == 0
+    assert "from 32768" in capsys.readouterr().out.split("methods on this model")[0]
+    argv = ["patch", str(tmp_path / "in"), "--method", "yarn", "--factor", "4", "-o", str(tmp_path / "from-config")]
+    assert main(argv) == 0
+    told = capsys.readouterr().out
+    assert f"{flag} reproduces the card" in told and "40960 -> 163840" in told, told
+    argv = ["patch", str(tmp_path / "in"), "--method", "yarn", *flag.split(), "-o", str(tmp_path / "card")]
+    assert main(argv) == 0
+    assert "reproduces the card" not in capsys.readouterr().out
+    config = json.loads((tmp_path / "card" / "config.json").read_text())
+    rope = config["rope_parameters"]
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 4.0, 32768)
+    assert config["max_position_embeddings"] == 131072

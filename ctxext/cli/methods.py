@@ -103,7 +103,8 @@ def _describe_model(model_name: str, layer_types, json_path) -> int:
     from ..loading import load_config
     from ..outputs import atomic_write_text
     from ..patching.applicable import applicable_methods, skeleton
-    from ..patching.families import rope_layout
+    from ..patching.cards import card_length_note
+    from ..patching.families import rope_layout, rotary_host
     from ..patching.patch import plan_patch
     from ..patching.record import model_rope_record
 
@@ -117,6 +118,9 @@ def _describe_model(model_name: str, layer_types, json_path) -> int:
         f"{model_name} ({layout.model_type}): {len(layout.layer_types)} layers; rotary: {rotary}, angles {layout.angles}"
     )
     print(f"  {record.describe()}; --factor s counts from C")
+    card = card_length_note(rotary_host(model).config)
+    if card:
+        print(f"  note: {card}")
     for line in _multimodal_lines(model, layout):
         print(f"  {line}")
     rows = [

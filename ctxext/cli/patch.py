@@ -70,12 +70,17 @@ def run(args) -> int:
         )
 
     from ..checkpoint import write_patched_checkpoint
+    from ..loading import load_config
+    from ..patching.cards import card_length_note
 
     written = write_patched_checkpoint(
         args.model, method_config, args.output, args.overwrite, format=args.format, pair_selection=pair_selection
     )
     print(f"patched {args.model} with {written.label}")
     print(f"  model: {written.model}")
+    card = card_length_note(load_config(args.model), method_config.original_max_position_embeddings)
+    if card:
+        print(f"  note: {card}")
     print(f"  context: {written.context}")
     print(f"  written as: {written.form.how}")
     print(f"  rope_parameters: {_short(written.rope_parameters)}")
