@@ -264,3 +264,101 @@ def test_llama_cpp_scores_the_patched_gguf_as_ctxext_scores_the_method(smollm2_g
     assert math.exp(patched_nll / n) == pytest.approx(math.exp(expected / n), rel=1e-3)
     assert abs(math.exp((patched_nll - plain_nll) / n) - 1) > 0.01  # the keys took effect
     ctxext.unpatch(model)
+
+
+# --------------------------------------------------------------------- already-scaled GGUF files: composed or refused
+def with_rope_freqs(source, path, rope_freqs=None, scaling_type=None):
+    """A copy of `source` with a rope_freqs tensor (as llama.cpp's converter stores Llama 3.1's llama3 factors) or a
+    rope.scaling.type, written with gguf's own writer."""
+    reader = gguf.GGUFReader(source)
+    arch = reader.get_field("general.architecture").contents()
+    writer = gguf.GGUFWriter(path, arch=arch)
+    for found in reader.fields.values():
+        if found.name == "general.architecture" or found.name.startswith("GGUF."):
+            continue
+        sub_type = found.types[-1] if found.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(found.name, found.contents(), found.types[0], sub_type=sub_type)
+    if scaling_type is not None:
+        writer.add_key_value(f"{arch}.rope.scaling.type", scaling_type, gguf.GGUFValueType.STRING)
+        writer.add_key_value(f"{arch}.rope.scaling.factor", 4.0, gguf.GGUFValueType.FLOAT32)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.ascontiguousarray(tensor.data), raw_dtype=tensor.tensor_type)
+    if rope_freqs is not None:
+        writer.add_tensor(ROPE_FREQS, np.asarray(rope_freqs, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def llama3_factors(C=8192, base=1e5, dim=64):
+    """theta_i / theta'_i of transformers' own llama3 x8 over C / 8 (what the converter writes as rope_freqs)."""
+    from transformers import PretrainedConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = PretrainedConfig()
+    config.head_dim, config.hidden_size, config.num_attention_heads = dim, dim, 1
+    config.max_position_embeddings = C
+    config.rope_parameters = {
+        "rope_type": "llama3",
+        "rope_theta": base,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": C // 8,
+    }
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, None)
+    plain = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    return (plain.double() / scaled.double()).numpy()
+
+
+def test_a_llama3_gguf_composes_yarn_in_its_rope_freqs(smollm2_gguf_cut, tmp_path, capsys):
+    """A GGUF with Llama 3.1's rope_freqs (transformers' llama3 x8, C = 8192): yarn x2 composes with it in the rope_freqs
+    llama.cpp reads, by YaRN's rule on the trained wavelengths against C (docs/METHODS.md): a pair that turns more
+    than 32 times in C keeps its factor, one that turns less than once doubles it; attn_factor 0.1 ln 2 + 1;
+    context_length 16384. (llama.cpp's own run of it: not here, llama-cpp-python is not installed.)"""
+    source = with_rope_freqs(smollm2_gguf_cut, tmp_path / "llama3.gguf", rope_freqs=llama3_factors())
+    out = tmp_path / "out.gguf"
+    code, stdout, err = run_cli(capsys, "patch", source, "--method", "yarn", "--factor", "2", "-o", out)
+    assert code == 0, err
+    reader = gguf.GGUFReader(out)
+    freqs = [t for t in reader.tensors if t.name == ROPE_FREQS]
+    assert len(freqs) == 1
+    got = np.asarray(freqs[0].data, dtype=np.float64)
+    shipped = llama3_factors()
+    trained = (1.0 / 1e5 ** (np.arange(0, 64, 2) / 64)) / shipped
+    turns = 8192 * trained / (2 * math.pi)
+    kept, divided = turns > 32, turns < 1
+    assert kept.any() and divided.any()
+    np.testing.assert_allclose(got[kept], shipped[kept], rtol=1e-6)
+    np.testing.assert_allclose(got[divided], 2 * shipped[divided], rtol=1e-6)
+    assert reader.get_field("llama.context_length").contents() == 16384
+    assert reader.get_field("llama.rope.scaling.attn_factor").contents() == pytest.approx(0.1 * math.log(2) + 1)
+    assert "composed with the file's rope_freqs" in stdout
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("yarn", "ships llama.cpp's yarn scaling, whose one factor cannot carry"),
+        ("explicit_L", "replacing its scaling .* is not written to GGUF"),
+        ("patched", "already patched by ctxext"),
+    ],
+)
+def test_an_already_scaled_gguf_that_llama_cpp_cannot_extend_exactly_is_refused(
+    smollm2_gguf_cut, tmp_path, capsys, case, message
+):
+    if case == "yarn":
+        source = with_rope_freqs(smollm2_gguf_cut, tmp_path / "yarn.gguf", scaling_type="yarn")
+    else:
+        source = with_rope_freqs(smollm2_gguf_cut, tmp_path / "llama3.gguf", rope_freqs=llama3_factors())
+    flags = ["--method", "yarn", "--factor", "2"]
+    if case == "explicit_L":
+        flags += ["--original-max-position-embeddings", "1024"]
+    if case == "patched":
+        assert run_cli(capsys, "patch", source, *flags, "-o", tmp_path / "once.gguf")[0] == 0
+        source = tmp_path / "once.gguf"
+    code, _, err = run_cli(capsys, "patch", source, *flags, "-o", tmp_path / "out.gguf")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err), err
+    assert not (tmp_path / "out.gguf").exists()

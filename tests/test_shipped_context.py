@@ -28,7 +28,7 @@ from ctxext.compare.serving import engine_support
 from ctxext.patching.families import module_frequencies
 from ctxext.patching.patch import plan_patch
 from ctxext.patching.record import model_rope_record
-from ctxext.serving.engines import declared_max_position_embeddings, read_served_model, served_length
+from ctxext.serving.engines import declared_max_position_embeddings, engine_table, read_served_model, served_length
 from ctxext.serving.lengths import engine_lengths
 from tests.family_models import build
 from tests.helpers import save_tiny_checkpoint
@@ -412,3 +412,18 @@ def test_stock_qwen3_says_its_card_counts_from_another_length(tmp_path, capsys):
     rope = config["rope_parameters"]
     assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 4.0, 32768)
     assert config["max_position_embeddings"] == 131072
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "qwen2.5-card", "phi4-mini"])
+def test_exports_llama_cpp_advice_is_what_patch_does_with_the_gguf(name, tmp_path, capsys):
+    """llama.cpp's row of a composed checkpoint says what `ctxext patch MODEL.gguf` does with the converter's GGUF
+    (ctxext.serving.gguf.composition_refusal, tested on GGUF files in tests/test_serving_gguf.py): Llama 3.1's
+    llama3 becomes rope_freqs, which the composition extends (exact); a yarn or longrope file is refused, and then
+    `ctxext patch` prints no llama-server line."""
+    patched, _, told = patched_checkpoint(tmp_path, name, "--factor", "2")
+    row = {r.engine: r for r in engine_table(read_served_model(patched))}["llama.cpp"]
+    if name == "llama3.1":
+        assert row.level == "exact" and "rope_freqs" in row.how and "--ctx-size" in told
+        return
+    assert row.level == "no" and "reads only as rope_freqs on the llama architecture" in row.how
+    assert "llama-server" not in told and "llama.cpp: no exact GGUF" in told

@@ -98,7 +98,7 @@ def run(args) -> int:
 def _print_serving(written) -> None:
     """How to start vLLM, SGLang and llama.cpp on the written checkpoint for its max_position_embeddings
     (ctxext.serving.lengths: only the flags each engine needs)."""
-    from ..serving.engines import declared_max_position_embeddings, read_served_model, served_length
+    from ..serving.engines import declared_max_position_embeddings, engine_table, read_served_model, served_length
     from ..serving.lengths import serve_lines
 
     model = read_served_model(written.output)
@@ -119,7 +119,10 @@ def _print_serving(written) -> None:
         print(f"  serve: `ctxext export {written.output}` prints how ({reason})")
         return
     print(f"  serve {target} tokens:")
-    print("\n".join(serve_lines(model.config, target, written.output)))
+    llama_cpp = next(row for row in engine_table(model) if row.engine == "llama.cpp")
+    for line in serve_lines(model.config, target, written.output):  # llama.cpp's only where a GGUF can carry it
+        no = line.startswith("  llama.cpp:") and llama_cpp.level == "no"
+        print(f"  llama.cpp: no exact GGUF ({llama_cpp.how})" if no else line)
 
 
 def _patch_gguf(args, method_config) -> int:

@@ -28,7 +28,7 @@ from ..methods.remapping import RemapParams
 from ..outputs import atomic_output_dir, check_output_dir
 from ..patching.families import is_nested, own_partial_rotary_factor
 from .forms import for_engines, rope_form, with_both_spellings, with_family_keys
-from .gguf import describe, gguf_rope, is_gguf, read_gguf, self_extend_flags
+from .gguf import composition_refusal, describe, gguf_rope, is_gguf, read_gguf, self_extend_flags
 
 ENGINES = ("transformers", "vllm", "sglang", "llama.cpp")
 SERVED_BY_CTXEXT = "serve it with ctxext itself: ctxext serve DIR (OpenAI-compatible), or ctxext.patch then generate"
@@ -567,6 +567,8 @@ def _llama_cpp(model: ServedModel) -> Support:
             "no",
             "no ctxext.yaml here, so the method is unknown; patch the model's GGUF with `ctxext patch MODEL.gguf ...`",
         )
+    if is_composed(model):
+        return _llama_cpp_composed(model, arch)
     spec, params = model.method_and_params()
     L = int(model.record["original_max_position_embeddings"])
     base = float((model.record.get("rope_parameters") or model.rope_parameters)["rope_theta"])
@@ -586,6 +588,23 @@ def _llama_cpp(model: ServedModel) -> Support:
         "exact",
         f"{rope.how}: convert the source model with llama.cpp's "
         f"convert_hf_to_gguf.py, then `ctxext patch MODEL.gguf` with the same method",
+    )
+
+
+def _llama_cpp_composed(model: ServedModel, arch: str) -> Support:
+    """llama.cpp's row for a method composed with a shipped scaling: what `ctxext patch MODEL.gguf` does with the
+    GGUF llama.cpp's converter writes of the source (gguf.composition_refusal): Llama 3.1's llama3 becomes
+    per-pair rope_freqs, which the composition extends exactly on the llama architecture; anything else is refused."""
+    shipped = ((model.record.get("source_rope") or {}).get("rope_parameters") or {}).get("rope_type", "default")
+    kind = {"llama3": "rope_freqs", "longrope": "longrope"}.get(shipped, shipped)
+    reason = composition_refusal(arch, kind)
+    if reason is not None:
+        return Support("llama.cpp", "no", reason)
+    return Support(
+        "llama.cpp",
+        "exact",
+        f"per-pair factors in rope_freqs: llama.cpp's convert_hf_to_gguf.py stores the shipped {shipped} as rope_freqs, "
+        f"and `ctxext patch MODEL.gguf` with the same method composes with them",
     )
 
 

@@ -30,12 +30,15 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from ..errors import CtxextError
-from ..methods import Method, MethodParams, get_method, per_pair_factors
+from ..methods import Method, MethodParams, composed_per_pair_factors, get_method, per_pair_factors, rope_inv_freq
 from ..methods.frequency import yarn_mscale
+from ..methods.remapping import RemapParams
 from ..outputs import atomic_file
+from ..patching.compose import factor_for
 from .forms import no_native_form
 
 # GGUF names (gguf.MODEL_ARCH_NAMES): LLaMA, Mistral and Mixtral files say "llama"
@@ -313,22 +316,24 @@ def patch_gguf(source, method_config, output, overwrite: bool = False, outtype: 
     _check_gguf_output(source, output, overwrite)
     reader = read_gguf(source)
     model = describe(reader, source)
-    if model.record or model.has_rope_freqs or model.scaling_type not in (None, "none"):
-        raise CtxextError(
-            f"'{source}' is already scaled ({_scaling_summary(model)}); ctxext patches unscaled GGUF "
-            f"files (start from the original model's GGUF)"
-        )
     if method_config.query_temperature is not None:
         raise CtxextError(
             "llama.cpp has no query temperature (--query-temperature); write the method without it, or serve "
             "with ctxext (ctxext.patch + model.generate)"
         )
     spec = get_method(method_config.method)
+    scaled = model.record or model.has_rope_freqs or model.scaling_type not in (None, "none")
+    if scaled:
+        check_composable(reader, model, source, method_config)
     L = int(method_config.original_max_position_embeddings or model.context_length)
-    params = spec.make_params(factor=method_config.factor, **method_config.params)
+    factor = factor_for(method_config.target_length, method_config.factor, L)
+    params = spec.make_params(factor=factor, **method_config.params)
     sliding = model.sliding_window is not None
     check_layer_types(model.arch, sliding, method_config.layer_types)
-    rope = gguf_rope(spec, params, model.arch, model.rotary_dim, model.base, L, method_config.logn, sliding)
+    if scaled:
+        rope = composed_gguf_rope(reader, model, spec, params, method_config.logn)
+    else:
+        rope = gguf_rope(spec, params, model.arch, model.rotary_dim, model.base, L, method_config.logn, sliding)
     new_length = int(round(L * float(params.factor)))
 
     arch = model.arch
@@ -354,6 +359,75 @@ def patch_gguf(source, method_config, output, overwrite: bool = False, outtype: 
     return PatchedGguf(output.resolve(), method_config.label, rope, model.context_length, new_length, outtype)
 
 
+def composition_refusal(arch: str, shipped: str) -> str | None:
+    """Why llama.cpp cannot compute a static frequency method composed with the scaling a GGUF file carries, or
+    None where it can exactly. `shipped`: 'rope_freqs' (per-pair factors: llama.cpp's converter stores Llama 3.1's
+    llama3 scaling so), 'longrope' (Phi-3's rope_factors_long/short), or the file's rope.scaling.type (yarn,
+    linear). Only per-pair factors on an architecture whose graph reads rope_freqs compose exactly: the composition
+    is again per-pair factors (ctxext.methods.composed_per_pair_factors) with an attention factor
+    (rope.scaling.attn_factor, which every architecture reads); llama.cpp's yarn and linear take one factor, and a
+    yarn composed with a yarn is not one yarn."""
+    if shipped == "rope_freqs" and arch in PER_PAIR_ARCHITECTURES:
+        return None
+    if shipped == "longrope":
+        what = "longrope's two factor sets (rope_factors_long/short), which llama.cpp switches by context size"
+    elif shipped == "rope_freqs":
+        what = f"per-pair rope_freqs, which llama.cpp's {arch} graph does not read"
+    else:
+        what = f"llama.cpp's {shipped} scaling, whose one factor cannot carry the composed per-pair factors"
+    return (
+        f"the file ships {what}, and the composition is per-pair factors that llama.cpp reads only as rope_freqs on "
+        f"the llama architecture ({', '.join(PER_PAIR_ARCHITECTURES)}); serve the patched checkpoint with vLLM, "
+        f"SGLang or transformers"
+    )
+
+
+def shipped_scaling(model: GgufModel) -> str:
+    """What scaling a GGUF file carries, in `composition_refusal`'s words."""
+    if model.scaling_type not in (None, "none"):
+        return str(model.scaling_type)
+    return "rope_freqs" if model.has_rope_freqs and model.arch != "phi3" else "longrope"
+
+
+def check_composable(reader, model: GgufModel, source: Path, method_config) -> None:
+    """A one-line CtxextError where an already-scaled GGUF cannot be extended exactly in llama.cpp."""
+    if model.record:
+        raise CtxextError(
+            f"'{source}' is already patched by ctxext ({model.record['method']}); patch the original model's GGUF"
+        )
+    if method_config.original_max_position_embeddings is not None or method_config.replace_shipped:
+        raise CtxextError(
+            f"'{source}' is already scaled ({_scaling_summary(model)}); replacing its scaling (an explicit L, "
+            "--replace-shipped) is not written to GGUF: extend it from its context (--factor or --target-length)"
+        )
+    if any(t.name in FACTOR_TENSORS[1:] for t in reader.tensors):
+        raise CtxextError(
+            f"'{source}' cannot be extended exactly in llama.cpp: {composition_refusal(model.arch, 'longrope')}"
+        )
+    reason = composition_refusal(model.arch, shipped_scaling(model))
+    if reason is not None:
+        raise CtxextError(f"'{source}' cannot be extended exactly in llama.cpp: {reason}")
+
+
+def composed_gguf_rope(reader, model: GgufModel, method: Method, params: MethodParams, logn: bool) -> GgufRope:
+    """The rope keys and rope_freqs of `method` composed with the file's per-pair rope_freqs (its trained frequencies
+    at its context_length C, the plain ones divided by them), as `ctxext patch` composes a checkpoint's llama3 x8:
+    pair i's factor is k_i D_i, the attention factor the file's rope.scaling.attn_factor times the method's at C."""
+    refuse_what_llama_cpp_cannot_run(method, params, logn)
+    if issubclass(method.params_cls, RemapParams) or method.is_dynamic(params):
+        raise CtxextError(f"{method.name} does not compose with the file's rope_freqs; use a static frequency method")
+    tensor = next(t for t in reader.tensors if t.name == ROPE_FREQS)
+    shipped = torch.tensor(np.asarray(tensor.data, dtype=np.float64).reshape(-1))
+    plain = rope_inv_freq(model.rotary_dim, model.base).double()
+    factors, attention = composed_per_pair_factors(
+        method, params, plain / shipped, model.rotary_dim, model.base, model.context_length
+    )
+    attention *= float(field_value(reader, f"{model.arch}.rope.scaling.attn_factor", 1.0))
+    keys = {} if math.isclose(attention, 1.0, rel_tol=1e-12) else {"rope.scaling.attn_factor": float(attention)}
+    how = f"per-pair factors in rope_freqs: {method.name} composed with the file's rope_freqs (C = {model.context_length})"
+    return GgufRope(keys, factors, how)
+
+
 def _write(reader, path: Path, arch: str, changed: dict, rope_freqs, outtype: str) -> None:
     writer = gguf.GGUFWriter(path, arch=arch, endianess=reader.endianess)
     alignment = field_value(reader, "general.alignment")
@@ -372,7 +446,8 @@ def _write(reader, path: Path, arch: str, changed: dict, rope_freqs, outtype: st
     for key, value in pending.items():  # keys the source did not have
         writer.add_key_value(key, value, _value_type(value))
 
-    tensors = [(t, _converted(t, outtype)) for t in reader.tensors]
+    kept = [t for t in reader.tensors if rope_freqs is None or t.name != ROPE_FREQS]  # a composed one replaces it
+    tensors = [(t, _converted(t, outtype)) for t in kept]
     for tensor, data in tensors:
         if data is None:
             writer.add_tensor_info(
@@ -386,7 +461,7 @@ def _write(reader, path: Path, arch: str, changed: dict, rope_freqs, outtype: st
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    total = sum(int(t.n_bytes) for t in reader.tensors)
+    total = sum(int(t.n_bytes) for t in kept)
     with tqdm(total=total, unit="B", unit_scale=True, desc="writing GGUF", leave=False) as bar:
         for tensor, data in tensors:
             writer.write_tensor_data(tensor.data if data is None else data, tensor_endianess=reader.endianess)
