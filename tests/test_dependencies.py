@@ -30,6 +30,10 @@ NOT_INSTALLED_BY_TESTS = {"llama_cpp": "llama-cpp-python"}
 # Serving engines whose own rotary code `ctxext export --check` runs where the user has them installed: what is
 # judged, never a dependency (GPU builds of several GB; benchmarks/engine_parity.py fetches their wheels).
 JUDGED_ENGINES = {"vllm", "sglang"}
+# Trainers ctxext has a plugin for, installed in their own environment where used (axolotl 0.19 pins transformers
+# 5.16.1): never a dependency; ctxext.integrations.axolotl imports without it and its tests skip. File -> the
+# modules it takes from that environment (pydantic: axolotl's own dependency, for its config schema).
+HOST_TRAINERS = {"ctxext/integrations/axolotl.py": {"axolotl", "pydantic"}, "tests/test_axolotl.py": {"axolotl"}}
 # Needed with no import statement in ctxext: distribution -> why.
 NEEDED_WITHOUT_IMPORT = {"gguf": "ctxext.assets converts SmolLM2's GGUF file with transformers, which needs gguf"}
 # (distribution, what ctxext uses, the first version that has it)
@@ -70,7 +74,7 @@ def imported_distributions(paths) -> dict[str, set[str]]:
                 for top in {name.split(".")[0] for name in names}:
                     if top in sys.stdlib_module_names or top in ("ctxext", "tests", "__future__"):
                         continue
-                    if top in JUDGED_ENGINES:
+                    if top in JUDGED_ENGINES or top in HOST_TRAINERS.get(path.relative_to(REPO).as_posix(), ()):
                         continue
                     if top not in owners and top in NOT_INSTALLED_BY_TESTS:
                         found.setdefault(normalize(NOT_INSTALLED_BY_TESTS[top]), set()).add(top)
