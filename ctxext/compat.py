@@ -10,6 +10,26 @@ data_ptr), and nothing reads `config._commit_hash` here any more (see `hub_commi
 
 This module imports nothing heavy at import time: registration.py, which `import ctxext` runs, uses it.
 
+Differences between the transformers versions CI tests (5.16.1, 5.19.0, 5.20.2 and the newest, 5.24;
+`make test-versions`, docs/guides/transformers-versions.md), besides `cache_keyword` below:
+
+- longrope's and the dynamic types' inv_freq (transformers < 5.23): `dynamic_rope_update` swaps the buffer for
+  another tensor (register_buffer) where 5.23 and later copy into it, so a reference to `inv_freq` taken before a
+  call is stale after it. ctxext/patching/families.py `_probe_rotary` reads the buffer after its probe call (a
+  Phi-3 longrope model that had run past its original length was refused before).
+- MRoPE (transformers < 5.17): Qwen2-VL's, Qwen2.5-VL's and GLM-4V's rotary modules return one (cos, sin) per
+  position section, merged in the attention. ctxext reads the merged form and refuses the older one in one line
+  (tests/test_vision_language.py skips there).
+- A config.json's top-level `partial_rotary_factor` (transformers < 5.20): it stays on the loaded config as an
+  attribute, save_pretrained writes it back, and the next load folds it into the rope parameters; a proportional
+  checkpoint patched again with yarn then reloads with the proportion as a partial rotary factor. Not fixed here
+  (the attribute is also the family's own in Phi, Persimmon and StableLM there).
+- `config.rope_scaling = {...}` (transformers < 5.21): the setter leaves `{'type': ..., 'factor': ...}` without
+  rope_type, rope_theta or a warning, and a config.json saved so loads with the class's default base: ctxext
+  refuses the in-memory config (no rope_theta), but cannot tell a reloaded one from a config with that base.
+- Doge (transformers < 5.18) adds its dynamic mask to no causal mask under sdpa: its own forward is not causal,
+  and position remapping refuses the mask.
+
 Used in place (not wrapped, because their code is the CLI's or the harness's own):
 
 - `argparse.ArgumentParser._actions` (Python 3.x), ctxext/cli/common.py `split_method_params`: the parser's
@@ -143,6 +163,22 @@ def hub_commit(name_or_path: str, config=None, cache_dir: str | Path | None = No
     except ValueError:  # not a repo id (a local path, say)
         return None
     return Path(cached).parent.name if isinstance(cached, str) else None  # .../snapshots/<commit>/config.json
+
+
+# The keyword a model's forward takes its KV cache by (a version difference, not a private API): `cache` from
+# transformers 5.24 (which still takes `past_key_values`, with a deprecation warning, until 5.40), `past_key_values`
+# in 5.0-5.23 (checked on 5.16.1, 5.19.0 and 5.20.2), where `cache=` falls into the forward's **kwargs unread and the
+# forward runs without the cache: each decode step then sees only its own token (no error). ctxext/verification/
+# check.py `decoded_logits` and the tests pass a cache through `cache_kwargs`; ctxext's attention wrapper reads
+# either name (ctxext/patching/attention/install.py).
+def cache_keyword(model) -> str:
+    """`cache` or `past_key_values`: the keyword `model`'s forward takes its KV cache by."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cache_kwargs(model, cache) -> dict:
+    """`{keyword: cache}` for `model(..., **cache_kwargs(model, cache))`, on every transformers 5.x."""
+    return {cache_keyword(model): cache}
 
 
 # transformers.cli.serving.server.build_server (transformers 5.24; the server module is new in 5.x and not a

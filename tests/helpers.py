@@ -20,8 +20,11 @@ import textwrap
 import types
 from pathlib import Path
 
+import pytest
 import torch
+import transformers
 import yaml
+from packaging.version import Version
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoTokenizer,
@@ -46,6 +49,23 @@ from ctxext.patching.remap_kernel import remapped_attention
 from ctxext.train.pretrain_tiny import train_bpe_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
+
+# ------------------------------------------------------------------------------- transformers versions
+# CI runs the default tier under older transformers too (`make test-versions`, docs/guides/transformers-versions.md).
+TRANSFORMERS_VERSION = Version(transformers.__version__).release
+
+
+def transformers_at_least(version: str) -> bool:
+    return Version(version).release <= TRANSFORMERS_VERSION
+
+
+def requires_transformers(version: str, why: str):
+    """A skip mark for a test of what transformers `version` and later do; `why` says what older versions do."""
+    return pytest.mark.skipif(
+        not transformers_at_least(version),
+        reason=f"needs transformers >= {version} ({transformers.__version__} installed): {why}",
+    )
+
 
 # ------------------------------------------------------------------------------------------- tiny models
 FAMILIES = {

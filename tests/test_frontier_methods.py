@@ -20,7 +20,14 @@ from ctxext.methods.frequency import proportional_fraction
 from ctxext.patching.families import own_partial_rotary_factor
 from ctxext.patching.rope_types import rope_parameters_for
 from ctxext.serving.engines import engine_rope, engine_table, read_served_model
-from tests.helpers import LOGIT_TOLERANCE, reload_in_fresh_process, save_tiny_checkpoint, tiny_config, tiny_model
+from tests.helpers import (
+    LOGIT_TOLERANCE,
+    reload_in_fresh_process,
+    requires_transformers,
+    save_tiny_checkpoint,
+    tiny_config,
+    tiny_model,
+)
 
 
 def ours(name, rotary_dim, base, original, **params):
@@ -246,6 +253,11 @@ def test_ctxext_patch_writes_proportional_as_transformers_type(source, tmp_path)
         assert torch.equal(AutoModelForCausalLM.from_pretrained(out).eval()(tokens).logits, reference(tokens).logits)
 
 
+@requires_transformers(
+    "5.20",
+    "transformers 5.19 and older keep a loaded config.json's top-level partial_rotary_factor as an attribute and write it "
+    "back, and their loader folds it into the new rope parameters (compat.py names it)",
+)
 def test_a_saved_proportional_checkpoint_patched_again_scales_the_whole_head(source, tmp_path):
     """Its partial_rotary_factor is p, not a share of the head: yarn on top writes no partial rotary factor, and
     plain transformers reloads it with the logits of yarn on the unpatched model."""

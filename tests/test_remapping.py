@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import ctxext
+from ctxext import compat
 from ctxext.errors import CtxextError
 from ctxext.methods import get_method
 from ctxext.patching.attention import KeptKeys, installed_settings, kept_keys_bytes, set_attention_tuning
@@ -131,7 +132,7 @@ def test_the_layers_of_a_forward_share_one_rotary_computation(tuned):
         with torch.no_grad():
             cache = model(tokens[:, :40], use_cache=True).past_key_values
             counts.append(len(calls))
-            model(tokens[:, 40:], cache=cache, use_cache=True)
+            model(tokens[:, 40:], **compat.cache_kwargs(model, cache), use_cache=True)
             counts.append(len(calls) - counts[0])
         return counts
 
@@ -184,7 +185,7 @@ def test_kept_keys_go_with_their_cache():
     model = ctxext.patch(tiny_model("llama", max_position_embeddings=L), "dual_chunk", chunk_size=14, local_window=3)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(torch.randint(0, 256, (1, 40)), cache=cache, use_cache=True)
+        model(torch.randint(0, 256, (1, 40)), **compat.cache_kwargs(model, cache), use_cache=True)
     kept = weakref.ref(cache.layers[0].__dict__[KeptKeys.ATTRIBUTE])
     del cache
     gc.collect()
@@ -194,14 +195,20 @@ def test_kept_keys_go_with_their_cache():
 def filled_cache(model, tokens):
     """A DynamicCache after a 30-token prefill and 10 decode steps of `tokens`."""
     cache = DynamicCache(config=model.config)
-    model(tokens[:, :30], cache=cache, use_cache=True)
+    model(tokens[:, :30], **compat.cache_kwargs(model, cache), use_cache=True)
     for t in range(30, 40):
-        model(tokens[:, t : t + 1], cache=cache, use_cache=True)
+        model(tokens[:, t : t + 1], **compat.cache_kwargs(model, cache), use_cache=True)
     return cache
 
 
 def decode_steps(model, cache, tail):
-    return torch.cat([model(tail[:, s : s + 1], cache=cache, use_cache=True).logits for s in range(tail.shape[1])], 1)
+    return torch.cat(
+        [
+            model(tail[:, s : s + 1], **compat.cache_kwargs(model, cache), use_cache=True).logits
+            for s in range(tail.shape[1])
+        ],
+        1,
+    )
 
 
 @pytest.mark.parametrize("change", ["crop", "reorder", "copy"])

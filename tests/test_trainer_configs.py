@@ -4,6 +4,7 @@ is transformers itself: its own rotary cannot be built from such a config (`None
 the config in one line naming the missing base, in the Python API and on the command line, and never writes a
 config.json without a base."""
 
+import contextlib
 import json
 
 import pytest
@@ -16,7 +17,7 @@ from ctxext.errors import CtxextError
 from ctxext.loading import load_config, load_model
 from ctxext.patching.families import missing_base
 from ctxext.serving.forms import with_both_spellings
-from tests.helpers import run_cli, save_tiny_checkpoint, tiny_model
+from tests.helpers import requires_transformers, run_cli, save_tiny_checkpoint, tiny_model, transformers_at_least
 
 TRAINER_SCALING = {"type": "linear", "factor": 2.0}  # LLaMA-Factory's and axolotl's assignment
 
@@ -24,15 +25,24 @@ TRAINER_SCALING = {"type": "linear", "factor": 2.0}  # LLaMA-Factory's and axolo
 def trainer_edited_llama():
     """A tiny llama after `config.rope_scaling = {...}`, as LLaMA-Factory and axolotl leave it."""
     model = tiny_model("llama")
-    with pytest.warns(FutureWarning):  # transformers 5 deprecates the setter, and still runs it
+    with setter_warning():
         model.config.rope_scaling = dict(TRAINER_SCALING)
     return model
 
 
+def setter_warning():
+    """transformers 5.21 and later deprecate the setter (and still run it); before, it replaces rope_parameters
+    by the scaling silently (`{'type': 'linear', 'factor': 2.0}`: no rope_type, no rope_theta)."""
+    return pytest.warns(FutureWarning) if transformers_at_least("5.21") else contextlib.nullcontext()
+
+
 def test_the_setter_drops_the_base_and_transformers_cannot_build_its_rotary():
     model = trainer_edited_llama()
-    assert model.config.rope_parameters["rope_theta"] is None
-    with pytest.raises(TypeError, match="NoneType"):  # transformers' own rotary, built from that config
+    assert model.config.rope_parameters.get("rope_theta") is None
+    with pytest.raises(
+        (TypeError, KeyError),
+        match="NoneType|rope_t",  # transformers' own rotary, built from that config
+    ):  # (a KeyError of rope_type before transformers 5.21)
         LlamaRotaryEmbedding(config=model.config)
 
 
@@ -48,9 +58,10 @@ def test_patch_refuses_a_config_without_its_base_in_one_line(method):
     with pytest.raises(CtxextError) as raised:
         ctxext.patch(model, method, factor=2)
     assert_names_the_base(str(raised.value), "set config.rope_parameters['rope_theta']")
-    assert model.config.rope_parameters["rope_theta"] is None  # nothing was changed
+    assert model.config.rope_parameters.get("rope_theta") is None  # nothing was changed
 
 
+@requires_transformers("5.21", "the setter leaves {'type': ...} without rope_type, which its own model cannot build")
 def test_the_base_put_back_as_the_error_says_patches_as_a_config_that_never_lost_it():
     config = trainer_edited_llama().config
     config.rope_parameters["rope_theta"] = 10000.0  # what the error asks for
@@ -95,10 +106,12 @@ def test_missing_base_names_the_set_without_one(rope_parameters, where):
 
 @pytest.fixture
 def saved_by_a_trainer(tmp_path):
+    if not transformers_at_least("5.21"):
+        pytest.skip("before transformers 5.21 a config.json without rope_theta loads with the class default base")
     """A checkpoint saved after the setter: config.json's rope_parameters carry rope_theta null."""
     path = save_tiny_checkpoint(tmp_path / "trained", trainer_edited_llama())
     config = json.loads((path / "config.json").read_text())
-    assert config["rope_parameters"]["rope_theta"] is None and config.get("rope_theta") is None
+    assert config["rope_parameters"].get("rope_theta") is None and config.get("rope_theta") is None
     return path
 
 
@@ -127,7 +140,7 @@ def test_ctxext_writes_no_config_without_its_base(tmp_path):
         with_both_spellings({}, {"rope_type": "linear", "factor": 2.0, "rope_theta": None})
     model = tiny_model("llama")
     ctxext.patch(model, "yarn", factor=2)
-    with pytest.warns(FutureWarning):
+    with setter_warning():
         model.config.rope_scaling = dict(TRAINER_SCALING)  # a trainer's edit after the patch
     with pytest.raises(CtxextError, match="has no rope_theta"):
         ctxext.save_pretrained(model, tmp_path / "out")

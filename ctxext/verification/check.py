@@ -32,6 +32,7 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, D
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
+from .. import compat
 from ..errors import CtxextError
 from ..loading import load_config
 from ..memory import PeakMemory
@@ -344,11 +345,10 @@ def check_one(shape, implementation: str, name: str, device, options: CheckOptio
 def decoded_logits(model, tokens: torch.Tensor, steps: int) -> torch.Tensor:
     """The logits of the last `steps` tokens fed one at a time through the KV cache after a prefill of the rest."""
     cache = DynamicCache(config=model.config)  # filled in place by each forward
-    # The cache argument is `cache` in recent transformers, `past_key_values` before.
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    model(tokens[:, :-steps], use_cache=True, **{name: cache})
+    passed = compat.cache_kwargs(model, cache)  # `cache` from transformers 5.24, `past_key_values` before
+    model(tokens[:, :-steps], use_cache=True, **passed)
     steps_logits = [
-        model(tokens[:, t : t + 1], use_cache=True, **{name: cache}).logits
+        model(tokens[:, t : t + 1], use_cache=True, **passed).logits
         for t in range(tokens.shape[1] - steps, tokens.shape[1])
     ]
     return torch.cat(steps_logits, dim=1)
