@@ -68,7 +68,8 @@ def load_config(name_or_path: str):
     check_model_source(name_or_path)
     try:
         config = AutoConfig.from_pretrained(name_or_path)
-    except (OSError, ValueError, KeyError) as error:
+    except Exception as error:  # noqa: BLE001 - whatever the config class raises (its strict validators: a field of
+        # the wrong type, an architecture it refuses) is a config ctxext cannot read, said in one line
         raise CtxextError(f"could not load the config of '{name_or_path}': {describe_failure(error)}") from error
     where = config_missing_base(config)
     if where is not None:  # written by a trainer's config.rope_scaling = {...}: say so, not `NoneType ** Tensor`

@@ -168,6 +168,8 @@ RECIPES = {
         encoder_hash_byte_group_vocab=128,
         vocab_size=260,
     ),
+    # DeepSeek V4's tiny config, defined below with its own tests (a sliding, then a compressed layer)
+    "deepseek_v4": lambda: dict(**DEEPSEEK_V4_TINY, layer_types=["sliding_attention", DEEPSEEK_V4_COMPRESSED[0]]),
     "dbrx": dict(
         d_model=64,
         n_heads=4,
@@ -225,7 +227,8 @@ def _has(config, name: str) -> bool:
 
 def _values(model_type: str, default) -> dict:
     values = _generic_values(model_type, default)
-    for key, value in RECIPES.get(model_type, {}).items():
+    recipe = RECIPES.get(model_type, {})
+    for key, value in (recipe() if callable(recipe) else recipe).items():
         if value is DROP:
             values.pop(key, None)
         else:
@@ -263,8 +266,8 @@ def build(model_type: str):
     """(model, None) for a family that builds, else (None, reason). fp32, eval mode, seed 0."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        default = CONFIG_MAPPING[model_type]()
         try:
+            default = CONFIG_MAPPING[model_type]()
             config = CONFIG_MAPPING[model_type](**_values(model_type, default))
             with torch.device("meta"):  # count first: a family whose sub-configs ignore the small sizes is listed
                 size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())

@@ -19,9 +19,11 @@ def skeleton(config) -> nn.Module:
     try:
         with torch.device("meta"):
             model = auto_model_class(config).from_config(config)
-    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as error:
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, ImportError, AssertionError) as error:
+        # ImportError: a family that needs another library (timm); AssertionError: Reformer's is_decoder check
         what = getattr(config, "model_type", type(config).__name__)
-        raise CtxextError(f"transformers cannot build a causal LM of type '{what}': {error}") from None
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise CtxextError(f"transformers cannot build a causal LM of type '{what}': {first}") from None
     host = rotary_host(model)  # refuses a model without RoPE in one line
     try:
         with torch.device("cpu"):

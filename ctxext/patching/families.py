@@ -181,7 +181,7 @@ def config_refusal(config, rope_parameters: dict) -> str | None:
     rope_logger.setLevel(logging.ERROR)  # its warnings about keys it does not know are for the real config
     try:
         trial.validate_rope()
-    except (ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError, TypeError, RuntimeError) as error:  # Runtime: a size it reads is set per layer
         return f"{type(config).__name__}: {str(error).strip().splitlines()[0]}"
     finally:
         rope_logger.setLevel(level)
