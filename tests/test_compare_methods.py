@@ -120,6 +120,9 @@ def test_the_page_rebuilt_from_the_committed_cells_is_the_committed_page(tmp_pat
     written, committed = page.read_text(), (REPO / "docs" / "comparison.md").read_text()
     assert page_numbers(written) == page_numbers(committed)
     assert len(page_numbers(committed)) > 100
+    # the page says where the evidence does not separate its pick from another row (3 passkey trials a length)
+    assert "- **Not separated:** rerope (searched) and leaky_rerope (searched) are not separated" in committed
+    assert "| 2/3 [0.21, 0.94] |" in committed  # passkey counts with their Wilson interval
     assert list(CELLS.glob("**/*.md")) == []  # nothing written among the cells
     record = json.loads(page.with_suffix(".json").read_text())
     assert record["table"] == json.loads((REPO / "docs" / "comparison.json").read_text())["table"]

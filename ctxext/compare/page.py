@@ -17,15 +17,18 @@ from pathlib import Path
 
 from ..outputs import atomic_write_text, new_figure, save_figure, write_json
 from ..tasks.report import EFFECTIVE_RULE
-from .ranking import recommend
+from .ranking import recommend, tie_note, tied_rows
 from .report import (
     baseline_accuracy,
     cost_numbers,
     describe_params,
+    document_ratios,
     effective_lengths,
+    passkey_text,
     pruning_rule_for,
     row_numbers,
     serving_table,
+    spread_text,
     table_numbers,
 )
 from .searches import read_history
@@ -121,6 +124,7 @@ def page_state(session, rows: list, path: Path) -> dict:
         "table": table,
         "serving": serving,
         "recommendations": recommend(numbers, baseline_accuracy(measured, plan.L), TARGETS),
+        "ties": {t: tied_rows(numbers, baseline_accuracy(measured, plan.L), t) for t in TARGETS},
         "effective": effective_lengths(measured, [r.label for r in ordered], passkey_lengths),
         "missing": page_missing(ordered, measured, docs, plan.lengths, passkey_lengths, plan.L),
         "machine": session.machine,
@@ -232,7 +236,8 @@ def table_lines(state: dict) -> list[str]:
                 continue
             rank = table[n]["rank"].get(row.label)
             if value and native:
-                line += f" {value:.2f} | {rank} | {value / native:.3f} |"
+                spread = spread_text(document_ratios(measured, row.label, n))
+                line += f" {value:.2f} | {rank} | {value / native:.3f}{spread} |"
             else:
                 line += f" {value:.2f} | {rank} | ... |" if value else " ... | | |"
             default = table[n]["perplexity"].get(row.method)
@@ -241,7 +246,7 @@ def table_lines(state: dict) -> list[str]:
         for n in passkey_lengths:
             cell = measured.passkey.get((row.label, n))
             within = n <= L and row.label != BASELINE  # only the baseline runs there
-            line += f" {cell['correct']}/{cell['trials']} |" if cell else " - |" if within else " ... |"
+            line += f" {passkey_text(cell['correct'], cell['trials'])} |" if cell else " - |" if within else " ... |"
         if effective:
             found = effective["effective_length"].get(row.label)
             shortest_patched = min(n for n in passkey_lengths if n > L)
@@ -266,7 +271,8 @@ def recommendation_lines(state: dict) -> list[str]:
         "## Which method to use",
         "",
         "Per way of serving, the best-ranked row it serves exactly (every number computed; the ranking is the table's "
-        "below). Write its checkpoint from the cached cells with the page's command plus `--report-only "
+        "below), or among the rows the evidence does not separate from it the one with the better retrieval, then "
+        "fewer searched parameters; passkey counts carry their 95% Wilson interval. Write its checkpoint from the cached cells with the page's command plus `--report-only "
         "--write-best TARGET:DIR` (llama.cpp: the report's GGUF steps), then serve it as shown.",
         "",
         "| serve with | method | " + " | ".join(f"{n // 1024}k vs native" for n in lengths) + " | passkey | then |",
@@ -279,9 +285,12 @@ def recommendation_lines(state: dict) -> list[str]:
                 f"| {TARGET_NAMES[target]} | none served exactly with every number |" + " - |" * (len(lengths) + 2)
             )
             continue
-        passkey = ", ".join(f"{result[0]}/{result[1]}" for result in pick.passkey.values() if result) or "-"
+        passkey = ", ".join(passkey_text(*result) for result in pick.passkey.values() if result) or "-"
         ratios = " | ".join(f"{pick.ratios[n]:.3f}" for n in lengths)
         lines.append(f"| {TARGET_NAMES[target]} | {pick.label} | {ratios} | {passkey} | `{SERVE_LINES[target]}` |")
+    picks = [(state["recommendations"].get(t), state["ties"][t]) for t in TARGETS]
+    notes = sorted({tie_note(pick, tied) for pick, tied in picks if pick} - {""})
+    lines += ["", *(f"- **Not separated:** {note}." for note in notes)] if notes else []
     return [*lines, ""]
 
 

@@ -13,6 +13,14 @@ The rule (written into every report, `RANKING_RULE`):
 Only rows with every number (each length's perplexity and passkey) are ranked. The recommendation for a target is
 the best-ranked row that target serves exactly (`ctxext.compare.serving`); the unpatched model ('none') is
 ranked, as the reference, but never recommended.
+
+**Ties.** A few passkey trials and held-out documents rarely separate two rows: 2/3 against 3/3 is one trial, and
+the 95% Wilson interval of 2/3 runs from 0.21 to 0.94. Two rows are *separated* when at some passkey length their
+Wilson intervals do not overlap, or at some length the spreads of their per-document perplexity ratios do not
+overlap (with one held-out document a spread is a point). The rows a target serves that are not separated from its
+best-ranked one are tied with it; among them the recommendation prefers the better retrieval (all lengths'
+correct answers over all trials), then fewer searched parameters (a row at its defaults first), then the rank, and
+it says which rows it was tied with.
 """
 
 from __future__ import annotations
@@ -44,6 +52,14 @@ class RowNumbers:
     serving: dict[str, bool] = field(default_factory=dict)  # target -> served exactly
     prefill_ratio: float | None = None
     candidate: bool = True  # False for the unpatched model: ranked, as the reference, but never recommended
+    spreads: dict[int, tuple[float, float]] = field(default_factory=dict)  # length -> per-document ratio range
+    searched: int = 0  # how many parameters were searched (0: the method's defaults)
+
+    @property
+    def retrieval(self) -> float:
+        """Correct passkey answers over all trials, every length together."""
+        results = [p for p in self.passkey.values() if p is not None]
+        return sum(c for c, _ in results) / max(1, sum(t for _, t in results))
 
     @property
     def complete(self) -> bool:
@@ -80,8 +96,66 @@ def rank_rows(rows: list[RowNumbers], baseline_accuracy: float | None) -> list[R
     return sorted((r for r in rows if r.complete), key=lambda r: rank_key(r, baseline_accuracy))
 
 
-def recommend(rows: list[RowNumbers], baseline_accuracy: float | None, targets) -> dict[str, RowNumbers | None]:
-    """target -> the best-ranked row it serves exactly (None: no complete row it serves)."""
+def wilson_interval(correct: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of `correct` successes in `trials` (Wilson 1927), as (low, high)."""
+    if trials <= 0:
+        return 0.0, 1.0
+    p, z2 = correct / trials, z * z
+    centre = (p + z2 / (2 * trials)) / (1 + z2 / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z2 / (4 * trials * trials)) / (1 + z2 / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _disjoint(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    return a[1] < b[0] or b[1] < a[0]
+
+
+def separated(a: RowNumbers, b: RowNumbers) -> bool:
+    """Whether the evidence tells the two rows apart (see the module docstring: Wilson intervals, spreads)."""
+    for length in a.passkey.keys() & b.passkey.keys():
+        found_a, found_b = a.passkey[length], b.passkey[length]
+        if found_a and found_b and _disjoint(wilson_interval(*found_a), wilson_interval(*found_b)):
+            return True
+    for length in a.ratios.keys() & b.ratios.keys():
+        spread_a = a.spreads.get(length) or (a.ratios[length], a.ratios[length])
+        spread_b = b.spreads.get(length) or (b.ratios[length], b.ratios[length])
+        if _disjoint(spread_a, spread_b):
+            return True
+    return False
+
+
+def served_ranked(rows: list[RowNumbers], baseline_accuracy: float | None, target: str) -> list[RowNumbers]:
+    """The complete candidate rows `target` serves exactly, best-ranked first."""
     ranked = rank_rows(rows, baseline_accuracy)
-    candidates = [r for r in ranked if r.candidate]
-    return {t: next((r for r in candidates if t == "ctxext" or r.serving.get(t)), None) for t in targets}
+    return [r for r in ranked if r.candidate and (target == "ctxext" or r.serving.get(target))]
+
+
+def tied_rows(rows: list[RowNumbers], baseline_accuracy: float | None, target: str) -> list[RowNumbers]:
+    """The best-ranked row `target` serves and every row it serves that the evidence does not separate from it,
+    in rank order (empty where it serves none)."""
+    served = served_ranked(rows, baseline_accuracy, target)
+    return [r for r in served if r is served[0] or not separated(served[0], r)]
+
+
+def recommend(rows: list[RowNumbers], baseline_accuracy: float | None, targets) -> dict[str, RowNumbers | None]:
+    """target -> the row to use: among the rows tied with the best-ranked one it serves, the better retrieval,
+    then fewer searched parameters, then the rank (None: no complete row it serves)."""
+    picks = {}
+    for target in targets:
+        tied = tied_rows(rows, baseline_accuracy, target)
+        order = {id(r): i for i, r in enumerate(tied)}
+        picks[target] = min(tied, key=lambda r: (-r.retrieval, r.searched, order[id(r)])) if tied else None
+    return picks
+
+
+def tie_note(pick: RowNumbers, tied: list[RowNumbers]) -> str:
+    """What the recommendation says of the rows it was tied with ('' where none was)."""
+    others = [r.label for r in tied if r is not pick]
+    if not others:
+        return ""
+    trials = sorted({p[1] for r in tied for p in r.passkey.values() if p})
+    found = ", ".join(f"{p[0]}/{p[1]}" for p in pick.passkey.values() if p)
+    return (
+        f"{pick.label} and {', '.join(others)} are not separated by {'/'.join(map(str, trials))} passkey trials a "
+        f"length and the held-out documents' spread; {pick.label} found {found}"
+    )

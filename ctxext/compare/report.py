@@ -15,7 +15,18 @@ import yaml
 from ..outputs import atomic_write_text, new_figure, save_figure, write_json
 from ..tasks.report import EFFECTIVE_RULE, EFFECTIVE_SHARE
 from ..tasks.report import effective_lengths as task_effective_lengths
-from .ranking import RANKING_RULE, TIERS, RowNumbers, mean_ratio, needle_tier, rank_rows, recommend
+from .ranking import (
+    RANKING_RULE,
+    TIERS,
+    RowNumbers,
+    mean_ratio,
+    needle_tier,
+    rank_rows,
+    recommend,
+    tie_note,
+    tied_rows,
+    wilson_interval,
+)
 from .searches import rung_trials
 from .serving import TARGET_NAMES, TARGETS, engine_support, serve_commands
 
@@ -119,9 +130,34 @@ def row_numbers(rows, table, measured, lengths, serving, costs, passkey_lengths=
                 {t: support.get(t, {}).get("level") == "exact" for t in TARGETS},
                 costs.get(row.label, {}).get("prefill_ratio"),
                 candidate=row.method != "none",
+                spreads={n: spread for n in lengths if (spread := ratio_spread(measured, row.label, n))},
+                searched=searched_parameters(row, lengths),
             )
         )
     return out
+
+
+def document_ratios(measured, label: str, length: int) -> list[float]:
+    """Each held-out document's perplexity / native at `length` (where both cells exist)."""
+    ratios = []
+    for (row_label, doc, n), cell in measured.perplexity.items():
+        if row_label == label and n == length and measured.native.get((doc, n)) is not None:
+            ratios.append(overall([cell]) / overall([measured.native[(doc, n)]]))
+    return ratios
+
+
+def ratio_spread(measured, label: str, length: int) -> tuple[float, float] | None:
+    """(lowest, highest) per-document ratio to native at `length`, or None without a document."""
+    ratios = document_ratios(measured, label, length)
+    return (min(ratios), max(ratios)) if ratios else None
+
+
+def searched_parameters(row, lengths) -> int:
+    """How many parameters a searched row's configuration sets beyond the method and its factor (0 at defaults)."""
+    if row.kind == "defaults":
+        return 0
+    keys = {k for n in lengths for k in (row.configs.get(n) or {}) if k not in ("method", "factor")}
+    return max(1, len(keys))
 
 
 def serving_table(plan, rows) -> dict[str, dict]:
@@ -236,7 +272,7 @@ def write_report(session, rows, written: Path | None = None, final: bool = True)
     return results
 
 
-def recommendation_record(session, target: str, row, pick, serving: dict, baseline) -> dict:
+def recommendation_record(session, target: str, row, pick, serving: dict, baseline, tied: list) -> dict:
     """results.json's record of the row chosen for one serving target: its numbers, method file and commands."""
     lengths = session.plan.lengths
     longest = max(lengths)
@@ -249,6 +285,8 @@ def recommendation_record(session, target: str, row, pick, serving: dict, baseli
         "passkey": {str(n): list(result) for n, result in pick.passkey.items()},
         "tier": TIERS[needle_tier(pick.passkey, baseline)],
         "mean_ratio": mean_ratio(pick.ratios),
+        "tied_with": [r.label for r in tied if r is not pick],
+        "tie_note": tie_note(pick, tied),
         "serving": serving[pick.label].get(target, {}),
         "method_file": str(method_file),
         "commands": serve_commands(target, session.request.model, str(method_file), longest, written_name),
@@ -271,7 +309,9 @@ def report_results(session, rows, written: Path | None = None) -> dict:
     recommendations = {
         target: None
         if pick is None
-        else recommendation_record(session, target, by_label[pick.label], pick, serving, baseline)
+        else recommendation_record(
+            session, target, by_label[pick.label], pick, serving, baseline, tied_rows(numbers, baseline, target)
+        )
         for target, pick in chosen.items()
     }
     effective = effective_lengths(measured, [r.label for r in rows], plan.passkey_lengths)
@@ -336,8 +376,14 @@ def row_record(row, table, measured, serving, costs, lengths, L, baseline) -> di
             for n in lengths
         },
         "rank": {str(n): table[n]["rank"].get(row.label) for n in lengths},
+        "document_ratios": {str(n): document_ratios(measured, row.label, n) for n in lengths},
         "passkey": {
-            str(n): {"correct": c["correct"], "trials": c["trials"], "by_depth": by_depth(c)}
+            str(n): {
+                "correct": c["correct"],
+                "trials": c["trials"],
+                "interval": list(wilson_interval(c["correct"], c["trials"])),
+                "by_depth": by_depth(c),
+            }
             for n, c in passkey.items()
             if c is not None
         },
@@ -503,13 +549,15 @@ def recommendation_lines(results: dict) -> list[str]:
                 + " - | - |"
             )
             continue
-        passkey = ", ".join(f"{c}/{t}" for c, t in pick["passkey"].values())
+        passkey = ", ".join(passkey_text(c, t) for c, t in pick["passkey"].values())
         lines.append(
             f"| {TARGET_NAMES[target]} | {pick['label']} | "
             + " | ".join(_ratio(pick["ratios"][str(n)]) for n in lengths)
             + f" | {passkey} | {pick['tier']} |"
         )
     lines += [""]
+    notes = {pick["tie_note"] for pick in results["recommendations"].values() if pick and pick.get("tie_note")}
+    lines += [f"- **Not separated:** {note}." for note in sorted(notes)] + ([""] if notes else [])
     for target in TARGETS:
         pick = results["recommendations"].get(target)
         if pick is None:
@@ -564,6 +612,17 @@ def time_and_missing_lines(results: dict) -> list[str]:
     return lines
 
 
+def passkey_text(correct: int, trials: int) -> str:
+    """'2/3 [0.21, 0.94]': the count and its 95% Wilson interval."""
+    low, high = wilson_interval(correct, trials)
+    return f"{correct}/{trials} [{low:.2f}, {high:.2f}]"
+
+
+def spread_text(ratios: list[float]) -> str:
+    """' (1.001-1.007)': the held-out documents' range of ratios to native, where there are two or more."""
+    return f" ({min(ratios):.3f}-{max(ratios):.3f})" if len(ratios) > 1 else ""
+
+
 def table_lines(results: dict) -> list[str]:
     lengths = results["lengths"]
     header = "| method | parameters |" + "".join(f" {_k(n)} ppl | rank | vs native |" for n in lengths)
@@ -589,11 +648,12 @@ def table_lines(results: dict) -> list[str]:
             if row["configs"][str(n)] is None:
                 line += " n/a | | |" if row["kind"] == "defaults" else " ... | | |"
             else:
-                line += f" {value:.2f} | {rank} | {_ratio(ratio)} |" if value else " ... | | |"
+                spread = spread_text(row["document_ratios"][str(n)])
+                line += f" {value:.2f} | {rank} | {_ratio(ratio)}{spread} |" if value else " ... | | |"
         for n in lengths:
             cell = row["passkey"].get(str(n))
             asked = n in results["protocol"]["passkey"]["lengths"]
-            line += f" {cell['correct']}/{cell['trials']} |" if cell else " ... |" if asked else " - |"
+            line += f" {passkey_text(cell['correct'], cell['trials'])} |" if cell else " ... |" if asked else " - |"
         line += f" {effective_cell(row['effective_length'], results['effective_length'], shortest_passkey)} |"
         for column, n in tasks:
             value = row["tasks"].get(str(n), {}).get(column)
