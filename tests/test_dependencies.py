@@ -24,6 +24,7 @@ OPTIONAL_IMPORTS = {
     "sqlalchemy": "search",
     "llama_cpp": "llamacpp",
     "deepspeed": "deepspeed",
+    "fastapi": "serve",  # ctxext/request_checks.py: the OpenAI-shaped error response of `ctxext serve`
 }
 # Optional modules the test extra does not install (llama-cpp-python compiles llama.cpp): module -> distribution.
 NOT_INSTALLED_BY_TESTS = {"llama_cpp": "llama-cpp-python"}

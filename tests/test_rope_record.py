@@ -37,6 +37,8 @@ MAY_READ = {
     "ctxext/serving/engines.py": "translates a written checkpoint's rope form per engine",
     "ctxext/verification/engine_rope.py": "builds the engines' rotary modules from a written checkpoint",
     "ctxext/serving/lengths.py": "derives each engine's length from a written config.json, as the engine reads it",
+    "ctxext/integrations/adapters.py": "compares a base's written rope parameters with an adapter's record, verbatim",
+    "ctxext/compare/serving.py": "records a planned row's source rope as written, as ctxext.yaml's source_rope does",
 }
 
 
@@ -192,7 +194,8 @@ def test_the_serving_form_compare_recommends_uses_the_full_attention_base(gemma3
     from ctxext.loading import load_config
 
     form = compare_form({"method": "yarn", "factor": 2.0}, load_config(str(gemma3 / "model")), 128)
-    assert form.rope_parameters["rope_theta"] == 1e6
+    written = form.rope_parameters  # nested by layer type where the method composes with Gemma 3's shipped linear
+    assert written.get("full_attention", written)["rope_theta"] == 1e6
 
 
 # ----------------------------------------------------------------------------- planning reads the model once

@@ -10,7 +10,7 @@ Stock Qwen2.5 needs no note: its config's 32768 is what its card's yarn x4 count
 
 from __future__ import annotations
 
-from .families import is_nested
+from .record import rope_record
 
 # model_type: (max_position_embeddings as shipped, the length the card's recipe counts from, the card's yarn factor)
 CARD_LENGTHS = {
@@ -27,10 +27,10 @@ def card_length_note(config, original_max_position_embeddings: int | None = None
     if entry is None or original_max_position_embeddings is not None:
         return None
     shipped_length, card_length, factor = entry
-    rope = getattr(config, "rope_parameters", None) or {}
-    if is_nested(rope) or rope.get("rope_type", "default") != "default":
+    record = rope_record(config)
+    if set(record.types) != {None} or record.full.rope_type != "default":
         return None  # a scaling is already written: its own L0 is recorded
-    if getattr(config, "max_position_embeddings", None) != shipped_length:
+    if record.max_position_embeddings != shipped_length:
         return None
     return (
         f"{config.model_type}'s config counts from its max_position_embeddings {shipped_length}, its model card's "

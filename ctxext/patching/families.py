@@ -615,8 +615,7 @@ def _probe_rotary(rotary: nn.Module, layer_type: str | None) -> tuple[str, int]:
     Anything else is a one-line CtxextError.
     """
     what = f"this rotary module computes positions in its own way: {type(rotary).__name__}"
-    name = "inv_freq" if layer_type is None else f"{layer_type}_inv_freq"
-    inv_freq = getattr(rotary, name, None)
+    inv_freq = getattr(rotary, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq", None)
     if not isinstance(inv_freq, torch.Tensor) or inv_freq.dim() != 1:
         raise CtxextError(f"{what} (no inv_freq buffer)")
     if inv_freq.is_meta:  # a model being loaded (its buffers not filled yet): the sizes and the output's form only
@@ -626,7 +625,6 @@ def _probe_rotary(rotary: nn.Module, layer_type: str | None) -> tuple[str, int]:
             out = _rotary_call(rotary, layer_type)
     except Exception as error:  # noqa: BLE001 - any failure of a foreign module means it is not the usual kind
         raise CtxextError(f"{what} ({type(error).__name__} when called as rotary_emb(x, position_ids))") from None
-    inv_freq = getattr(rotary, name)  # the call may swap the buffer before 5.23 (compat.py: longrope's inv_freq)
     angles = torch.arange(8, dtype=torch.float32)[:, None] * inv_freq.float().cpu()[None]
     if _is_complex_tensor(out):
         if _matches_complex(out, angles):
@@ -718,15 +716,15 @@ def _probe_sections(rotary: nn.Module, layout: str) -> tuple[int, ...]:
     return sections
 
 
-def _layer_rope_keys(config, layers: list) -> tuple[str, ...]:
+def _layer_rope_keys(config, modules: list) -> tuple[str, ...]:
     """Each layer's type as the key of the rope parameters it reads: `config.layer_types` (full_attention past their
     end), or where the layer's attention names the rope parameters it reads, that name (`rope_layer_type`: DeepSeek
     V4 keys them main and compress, not by its layer types; sliding layers read main, compressed ones compress)."""
     configured = list(getattr(config, "layer_types", None) or [])
     rope_parameters = getattr(config, "rope_parameters", None) or {}
     keys = []
-    for i, layer in enumerate(layers):
-        named = getattr(attention_of(layer), "rope_layer_type", None)
+    for i, module in enumerate(modules):  # each layer's attention module (`attention_of`), read once by the layout
+        named = getattr(module, "rope_layer_type", None)
         if isinstance(named, str) and is_nested(rope_parameters) and named in rope_parameters:
             keys.append(named)
         else:
@@ -801,8 +799,8 @@ def rope_layout(model: nn.Module) -> RopeLayout:
             "ctxext does not patch yet"
         )
     layers = _decoder_layers(host)
-    layer_types = _layer_rope_keys(config, layers)
     modules = [attention_of(layer) for layer in layers]
+    layer_types = _layer_rope_keys(config, modules)
     attention = tuple(module is not None for module in modules)
     uses_rope = tuple(module is not None and bool(getattr(module, "use_rope", True)) for module in modules)
     if per_base_rotaries(host) is not None:  # Granite SWA: a layer whose base is 0 applies no RoPE
