@@ -16,10 +16,20 @@ engines batch). Plain transformers' load of the same checkpoint rotates each req
 imports ctxext. A row is exact when max |dq| (and |dk|) <= 1e-4 (float32 rounding), approximate otherwise (max |dq|
 and where), fails with the error's last line. Each engine runs in a child process: a crash is one row.
 
-Output: --output/engine_parity.md (the table) and engine_parity.json (every scenario's max |dq|). The exit status is
+The composed forms (a second table): tiny models carrying the rope configurations real checkpoints ship (Llama 3.1's
+llama3 x8 and 3.2's x32, Qwen2.5/Qwen3 with the card's yarn x4, gpt-oss's yarn x32, Phi-4-mini's longrope with
+short != long factors and partial rotary: tests/test_shipped_context.SHAPES, at L0 = 32), `ctxext patch --method
+yarn --factor 2` (the method composed with the shipped scaling, written as a per-pair longrope over the shipped L0),
+then `ctxext export --engine vllm` and `--engine sglang`. The checkpoint as written is graded in both engines and
+each copy in its own engine, all against plain transformers' load of the patched checkpoint; L is the trained
+context C, and a prefill of L0 and of L0+1 tokens is added to the batches (a longrope's short set serves requests of
+at most L0 tokens).
+
+Output: --output/engine_parity.md (the tables) and engine_parity.json (every scenario's max |dq|). The exit status is
 1 when a row that ctxext/serving/engines.py documents as exact is not exact here, 2 when an engine could not run.
 
     .venv/bin/python benchmarks/engine_parity.py [--output DIR] [--engines vllm,sglang] [--cases linear,yarn]
+        [--shapes llama3.1,phi4-mini | none]
 """
 
 from __future__ import annotations
@@ -150,6 +160,18 @@ CASES = [
     Case("dynamic_ntk", "dynamic_ntk", ("--factor", "4"), "--factor 4"),
     Case("dynamic_ntk-no-flags", "dynamic_ntk", ("--factor", "4"), "--factor 4", after="no-flags"),
 ]
+
+
+# The shipped shapes whose composed form is graded (tests/test_shipped_context.SHAPES), and how the table names them.
+COMPOSED = {
+    "llama3.1": "Llama 3.1: llama3 x8",
+    "llama3.2": "Llama 3.2: llama3 x32",
+    "qwen2.5-card": "Qwen2.5 + card: yarn x4",
+    "qwen3-card": "Qwen3 + card: yarn x4",
+    "gpt-oss": "gpt-oss: yarn x32, truncate false",
+    "phi4-mini": "Phi-4-mini: longrope, short != long, partial 0.75",
+}
+COMPOSED_FLAGS = ("--method", "yarn", "--factor", "2")
 
 
 # ------------------------------------------------------------------------------------------- the wheels
@@ -305,6 +327,96 @@ def run(cases: list[Case], engines: tuple[str, ...], roots: dict, workdir: Path)
     return rows
 
 
+def write_composed(shape: str, folder: Path) -> dict:
+    """The tiny model of `shape` (tests/test_shipped_context.shipped), `ctxext patch` COMPOSED_FLAGS, and each
+    engine's `ctxext export --engine E` copy: {"patched": path, "vllm": path or the one-line refusal, ...}."""
+    from tests.helpers import save_tiny_checkpoint  # noqa: PLC0415 (the shapes' recipes live with their tests)
+    from tests.test_shipped_context import shipped  # noqa: PLC0415
+
+    source = save_tiny_checkpoint(folder / "source", shipped(shape))
+    patched = folder / "patched"
+    ctxext_cli("patch", source, "-o", patched, *COMPOSED_FLAGS)
+    written = {"patched": patched}
+    for engine in ENGINES:
+        try:
+            ctxext_cli("export", patched, "--engine", engine, "-o", folder / engine)
+            written[engine] = folder / engine
+        except RuntimeError as refusal:
+            written[engine] = str(refusal).strip().splitlines()[-1].split("error: ", 1)[-1]
+    return written
+
+
+def _rope_shown(checkpoint: Path) -> str:
+    rope = json.loads((checkpoint / "config.json").read_text())["rope_parameters"]
+    sets = "short = long" if rope.get("short_factor") == rope.get("long_factor") else "short != long"
+    return (
+        f"{rope['rope_type']} x{rope.get('factor', 1):g} over {rope.get('original_max_position_embeddings')}, {sets}"
+        + (f", mscale {rope['long_mscale']:.4f}" if "long_mscale" in rope else "")
+    )
+
+
+def run_composed(shapes: list[str], engines: tuple[str, ...], roots: dict, workdir: Path) -> list[dict]:
+    """One row per (shape, checkpoint, engine): the patched checkpoint as written in each engine, and each engine's
+    export copy in that engine, against plain transformers' load of the patched checkpoint."""
+    targets, rows = [], []
+    for shape in shapes:
+        written = write_composed(shape, workdir / "composed" / shape)
+        patched = written["patched"]
+        targets.append(target_for(patched, f"{shape}/as written"))
+        for engine in engines:
+            rows.append({"shape": shape, "checkpoint": "as written", "engine": engine, "id": f"{shape}/as written"})
+            rows[-1].update(form=_rope_shown(patched), documented=documented_level(patched, engine))
+        for engine in engines:
+            copy = written[engine]
+            row = {"shape": shape, "checkpoint": f"export --engine {engine}", "engine": engine}
+            if isinstance(copy, str):  # export refused: the engine's measurement is the as-written row's
+                rows.append({**row, "form": "-", "documented": f"refused: {copy}", "id": None})
+                continue
+            targets.append(target_for(copy, f"{shape}/{engine} copy", reference=patched))
+            rows.append({**row, "id": f"{shape}/{engine} copy", "form": _rope_shown(copy)})
+            rows[-1]["documented"] = documented_level(copy, engine)
+    findings = run_parity(targets, engines, workdir / "composed-runs", roots)
+    for row in rows:
+        if row["id"] is None:
+            row["measured"] = None
+        else:
+            row["measured"] = asdict(findings[row["id"]][row["engine"]])
+        row["L"] = next((t.L, t.L0) for t in targets if t.id.startswith(row["shape"] + "/"))
+    return rows
+
+
+def composed_disagreements(rows: list[dict]) -> list[str]:
+    """The composed rows whose measurement is not the level engines.py documents (exact, approximate, no), one line
+    each: an exact claim measured otherwise, or an approximate / no claim measured exact."""
+    lines = []
+    for row in rows:
+        if row["measured"] is None:
+            continue
+        documented, level = row["documented"], row["measured"]["level"]
+        if (documented == "exact") != (level == "exact") or (documented == "no" and level == "approximate"):
+            measured = Finding(**row["measured"]).describe()
+            lines.append(f"{row['shape']} {row['checkpoint']} on {row['engine']}: documented {documented}, {measured}")
+    return lines
+
+
+def composed_markdown(rows: list[dict]) -> str:
+    lines = [
+        "",
+        f"Composed forms: the shipped shape, `ctxext patch {' '.join(COMPOSED_FLAGS)}`, graded as written and as each "
+        "engine's `ctxext export --engine E` copy, against plain transformers' load of the patched checkpoint "
+        "(L = the trained context C; batches also at L0 and L0+1 tokens).",
+        "",
+        "| shipped shape | C, L0 | checkpoint | rope written | engine | documented | measured |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        measured = "-" if row["measured"] is None else Finding(**row["measured"]).describe()
+        cells = [COMPOSED[row["shape"]], f"{row['L'][0]}, {row['L'][1]}", row["checkpoint"], row["form"]]
+        cells += [row["engine"], row["documented"], measured]
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def broken_claims(rows: list[dict]) -> list[str]:
     """The rows engines.py documents as exact that did not measure exact, one line each."""
     return [
@@ -342,7 +454,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", default=str(REPO / "outputs" / "engine_parity"), help="where the table goes")
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated: vllm,sglang")
-    parser.add_argument("--cases", help="comma-separated case names (default: all)")
+    parser.add_argument("--cases", help="comma-separated case names (default: all; none: only the composed forms)")
+    parser.add_argument("--shapes", help=f"comma-separated composed shapes (default: all; none): {', '.join(COMPOSED)}")
     args = parser.parse_args()
     import transformers
 
@@ -350,6 +463,7 @@ def main() -> int:
     transformers.utils.logging.disable_progress_bar()
     engines = tuple(e for e in args.engines.split(",") if e)
     cases = [c for c in CASES if args.cases is None or c.name in args.cases.split(",")]
+    shapes = [s for s in COMPOSED if args.shapes is None or s in args.shapes.split(",")]
     roots, fetched = {}, {}
     for engine in engines:
         roots[engine] = str(fetch_root(engine))
@@ -363,11 +477,13 @@ def main() -> int:
             print(f"  stub {module}: {why}")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="engine-parity-") as scratch:
-        rows = run(cases, engines, roots, Path(scratch))
+        rows = run(cases, engines, roots, Path(scratch)) if cases else []
+        composed = run_composed(shapes, engines, roots, Path(scratch)) if shapes else []
     seconds = time.perf_counter() - start
     versions = ", ".join(f"{'vLLM' if e == 'vllm' else 'SGLang'} {ENGINE_VERSIONS[e]} (wheel)" for e in engines)
     command = "python benchmarks/engine_parity.py" + ("" if args.cases is None else f" --cases {args.cases}")
-    table = markdown(rows, versions, command)
+    command += "" if args.shapes is None else f" --shapes {args.shapes}"
+    table = markdown(rows, versions, command) + (composed_markdown(composed) if composed else "")
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     (output / "engine_parity.md").write_text(table)
@@ -377,17 +493,22 @@ def main() -> int:
         "stubs": STUBS,
         "seconds": round(seconds, 1),
         "rows": rows,
+        "composed_rows": composed,
     }
     (output / "engine_parity.json").write_text(json.dumps(report, indent=2) + "\n")
     print(table)
-    print(f"{len(rows)} rows in {seconds:.0f} s; written to {output}")
-    if any(m["level"] == "not run" for row in rows for m in row["measured"].values()):
+    print(f"{len(rows)} + {len(composed)} composed rows in {seconds:.0f} s; written to {output}")
+    not_run = [m for row in rows for m in row["measured"].values()] + [r["measured"] for r in composed if r["measured"]]
+    if any(m["level"] == "not run" for m in not_run):
         print("an engine did not run (see the table)", file=sys.stderr)
         return 2
     broken = broken_claims(rows)
     for line in broken:
         print(f"NOT EXACT: {line}", file=sys.stderr)
-    return 1 if broken else 0
+    disagreements = composed_disagreements(composed)
+    for line in disagreements:
+        print(f"NOT AS DOCUMENTED: {line}", file=sys.stderr)
+    return 1 if broken or any("documented exact" in line for line in disagreements) else 0
 
 
 if __name__ == "__main__":

@@ -75,6 +75,33 @@ def test_the_documented_levels_hold_under_the_engines_own_rotary_code(script, tm
         assert measured("dynamic_ntk-no-flags", "vllm")["error"].startswith("IndexError")
 
 
+@pytest.mark.engines
+def test_the_composed_forms_hold_their_documented_levels_under_the_engines_own_rotary_code(script, tmp_path):
+    """Llama 3.1's llama3 x8, the Qwen3 card's yarn x4, gpt-oss's yarn x32 and Phi-4-mini's longrope, each patched
+    with yarn x2 (the composed longrope over the shipped L0): each export copy in its own engine measures what
+    engines.py says of it (exact, Phi-4's short != long sets approximate where transformers' short set serves a
+    request of L0 tokens), and the patched checkpoint as written too (SGLang off at position L0 only, vLLM's gpt_oss
+    code failing on the beta keys it reads, vLLM refused by export there)."""
+    roots = engine_roots(script)
+    shapes = ["llama3.1", "qwen3-card", "gpt-oss", "phi4-mini"]
+    rows = {
+        (r["shape"], r["checkpoint"], r["engine"]): r for r in script.run_composed(shapes, ENGINES, roots, tmp_path)
+    }
+    assert script.composed_disagreements(list(rows.values())) == []
+    level = lambda shape, checkpoint, engine: rows[shape, checkpoint, engine]["measured"]["level"]  # noqa: E731
+    for shape in ("llama3.1", "qwen3-card", "gpt-oss"):
+        assert level(shape, "export --engine sglang", "sglang") == "exact"
+        as_written = rows[shape, "as written", "sglang"]["measured"]
+        assert as_written["where"] == "position 32 (prefill of L0+1 tokens)", as_written
+    for shape in ("llama3.1", "qwen3-card"):
+        assert level(shape, "export --engine vllm", "vllm") == level(shape, "as written", "vllm") == "exact"
+    assert rows["gpt-oss", "export --engine vllm", "vllm"]["documented"].startswith("refused: ")
+    assert rows["gpt-oss", "as written", "vllm"]["measured"]["error"] == "KeyError: 'beta_fast'"
+    for engine, where in (("vllm", "prefill of L0 tokens"), ("sglang", "prefill of L0+1 tokens")):
+        phi = rows["phi4-mini", f"export --engine {engine}", engine]["measured"]
+        assert phi["level"] == "approximate" and phi["where"].endswith(f"({where})"), phi
+
+
 def test_linear_factor_4_is_written_as_a_float_the_engines_load(script, tmp_path, capsys, monkeypatch):
     """`ctxext patch --method linear --factor 4` writes 4.0 (vLLM's and SGLang's linear rope take an int for a list
     and fail). Where the wheels are cached (else that half is skipped), `ctxext export --check` with the engines

@@ -180,7 +180,33 @@ def vllm_builder():
                 max_position=config.max_position_embeddings,
                 rope_parameters=config.rope_parameters,
             )
-        else:  # vllm/model_executor/models/llama.py: LlamaDecoderLayer, LlamaAttention._init_rotary_emb
+        elif config.model_type == "qwen3":  # vllm/model_executor/models/qwen3.py: Qwen3DecoderLayer, Qwen3Attention
+            set_default_rope_theta(config, default_theta=1000000)
+            rope = rotary_embedding.get_rope(
+                _head_dim(config),
+                max_position=config.max_position_embeddings,
+                rope_parameters=config.rope_parameters,
+                dual_chunk_attention_config=getattr(config, "dual_chunk_attention_config", None),
+            )
+        elif config.model_type == "gpt_oss":  # vllm/model_executor/models/gpt_oss.py: OAIAttention builds yarn
+            parameters = config.rope_parameters
+            rope = rotary_embedding.get_rope(
+                config.head_dim,
+                max_position=config.max_position_embeddings,
+                dtype=torch.float32,
+                rope_parameters={
+                    "rope_theta": parameters["rope_theta"],
+                    "rope_type": "yarn",
+                    "factor": parameters["factor"],
+                    "original_max_position_embeddings": parameters["original_max_position_embeddings"],
+                    "beta_fast": parameters["beta_fast"],
+                    "beta_slow": parameters["beta_slow"],
+                    "truncate": parameters.get("truncate", True),
+                },
+                is_neox_style=True,
+            )
+        else:  # vllm/model_executor/models/llama.py: LlamaDecoderLayer, LlamaAttention._init_rotary_emb (phi3.py's
+            # Phi3ForCausalLM is LlamaForCausalLM; its partial_rotary_factor is in rope_parameters after get_config)
             rope = rotary_embedding.get_rope(
                 _head_dim(config),
                 max_position=getattr(config, "max_position_embeddings", 8192),
@@ -206,20 +232,24 @@ def sglang_builder():
             rope_theta, rope_scaling = rope_parameters.get("rope_theta", 10000), rope_parameters
         else:
             rope_theta, rope_scaling = getattr(config, "rope_theta", 10000), getattr(config, "rope_scaling", None)
-        llama_reads_top_level_l = config.model_type != "qwen2" and rope_scaling is not None
+        # llama.py (LlamaForCausalLM, and Phi3ForCausalLM, its subclass) reads the top-level L and partial rotary
+        # factor; qwen2.py, qwen3.py and gpt_oss.py (GptOssDecoderLayer: config.rope_parameters) rotate the whole head
+        own_code = config.model_type in ("qwen2", "qwen3", "gpt_oss")
+        llama_reads_top_level_l = not own_code and rope_scaling is not None
         if llama_reads_top_level_l and getattr(config, "original_max_position_embeddings", None):
             rope_scaling["original_max_position_embeddings"] = config.original_max_position_embeddings
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary_dim = (
-            head_dim if config.model_type == "qwen2" else int(getattr(config, "partial_rotary_factor", 1) * head_dim)
-        )
+        rotary_dim = head_dim if own_code else int(getattr(config, "partial_rotary_factor", 1) * head_dim)
+        defaults = {"qwen3": (1000000, 32768), "gpt_oss": (10000, 8192)}.get(config.model_type, (10000, 8192))
+        if config.model_type == "qwen3" and rope_parameters is None:
+            rope_theta = getattr(config, "rope_theta", defaults[0])
         rope = factory.get_rope(
             head_dim,
             rotary_dim=rotary_dim,
-            max_position=getattr(config, "max_position_embeddings", 8192),
+            max_position=getattr(config, "max_position_embeddings", defaults[1]),
             base=rope_theta,
             rope_scaling=rope_scaling,
-            is_neox_style=getattr(config, "rope_is_neox_style", True),
+            is_neox_style=True if own_code else getattr(config, "rope_is_neox_style", True),
         )
         return _torch_path(rope)
 
@@ -231,7 +261,7 @@ def transformers_builder():
     checkpoint's model class, a fresh one per request (its dynamic and longrope state are per sequence)."""
 
     def build(job: dict):
-        config = AutoConfig.from_pretrained(job["checkpoint"])
+        config = AutoConfig.from_pretrained(job.get("reference") or job["checkpoint"])
         modeling = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
         prefix = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type].removesuffix("ForCausalLM")
         rotary_class = getattr(modeling, f"{prefix}RotaryEmbedding")
@@ -321,9 +351,11 @@ class Scenario:
     requests: tuple[tuple[int, int], ...]
 
 
-def scenarios(L: int, length: int) -> list[Scenario]:
+def scenarios(L: int, length: int, L0: int | None = None) -> list[Scenario]:
     """The batches every job rotates: below L, at L and L+1 (the first positions past it), at 3L (or the last served
-    position), and a short request batched beside a long one; those within the served length."""
+    position), and a short request batched beside a long one; those within the served length. Where the rope counts
+    from a shorter L0 than L (a composed form: the shipped scaling's own original length, below the trained context),
+    a prefill of L0 and of L0+1 tokens too (a longrope's short set serves requests of at most L0 tokens)."""
     far = min(3 * L, length - 1)
     half = L // 2
     batches = [
@@ -336,6 +368,8 @@ def scenarios(L: int, length: int) -> list[Scenario]:
         Scenario("prefill of L/2 beside a decode at 3L", ((0, half), (far, far + 1))),
         Scenario("decode at L/2 beside a decode at L+1", ((half, half + 1), (L + 1, L + 2))),
     ]
+    if L0 is not None and L0 < L:
+        batches += [Scenario("prefill of L0 tokens", ((0, L0),)), Scenario("prefill of L0+1 tokens", ((0, L0 + 1),))]
     return [batch for batch in batches if max(end for _, end in batch.requests) <= length]
 
 
@@ -366,11 +400,15 @@ class Target:
     checkpoint: str
     L: int
     serving: dict  # engine -> {"length": N, "hf_overrides": {...}}
+    L0: int | None = None  # the rope's own original length, where it is below L (a composed form's shipped L0)
+    reference: str = ""  # the checkpoint plain transformers loads as the reference ("": this one)
 
 
-def target_for(checkpoint, id: str | None = None, flags: bool = True) -> Target:
-    """The target for a checkpoint ctxext wrote: L from its ctxext.yaml, each engine started as `ctxext export`
-    prints (flags=False: with only the context length, none of the printed overrides)."""
+def target_for(checkpoint, id: str | None = None, flags: bool = True, reference=None) -> Target:
+    """The target for a checkpoint ctxext wrote: L from its ctxext.yaml, L0 the smallest rope original length below
+    it (config.json's or ctxext.yaml's: an export copy may have moved its own), each engine started as `ctxext
+    export` prints (flags=False: with only the context length, none of the printed overrides); `reference`: the
+    checkpoint plain transformers loads instead (an export copy against the checkpoint it was exported from)."""
     from ..serving.engines import read_served_model, serving  # noqa: PLC0415 (this file also runs as a script outside the package; only the parent needs ctxext.serving.engines)
 
     model = read_served_model(checkpoint)
@@ -383,7 +421,14 @@ def target_for(checkpoint, id: str | None = None, flags: bool = True) -> Target:
     for engine in ENGINES:
         serve = serving(model, engine)
         settings[engine] = {"length": serve.length, "hf_overrides": serve.hf_overrides if flags else {}}
-    return Target(id or Path(checkpoint).name, str(checkpoint), L, settings)
+    ropes = [model.rope_parameters, (model.record or {}).get("rope_parameters")]
+    lengths = [
+        int(rope["original_max_position_embeddings"])
+        for rope in ropes
+        if isinstance(rope, dict) and isinstance(rope.get("original_max_position_embeddings"), int)
+    ]
+    L0 = min([n for n in lengths if n < L], default=None)
+    return Target(id or Path(checkpoint).name, str(checkpoint), L, settings, L0, str(reference or ""))
 
 
 def _write_inputs(target: Target, stem: Path) -> list[Scenario]:
@@ -392,7 +437,7 @@ def _write_inputs(target: Target, stem: Path) -> list[Scenario]:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     length = min(settings["length"] for settings in target.serving.values())
-    batches = scenarios(target.L, length)
+    batches = scenarios(target.L, length, target.L0)
     generator = torch.Generator().manual_seed(0)
     inputs = {}
     for scenario in batches:
@@ -478,6 +523,7 @@ def run_parity(
             {
                 "id": target.id,
                 "checkpoint": target.checkpoint,
+                "reference": target.reference,
                 "serving": target.serving,
                 "stem": str(stem),
                 "inputs": str(stem) + ".inputs.pt",
