@@ -30,8 +30,8 @@ from .takes_effect import interface_bypass
 
 FULL = "full_attention"  # transformers' name of a layer that attends to every earlier token
 SECTIONS = 3  # multimodal RoPE's position sections: temporal, height, width
-# rope_parameters keys that belong to the family rather than to a rope type: Ministral 3's query temperature, and
 SECTION_NAMES = ("temporal", "height", "width")
+# rope_parameters keys that belong to the family rather than to a rope type: Ministral 3's query temperature, and
 # how a multimodal rotary splits its pairs among the position sections (Qwen3.5). A patch keeps them.
 FAMILY_ROPE_KEYS = ("llama_4_scaling_beta", "mrope_section", "mrope_interleaved")
 
@@ -615,7 +615,8 @@ def _probe_rotary(rotary: nn.Module, layer_type: str | None) -> tuple[str, int]:
     Anything else is a one-line CtxextError.
     """
     what = f"this rotary module computes positions in its own way: {type(rotary).__name__}"
-    inv_freq = getattr(rotary, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq", None)
+    name = "inv_freq" if layer_type is None else f"{layer_type}_inv_freq"
+    inv_freq = getattr(rotary, name, None)
     if not isinstance(inv_freq, torch.Tensor) or inv_freq.dim() != 1:
         raise CtxextError(f"{what} (no inv_freq buffer)")
     if inv_freq.is_meta:  # a model being loaded (its buffers not filled yet): the sizes and the output's form only
@@ -625,6 +626,7 @@ def _probe_rotary(rotary: nn.Module, layer_type: str | None) -> tuple[str, int]:
             out = _rotary_call(rotary, layer_type)
     except Exception as error:  # noqa: BLE001 - any failure of a foreign module means it is not the usual kind
         raise CtxextError(f"{what} ({type(error).__name__} when called as rotary_emb(x, position_ids))") from None
+    inv_freq = getattr(rotary, name)  # the call may swap the buffer before 5.23 (compat.py: longrope's inv_freq)
     angles = torch.arange(8, dtype=torch.float32)[:, None] * inv_freq.float().cpu()[None]
     if _is_complex_tensor(out):
         if _matches_complex(out, angles):

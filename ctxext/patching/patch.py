@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from .families import (
     language_model_of,
     latent_attention_scale,
     layer_rope_parameters,
+    layer_rotaries,
     own_partial_rotary_factor,
     per_base_rotaries,
     rope_layout,
@@ -42,7 +44,7 @@ from .families import (
     rotary_host,
 )
 from .mrope_axes import axis_selective, describe_sections, parse_sections
-from .record import RopeRecord, host_rope_record, model_rope_record
+from .record import SOURCE_KEY, RopeRecord, host_rope_record, model_rope_record, recorded_source, rope_record
 from .rope_types import (
     keeps_p_rope,
     longrope_form,
@@ -136,6 +138,7 @@ def apply_plan(plan: PatchPlan) -> None:
     scaled.to(rotary_device(host))
     host.rotary_emb = scaled
     undo.per_base_rotaries = replace_per_base_rotaries(host, scaled)
+    undo.layer_rotaries = replace_layer_rotaries(host, scaled)
     if layout.latent_attention:  # the softmax scale MLA attention computed from the rope parameters at build time
         undo.latent_attention_scales = rescale_latent_attention(host, host.config)
     record_attention_in_config(
@@ -151,7 +154,9 @@ def _write_config(plan: PatchPlan) -> PatchUndo:
         copy.deepcopy(config.rope_parameters),
         config.max_position_embeddings,
         copy.deepcopy(getattr(config, CONFIG_KEY, None)),
+        source_rope=copy.deepcopy(getattr(config, SOURCE_KEY, None)),
     )
+    setattr(config, SOURCE_KEY, recorded_source(config) or shipped_rope(plan.host))  # before ctxext's first change
     config.rope_parameters = copy.deepcopy(with_written(config.rope_parameters, plan.written))
     config.max_position_embeddings = plan.max_position_embeddings
     if hasattr(config, "original_max_position_embeddings"):
@@ -279,8 +284,7 @@ def plan_patch(
     """Everything `patch` decides before it changes anything, or the one-line CtxextError that refuses it.
     Reads the model's modules and config only, so it also answers for a model built on the meta device."""
     host = rotary_host(model)
-    layout = rope_layout(host)
-    record = host_rope_record(host)
+    layout, record, from_source = _rope_to_patch(host, replace_shipped, original_max_position_embeddings)
     chosen = layout.select_types(layer_types)
     keys = chosen or (None,)
     spec = get_method(method)
@@ -317,6 +321,7 @@ def plan_patch(
     )
     length_asked = target_length is not None or method_params.factor != 1.0
     new_context, note = _declared_context(written, shipped, record, attention, L, method_params.factor, length_asked)
+    note += from_source
     return PatchPlan(
         *(host, layout, record, ext, chosen, spec, method_params, L, attention, layers, native_temperature),
         *(written, shipped, tuple(composed_written), new_context, left_alone, note, _part_patched(model) + on_sections),
@@ -335,6 +340,33 @@ def _on_mrope_sections(layout: RopeLayout, ext: Extension, spec, method_params, 
     spec, method_params = axis_selective(layout, spec, method_params, L, sections)
     note = f", {asked} on the {describe_sections(sections)} sections only (per-pair longrope; the others as trained)"
     return spec, method_params, note
+
+
+def _part_patched(model: nn.Module) -> str:
+    """' (the language model of qwen2_vl)' where `model` is a composite model whose language model is patched."""
+    language_model = language_model_of(model)
+    return f" (the language model of {model.config.model_type})" if language_model is not None else ""
+
+
+def _rope_to_patch(host: nn.Module, replace, given_L) -> tuple[RopeLayout, RopeRecord, str]:
+    """(layout, record, a note for `describe`) of the rope a patch starts from: the model's as it is or, where the
+    patch replaces what the model has (`replace_shipped`, or an explicit L other than its C) and the config records
+    the rope from before ctxext changed it (SOURCE_KEY: a checkpoint ctxext wrote, reloaded), that one's base and
+    L0, so that ntk x4 then ntk x2 replacing it is ntk x2 on the source (C stays what the model serves now, so a
+    shorter result is still said). Without it, the raised base a native form wrote would read as the model's own,
+    and the new base change would go on top of the old one."""
+    layout, record = rope_layout(host), host_rope_record(host)
+    source = recorded_source(host.config)
+    replacing = bool(replace) or (given_L is not None and given_L != record.trained_context)
+    before = rope_record(host.config, source) if source is not None and replacing else record
+    if before == record:
+        return layout, record, ""
+    before = dataclasses.replace(before, trained_context=max(before.trained_context, record.trained_context))
+    note = (
+        f"; replaces the patch ctxext recorded ({SOURCE_KEY}) and starts from the rope from before it "
+        f"({before.describe()}), not from the {record.trained_context} tokens the model serves now"
+    )
+    return dataclasses.replace(layout, bases={key: before.of(key).base for key in layout.bases}), before, note
 
 
 def _declared_context(written, shipped, record, attention, L: int, factor: float, length_asked: bool):
@@ -372,12 +404,6 @@ def remap_reach_note(method: str, remap: RemapParams | None, L: int, reach, decl
     )
 
 
-def _part_patched(model: nn.Module) -> str:
-    """' (the language model of qwen2_vl)' where `model` is a composite model whose language model is patched."""
-    language_model = language_model_of(model)
-    return f" (the language model of {model.config.model_type})" if language_model is not None else ""
-
-
 def _extension_and_params(
     record: RopeRecord, layout: RopeLayout, spec: Method, keys: tuple, factor, target_length, given_L, replace, params
 ) -> tuple[Extension, MethodParams]:
@@ -388,11 +414,36 @@ def _extension_and_params(
     ext = extension(record, spec, given, keys, remaps, given_L, replace)
     method_params = spec.make_params(factor=factor_for(target_length, factor, ext.original_length), **params)
     if ext.composed and layout.latent_attention:
+        return _latent_attention_yarn(record, spec, ext.composed, method_params, params)
+    return ext, method_params
+
+
+# What a yarn over L0 in place of a shipped yarn keeps of it unless given: its ramp, and DeepSeek's temperature
+# (mscale on cos/sin, mscale_all_dim in the softmax scale MLA attention builds from the rope parameters)
+LATENT_YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def _latent_attention_yarn(record: RopeRecord, spec: Method, keys: tuple, method_params, params: dict):
+    """(Extension, parameters) of yarn x s on multi-head latent attention that shipped a yarn (DeepSeek V3, Kimi K2:
+    yarn x40 over L0 4096, C 163840): one yarn over L0 at factor s C / L0 replaces the shipped one, keeping its
+    LATENT_YARN_KEYS unless given; that is DeepSeek's own form, whose softmax scale the family's attention derives
+    from the written factor, so a reload computes what the patch does. It is not yarn x s composed with the shipped
+    frequencies (their ramps differ: docs/guides/methods.md, 'DeepSeek V3 / Kimi K2'), and the line says so. Any
+    other method there is refused: its composed per-pair form cannot carry that softmax scale."""
+    shipped = [record.of(key) for key in keys]
+    if spec.name != "yarn" or any(rope.rope_type != "yarn" for rope in shipped):
         raise CtxextError(
             f"{spec.name} does not compose with the shipped {record.full.describe()} of multi-head latent attention "
-            "(its softmax scale is built from the shipped yarn's factor); use --replace-shipped"
+            "(its softmax scale is built from the shipped yarn's factor); use yarn, which extends it as one yarn "
+            "over L0, or --replace-shipped"
         )
-    return ext, method_params
+    C, L0, kept = record.trained_context, record.original_length, shipped[0].parameters
+    given = {**{name: kept[name] for name in LATENT_YARN_KEYS if name in kept}, **params}
+    how = (
+        f"over L0 = {L0} replaces the shipped {shipped[0].describe()} (x{method_params.factor:g} of C = {C}; on "
+        "multi-head latent attention yarn extends a shipped yarn as one yarn over L0, not composed with it)"
+    )
+    return Extension(L0, (), how), spec.make_params(factor=method_params.factor * C / L0, **given)
 
 
 def _split_query_temperature(record: RopeRecord, keys: tuple, beta: float | None) -> tuple[float | None, float | None]:
@@ -622,6 +673,17 @@ def replace_per_base_rotaries(host: nn.Module, scaled: nn.Module) -> list:
     return replaced
 
 
+def replace_layer_rotaries(host: nn.Module, scaled: nn.Module) -> list:
+    """Put `scaled` in place of each rotary module inside the layers (`families.layer_rotaries`: DeepSeek V4's
+    compressors and indexers, which `rope_layout` has checked hold the base model's frequencies), so that every
+    rope position the model computes is scaled alike; [(parent, name, the module replaced)] for `unpatch`."""
+    replaced = []
+    for _, parent, name, module in layer_rotaries(host):
+        replaced.append((parent, name, module))
+        setattr(parent, name, scaled)
+    return replaced
+
+
 def restore_per_base_rotaries(host: nn.Module, replaced: list) -> None:
     """Undo `replace_per_base_rotaries`."""
     modules = per_base_rotaries(host)
@@ -652,12 +714,18 @@ def unpatch(model: nn.Module) -> nn.Module:
         host.rotary_emb = scaled.original
         undo = scaled.undo
         restore_per_base_rotaries(host, undo.per_base_rotaries)
+        for parent, name, module in undo.layer_rotaries:
+            setattr(parent, name, module)
         host.config.rope_parameters = undo.rope_parameters
         host.config.max_position_embeddings = undo.max_position_embeddings
         if undo.has_top_level_original_length:
             host.config.original_max_position_embeddings = undo.original_max_position_embeddings
         for module, scale in undo.latent_attention_scales:
             module.scaling = scale
+        if undo.source_rope is not None:
+            setattr(host.config, SOURCE_KEY, undo.source_rope)
+        elif hasattr(host.config, SOURCE_KEY):
+            delattr(host.config, SOURCE_KEY)
         saved_attention = undo.attention
         if saved_attention is not None:
             setattr(host.config, CONFIG_KEY, saved_attention)
