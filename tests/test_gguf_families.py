@@ -128,7 +128,12 @@ def test_each_architecture_gets_the_rope_keys_and_copies_everything_else(tmp_pat
         ("base", "olmo2", ["--method", "ntk"], "olmo2 rotates its sliding layers at the file's freq_base"),
         ("layer_types", "gemma3", ["--method", "yarn", "--layer-types", "all"], "full-attention layers only"),
         ("layer_types", "gemma2", ["--method", "yarn", "--layer-types", "full"], "scales every layer"),
-        ("phi3_longrope", "phi3", ["--method", "yarn"], "cannot be extended exactly in llama.cpp: the file ships longrope.s two factor sets"),
+        (
+            "phi3_longrope",
+            "phi3",
+            ["--method", "yarn"],
+            "cannot be extended exactly in llama.cpp: the file ships longrope.s two factor sets",
+        ),
         ("unknown", "gptneox", ["--method", "yarn"], "'gptneox' model; ctxext supports .*gemma3.*smollm3"),
     ],
 )
