@@ -8,10 +8,14 @@ import warnings
 
 import pytest
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
 
 from ctxext.cli import main
 from tests.family_models import _values, build
+from tests.helpers import VLM_TEXT_ROPE, save_tiny_checkpoint, tiny_vlm
 
 EVERY = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
@@ -63,4 +67,36 @@ def test_methods_and_patch_give_a_patch_or_one_line(model_type, tmp_path, capsys
         ["patch", tmp_path / "in", "--method", "yarn", "--factor", "2", "-o", tmp_path / "out"], capsys
     )
     if kind == "model" and "yarn          applies" in described:  # what methods says applies, patch writes
+        assert code == 0 and (tmp_path / "out" / "config.json").is_file(), told
+
+
+# Image-text-to-text types that are not causal LMs (the vision-language models): the same promise. The four MRoPE
+# families tests/helpers.py builds small are written with weights; the others as their config alone.
+EVERY_IMAGE_TEXT = sorted(set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES) - set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+
+
+def _vlm_checkpoint(model_type: str, folder) -> str:
+    if model_type in VLM_TEXT_ROPE:
+        save_tiny_checkpoint(folder, tiny_vlm(model_type))
+        return "model"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            CONFIG_MAPPING[model_type]().save_pretrained(folder)
+            return "config"
+        except Exception:  # noqa: BLE001 - a type whose default config does not build: its bare type
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+            return "bare"
+
+
+@pytest.mark.slow  # `make test-slow`: every image-text-to-text type, described and patched
+@pytest.mark.parametrize("model_type", EVERY_IMAGE_TEXT)
+def test_vision_language_types_give_a_patch_or_one_line(model_type, tmp_path, capsys):
+    kind = _vlm_checkpoint(model_type, tmp_path / "in")
+    _one_line_or_success(["methods", "--model", tmp_path / "in"], capsys)
+    code, told = _one_line_or_success(
+        ["patch", tmp_path / "in", "--method", "yarn", "--factor", "2", "-o", tmp_path / "out"], capsys
+    )
+    if kind == "model":  # the MRoPE families ctxext patches: the checkpoint is written
         assert code == 0 and (tmp_path / "out" / "config.json").is_file(), told
