@@ -27,7 +27,7 @@ from ..methods import compute_inv_freq, get_method
 from ..methods.remapping import RemapParams
 from ..outputs import atomic_output_dir, check_output_dir
 from ..patching.families import is_nested, own_partial_rotary_factor
-from .forms import for_engines, rope_form, with_both_spellings, with_family_keys
+from .forms import for_engines, rope_form, text_config_of, with_both_spellings, with_family_keys, with_text_config
 from .gguf import composition_refusal, describe, gguf_rope, is_gguf, read_gguf, self_extend_flags
 
 ENGINES = ("transformers", "vllm", "sglang", "llama.cpp")
@@ -171,12 +171,6 @@ def read_served_model(path) -> ServedModel:
     return ServedModel(
         path, "checkpoint", config.get("model_type", "?"), dict(rope), text.get("ctxext_attention"), record, config
     )
-
-
-def text_config_of(config: dict) -> dict:
-    """The part of a config.json dict that holds the rope and the lengths: a vision-language model's text_config,
-    else the whole config."""
-    return config["text_config"] if isinstance(config.get("text_config"), dict) else config
 
 
 def declared_max_position_embeddings(model: ServedModel) -> int:
@@ -719,9 +713,7 @@ def _verdict_of_copy(model: ServedModel, engine: str, rope: dict, extra: dict, h
 
 def _config_with(config: dict, rope: dict, extra: dict) -> dict:
     """config.json with `rope` in both spellings and the `extra` keys, in a vision-language model's text_config."""
-    if text_config_of(config) is config:
-        return {**with_both_spellings(config, rope), **extra}
-    return {**config, "text_config": {**with_both_spellings(config["text_config"], rope), **extra}}
+    return with_text_config(config, {**with_both_spellings(text_config_of(config), rope), **extra})
 
 
 def _longrope_switch_past(form, spec, params, model: ServedModel, L: int, base: float) -> tuple[dict, dict, str]:

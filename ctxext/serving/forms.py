@@ -212,6 +212,17 @@ def with_family_keys(form: RopeForm, rope_parameters: dict) -> RopeForm:
     return dataclasses.replace(form, rope_parameters={**form.rope_parameters, **kept}) if kept else form
 
 
+def text_config_of(config: dict) -> dict:
+    """The part of a config.json dict that holds the rope and the lengths: a vision-language model's text_config,
+    else the whole config."""
+    return config["text_config"] if isinstance(config.get("text_config"), dict) else config
+
+
+def with_text_config(config: dict, text: dict) -> dict:
+    """`config` with the part `text_config_of` returns replaced by `text`."""
+    return {**config, "text_config": text} if text_config_of(config) is not config else text
+
+
 def write_config_for_serving(model, folder, format: str = "native") -> RopeForm:
     """Rewrite `folder`/config.json, just written by `model.save_pretrained`, with the model's rope form in both
     spellings. The caller writes `folder` atomically; this only replaces one file inside it."""
@@ -219,13 +230,11 @@ def write_config_for_serving(model, folder, format: str = "native") -> RopeForm:
     path = Path(folder) / "config.json"
     written = json.loads(path.read_text())
     # a vision-language model keeps its language model's rope in text_config
-    composite = isinstance(written.get("text_config"), dict)
-    config = written["text_config"] if composite else written
+    config = text_config_of(written)
     if is_nested(form.rope_parameters):  # no 4.x spelling nests by layer type: transformers 5's form alone
         require_base(form.rope_parameters)
         config["rope_parameters"] = with_float_numbers(form.rope_parameters)
     else:
         config = with_both_spellings(config, form.rope_parameters)
-    written = {**written, "text_config": config} if composite else config
-    path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    path.write_text(json.dumps(with_text_config(written, config), indent=2, sort_keys=True) + "\n")
     return form

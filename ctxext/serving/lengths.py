@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from ..errors import CtxextError
 from ..patching.families import is_nested
 from .engines import GGUF_ARCH
+from .forms import text_config_of
 
 # the source read for each engine's rules (see the module's text)
 READ = {"vllm": "vLLM 18ec6629", "sglang": "SGLang 2aa2e2d0", "llama.cpp": "llama.cpp 0024aa74, fb402660"}
@@ -106,7 +107,7 @@ def engine_lengths(config: dict, target: int) -> list[EngineLength]:
 # ------------------------------------------------------------------------- config.json as transformers 5 loads it
 def load(config: dict) -> Loaded:
     """`Loaded` of a config.json dict."""
-    values = {**config, **config["text_config"]} if isinstance(config.get("text_config"), dict) else dict(config)
+    values = {**config, **text_config_of(config)}
     model_type = str(values.get("model_type") or "")
     return Loaded(model_type, values, standardized_rope(values, model_type))
 
