@@ -79,9 +79,10 @@ def test_the_documented_levels_hold_under_the_engines_own_rotary_code(script, tm
 def test_the_composed_forms_hold_their_documented_levels_under_the_engines_own_rotary_code(script, tmp_path):
     """Llama 3.1's llama3 x8, the Qwen3 card's yarn x4, gpt-oss's yarn x32 and Phi-4-mini's longrope, each patched
     with yarn x2 (the composed longrope over the shipped L0): each export copy in its own engine measures what
-    engines.py says of it (exact, Phi-4's short != long sets approximate where transformers' short set serves a
-    request of L0 tokens), and the patched checkpoint as written too (SGLang off at position L0 only, vLLM's gpt_oss
-    code failing on the beta keys it reads, vLLM refused by export there)."""
+    engines.py says of it (exact; Phi-4's short != long sets refused by export, and approximate with
+    --allow-approximate where transformers' short set serves a request of L0 tokens), and the patched checkpoint as
+    written too (SGLang off at position L0 only, vLLM's gpt_oss code failing on the beta keys it reads, vLLM refused
+    by export there)."""
     roots = engine_roots(script)
     shapes = ["llama3.1", "qwen3-card", "gpt-oss", "phi4-mini"]
     rows = {
@@ -98,7 +99,8 @@ def test_the_composed_forms_hold_their_documented_levels_under_the_engines_own_r
     assert rows["gpt-oss", "export --engine vllm", "vllm"]["documented"].startswith("refused: ")
     assert rows["gpt-oss", "as written", "vllm"]["measured"]["error"] == "KeyError: 'beta_fast'"
     for engine, where in (("vllm", "prefill of L0 tokens"), ("sglang", "prefill of L0+1 tokens")):
-        phi = rows["phi4-mini", f"export --engine {engine}", engine]["measured"]
+        assert "--allow-approximate" in rows["phi4-mini", f"export --engine {engine}", engine]["documented"]
+        phi = rows["phi4-mini", f"export --engine {engine} --allow-approximate", engine]["measured"]
         assert phi["level"] == "approximate" and phi["where"].endswith(f"({where})"), phi
 
 

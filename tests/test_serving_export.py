@@ -196,7 +196,9 @@ def test_engine_vllm_rewrites_a_ctxext_format_checkpoint_in_its_native_form(tmp_
 def test_engine_sglang_writes_the_dual_chunk_config_for_qwen2(tmp_path, capsys):
     model = patched(tmp_path, "qwen2", "dca", "dual_chunk", chunk_size=48, local_window=8)
     out = tmp_path / "for-sglang"
-    code, rows, _, err = table(tmp_path, capsys, model, "--engine", "sglang", "-o", out)
+    code, _, err = run_cli(capsys, "export", model, "--engine", "sglang", "-o", out)
+    assert code == 2 and "only an approximate one" in err and "--allow-approximate" in err and not out.exists()
+    code, rows, _, err = table(tmp_path, capsys, model, "--engine", "sglang", "--allow-approximate", "-o", out)
     assert code == 0, err
     config = json.loads((out / "config.json").read_text())
     assert config["dual_chunk_attention_config"] == {

@@ -18,15 +18,16 @@ DESCRIPTION = (
     "ctxext, and llama.cpp where llama-cpp-python is installed (in a child process: a crash of llama.cpp is a line in "
     "the table and exit status 1), and vLLM's and SGLang's own rotary code where they are installed (in child "
     "processes; benchmarks/engine_parity.py runs it from their wheels). --engine E -o OUT writes a copy of the "
-    "checkpoint whose config E reads (for dual_chunk on a Qwen2-family model, --engine sglang writes SGLang's "
-    "dual_chunk_attention_config)."
+    "checkpoint whose config E reads exactly, or refuses in one line where E has no exact form (--allow-approximate "
+    "writes it anyway, labelled: for dual_chunk on a Qwen2-family model, --engine sglang --allow-approximate writes "
+    "SGLang's dual_chunk_attention_config)."
 )
 FORMATTER_CLASS = HelpFormatter  # wraps prose, keeps the examples one a line
 EPILOG = (
     "examples:\n"
     "  ctxext export ./llama-16k --check\n"
     "  ctxext export ./llama-16k-ctxext-format --engine vllm -o ./llama-16k-vllm\n"
-    "  ctxext export ./qwen2-dual-chunk --engine sglang -o ./qwen2-dca-sglang\n"
+    "  ctxext export ./qwen2-dual-chunk --engine sglang --allow-approximate -o ./qwen2-dca-sglang\n"
     "  ctxext export model-32k.gguf --check"
 )
 
@@ -43,6 +44,12 @@ def add_arguments(parser) -> None:
         help="write a copy of the checkpoint for this engine to -o",
     )
     parser.add_argument("-o", "--output", help="where --engine writes the copy")
+    parser.add_argument(
+        "--allow-approximate",
+        action="store_true",
+        help="with --engine: write the copy even where that engine serves it only approximately (the verdict says "
+        "what differs); without it export refuses there",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace -o if it already exists")
     parser.add_argument("--json", metavar="FILE", help="also write the table as JSON")
 
@@ -56,7 +63,7 @@ def run(args) -> int:
         raise CtxextError(f"--tokens must be at least 2, got {args.tokens}")
     model = read_served_model(args.model)
     if args.engine:
-        how = export_checkpoint(model, args.engine, args.output, args.overwrite)
+        how = export_checkpoint(model, args.engine, args.output, args.overwrite, args.allow_approximate)
         print(f"wrote {args.output} for {args.engine}: {how}")
         model = read_served_model(args.output)
     rows = engine_table(model)

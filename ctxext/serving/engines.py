@@ -679,13 +679,16 @@ def _composed_as_written(model: ServedModel, engine: str) -> tuple[dict, dict, s
 
 
 # ------------------------------------------------------------------------------------------- writing
-def export_checkpoint(model: ServedModel, engine: str, output, overwrite: bool = False) -> str:
-    """Write a copy of the checkpoint whose config.json `engine` reads exactly (or, for SGLang's Dual Chunk
-    Attention, its own approximation); returns how. A method the engine cannot read is a one-line CtxextError
-    that names what is possible."""
+def export_checkpoint(
+    model: ServedModel, engine: str, output, overwrite: bool = False, allow_approximate: bool = False
+) -> str:
+    """Write a copy of the checkpoint whose config.json `engine` reads exactly; returns how. Where the engine has
+    no exact form (its verdict on the copy is approximate: Phi-4's longrope with two factor sets, SGLang's Dual
+    Chunk Attention) it is a one-line CtxextError unless `allow_approximate`, which writes the copy labelled; a
+    method the engine cannot read at all is a one-line CtxextError that names what is possible."""
     check_exportable(model, engine)
     rope, extra, how = engine_rope(model, engine)
-    how = _verdict_of_copy(model, engine, rope, extra, how)
+    how = _verdict_of_copy(model, engine, rope, extra, how, allow_approximate)
     check_output_dir(output, [model.path], overwrite)
     with atomic_output_dir(output, [model.path], overwrite) as staging:
         for item in model.path.iterdir():
@@ -700,14 +703,22 @@ def export_checkpoint(model: ServedModel, engine: str, output, overwrite: bool =
     return how
 
 
-def _verdict_of_copy(model: ServedModel, engine: str, rope: dict, extra: dict, how: str) -> str:
+def _verdict_of_copy(
+    model: ServedModel, engine: str, rope: dict, extra: dict, how: str, allow_approximate: bool
+) -> str:
     """`how`, with the engine's verdict on the copy about to be written where it is not exact (the table's rule for
-    that copy); a one-line CtxextError where the engine would not serve the copy at all (its row says no)."""
+    that copy); a one-line CtxextError where the engine would not serve the copy at all (its row says no), or
+    serve it only approximately and `allow_approximate` is not given."""
     config = _config_with(model.config, rope, extra)
     copy = ServedModel(model.path, model.kind, model.family, rope, model.attention, model.record, config)
     row = next(r for r in engine_table(copy) if r.engine == engine)
     if row.level == "no":
         raise CtxextError(f"{engine} has no exact form of this checkpoint: {row.how}")
+    if row.level == "approximate" and not allow_approximate:
+        raise CtxextError(
+            f"{engine} has no exact form of this checkpoint, only an approximate one ({row.how}); pass "
+            f"--allow-approximate to write that copy anyway, or serve with an engine whose row says exact"
+        )
     return how if row.level == "exact" else f"{how} ({row.level} in {engine}: {row.how})"
 
 
