@@ -283,7 +283,7 @@ def _sglang_dual_chunk_on_qwen2(model: ServedModel, engine: str) -> Support | No
     return Support(
         engine,
         "approximate",
-        "after `ctxext export MODEL --engine sglang -o OUT`, which writes "
+        "after `ctxext export MODEL --engine sglang --allow-approximate -o OUT`, which writes "
         "dual_chunk_attention_config; SGLang also scales keys by 0.1 ln(len/L) + 1; not run here",
     )
 

@@ -76,6 +76,7 @@ class GgufRope:
     keys: dict = field(default_factory=dict)
     rope_freqs: list[float] | None = None
     how: str = ""
+    composed_with: dict | None = None  # the file's own scaling the method composed with (rope_freqs, attn_factor)
 
 
 def self_extend_flags(params) -> str:
@@ -348,6 +349,8 @@ def patch_gguf(source, method_config, output, overwrite: bool = False, outtype: 
         "written_as": rope.how,
         "layers": scaled_layers(arch, sliding),
     }
+    if rope.composed_with is not None:  # what `ctxext export --check`'s reference composes with again
+        record["source_scaling"] = rope.composed_with
     changed[RECORD_KEY] = json.dumps(record, sort_keys=True)
     if outtype != "same":
         changed["general.file_type"] = int(
@@ -422,10 +425,12 @@ def composed_gguf_rope(reader, model: GgufModel, method: Method, params: MethodP
     factors, attention = composed_per_pair_factors(
         method, params, plain / shipped, model.rotary_dim, model.base, model.context_length
     )
-    attention *= float(field_value(reader, f"{model.arch}.rope.scaling.attn_factor", 1.0))
+    shipped_attention = float(field_value(reader, f"{model.arch}.rope.scaling.attn_factor", 1.0))
+    attention *= shipped_attention
     keys = {} if math.isclose(attention, 1.0, rel_tol=1e-12) else {"rope.scaling.attn_factor": float(attention)}
     how = f"per-pair factors in rope_freqs: {method.name} composed with the file's rope_freqs (C = {model.context_length})"
-    return GgufRope(keys, factors, how)
+    composed_with = {"rope_freqs": shipped.tolist(), "attn_factor": shipped_attention}
+    return GgufRope(keys, factors, how, composed_with)
 
 
 def _write(reader, path: Path, arch: str, changed: dict, rope_freqs, outtype: str) -> None:

@@ -79,6 +79,8 @@ def _unscaled(config, model: ServedModel) -> str:
     The source's rope as shipped where its config is readable here (`source_rope`): a scaling it shipped (Gemma 3's
     linear x8) is what the method composed with. Else plain RoPE at L, each layer type at its recorded base (Gemma
     3: the sliding layers' 1e4, the full layers' 1e6)."""
+    if model.record.get("source_scaling"):  # a GGUF whose own rope_freqs the method composed with
+        return _shipped_rope_freqs(config, model)
     source = source_rope(config, model)
     if source is not None:
         config.rope_parameters = rope_parameters_of(source, lambda rope: copy.deepcopy(rope.parameters))
@@ -89,6 +91,28 @@ def _unscaled(config, model: ServedModel) -> str:
     config.rope_parameters = rope_parameters_of(recorded_rope(config, model), plain_rope)
     config.max_position_embeddings = int(model.record["original_max_position_embeddings"])
     return "plain RoPE at the recorded bases (neither ctxext.yaml nor the source's config says how it shipped)"
+
+
+def _shipped_rope_freqs(config, model: ServedModel) -> str:
+    """The GGUF's own scaling before the patch, which transformers' GGUF loader does not read, as the longrope
+    transformers computes the same way: per-pair factors (llama.cpp divides pair i's frequency by rope_freqs, as
+    longrope by its long factors) at the file's context C, its attn_factor the attention factor; the method composes
+    with it as `ctxext patch` composes a checkpoint's shipped scaling. Its switch (original_max_position_embeddings)
+    is 1, so that transformers rotates every position of a sequence with the long set, as llama.cpp rotates every
+    position with rope_freqs (the short set, which the composition keeps, would serve sequences up to the switch)."""
+    shipped = model.record["source_scaling"]
+    C = int(model.record["original_max_position_embeddings"])
+    config.rope_parameters = {
+        "rope_type": "longrope",
+        "rope_theta": float(model.record["rope_theta"]),
+        "short_factor": list(shipped["rope_freqs"]),
+        "long_factor": list(shipped["rope_freqs"]),
+        "factor": 1.0,
+        "attention_factor": float(shipped["attn_factor"]),
+        "original_max_position_embeddings": 1,
+    }
+    config.max_position_embeddings = C
+    return f"the file's own rope_freqs as shipped, at C = {C}"
 
 
 def source_rope(config, model: ServedModel) -> RopeRecord | None:
@@ -197,8 +221,7 @@ def llama_cpp_parity(model: ServedModel, n_tokens: int) -> tuple[bool, str]:
         raise CtxextError(f"transformers could not load '{model.path}' for the check: {first_line(error)}") from None
     ids = _random_ids(reference.config.vocab_size, n_tokens)
     lcpp_sum, n = llama_cpp_nll(model.path, ids[0].tolist())
-    _unscaled(reference.config, model)
-    _method_config(model).apply(reference)
+    repatched(reference, model)
     with torch.no_grad():
         logits = reference(ids).logits[0, :-1].double()
         expected = float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum"))
@@ -209,6 +232,14 @@ def llama_cpp_parity(model: ServedModel, n_tokens: int) -> tuple[bool, str]:
         f"llama.cpp vs ctxext.patch on transformers' load of the file: perplexity {100 * ratio:+.3f}% over "
         f"{n_tokens} tokens (within {100 * PERPLEXITY_TOLERANCE[weights]:g}%{note})"
     )
+
+
+def repatched(reference, model: ServedModel):
+    """`reference` (transformers' load of the GGUF file `model`, which reads only its base) put back to the file's
+    rope before the patch, then patched as ctxext.yaml's record says: what llama.cpp should compute."""
+    _unscaled(reference.config, model)
+    _method_config(model).apply(reference)
+    return reference
 
 
 def _quantised(path) -> bool:
