@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from . import __version__
 from .errors import CtxextError
 from .loading import load_config, load_model, load_tokenizer
 from .outputs import atomic_output_dir, check_output_dir
@@ -20,6 +16,7 @@ from .patching.families import rotary_host
 from .patching.pair_selection import select_pairs, selection_record
 from .patching.patch import check_not_shorter, recorded_rope_parameters, shipped_rope
 from .patching.record import SOURCE_KEY, recorded_source
+from .record_file import CtxextRecord, read_record, write_record
 from .serving.forms import FORMATS, RopeForm, write_config_for_serving
 
 NO_TOKENIZER = "none in the source (no tokenizer files), none written"  # ctxext.yaml's `tokenizer` then
@@ -91,7 +88,8 @@ def write_patched_checkpoint(
     method_config.apply(model)
     applied = applied_method(model)
 
-    record = lambda form: checkpoint_record(source, method_config, model, applied, format, form, extra_record)
+    fields = method_config.to_dict()
+    record = lambda form: checkpoint_record(source, fields, model, applied, format, form, extra_record)
     form = save_checkpoint(model, tokenizer, output, protected, overwrite, format, record, written_by)
     return PatchedCheckpoint(
         Path(output).resolve(),
@@ -116,8 +114,10 @@ def check_tokenizer_for_pairs(tokenizer, pair_selection: tuple[str, int] | None,
         )
 
 
-def checkpoint_record(source: str, method_config, model, applied: dict, format: str, form: RopeForm, extra: dict):
-    """What ctxext.yaml records: the source, the method and its parameters, the lengths, how it was written.
+def checkpoint_record(source: str, method: dict, model, applied: dict, format: str, form: RopeForm, extra: dict):
+    """What ctxext.yaml records (ctxext.record_file): the source, the method (`method`: the method config's
+    fields, or the applied method's name for a patch made in memory) and every parameter as applied, defaults
+    included, the lengths, how it was written.
 
     `factor` is the one applied (with `--target-length N` that is N over the L it counts from, the target kept
     beside it), so that L x factor is the length asked for; `written_as.composed` says that config.json holds the
@@ -126,8 +126,8 @@ def checkpoint_record(source: str, method_config, model, applied: dict, format: 
     applied_factor = applied["params"].get("factor")
     return {
         "source_model": source,
-        "ctxext_version": __version__,
-        **method_config.to_dict(),
+        **method,
+        **applied["params"],
         **({} if applied_factor is None else {"factor": float(applied_factor)}),
         "original_max_position_embeddings": applied["original_max_position_embeddings"],
         "rope_parameters": recorded_rope_parameters(model),
@@ -157,9 +157,9 @@ def with_source_rope(config, source: str):
     """`config`, given the `source_rope` of the source's ctxext.yaml as its SOURCE_KEY where config.json records
     none (a checkpoint ctxext wrote before config.json carried it): replacing that checkpoint's patch then starts
     from the rope ctxext changed, not from the base its native form raised (ctxext.patching.patch._rope_to_patch)."""
-    path = Path(source) / "ctxext.yaml"
-    if recorded_source(config) is None and path.is_file():
-        recorded = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("source_rope")
+    written = read_record(source) if Path(source).is_dir() else None
+    if recorded_source(config) is None and written is not None:
+        recorded = written.values.get("source_rope")
         if isinstance(recorded, dict) and isinstance(recorded.get("rope_parameters"), dict):
             setattr(config, SOURCE_KEY, recorded)
     return config
@@ -184,11 +184,7 @@ def save_checkpoint(
         form = write_config_for_serving(model, staging, format)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        values = json.loads(json.dumps(record(form)))  # plain data: YAML without anchors for lists used twice
-        (staging / "ctxext.yaml").write_text(
-            f"# Written by `{written_by}`: what was applied to the source model.\n"
-            + yaml.safe_dump(values, sort_keys=False)
-        )
+        write_record(staging, CtxextRecord("checkpoint", written_by, record(form)))
     return form
 
 
@@ -205,15 +201,5 @@ def save_pretrained(model, output: str | Path, tokenizer=None, overwrite: bool =
         raise CtxextError("the model is not patched by ctxext (ctxext.patch); save it with model.save_pretrained")
     source = getattr(model.config, "_name_or_path", "") or "a model in memory"
 
-    def record(form: RopeForm) -> dict:
-        return {
-            "source_model": source,
-            "ctxext_version": __version__,
-            "method": applied["method"],
-            **applied["params"],
-            "original_max_position_embeddings": applied["original_max_position_embeddings"],
-            "max_position_embeddings": rotary_host(model).config.max_position_embeddings,
-            "written_as": {"format": format, "rope_type": applied["rope_type"], "how": form.how},
-        }
-
+    record = lambda form: checkpoint_record(source, {"method": applied["method"]}, model, applied, format, form, {})
     return save_checkpoint(model, tokenizer, output, [], overwrite, format, record, "ctxext.save_pretrained")

@@ -16,25 +16,17 @@ import json
 import os
 from pathlib import Path
 
-import yaml
 from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
 
-from .. import __version__
 from ..errors import CtxextError
 from ..patching import ScaledRotaryEmbedding, applied_method, patch, rotary_host
 from ..patching.attention import CONFIG_KEY
 from ..patching.patch import recorded_rope_parameters, shipped_rope
+from ..record_file import RECORD_FILE, CtxextRecord, read_record, write_record
 from ..serving.forms import model_rope_form
 
-RECORD = "ctxext.yaml"
-KIND = "the patch of the base this adapter was trained on"  # `adapter_record`'s `record`: what marks one
-NOTE = (
-    "# Written by ctxext beside a PEFT adapter trained on a base patched in memory (`ctxext.patch`). After\n"
-    "# `import ctxext`, PeftModel.from_pretrained, AutoPeftModelForCausalLM and transformers' load_adapter make the\n"
-    "# `patch` call below on the base before the adapter goes on. Without `import ctxext` nothing reads this file,\n"
-    "# and the adapter runs on the unpatched base.\n"
-)
+WRITTEN_BY = "ctxext's hook on a PEFT save of an adapter on a base patched in memory (ctxext.patch)"
 
 
 def patch_call(model) -> dict | None:
@@ -53,8 +45,6 @@ def adapter_record(model) -> dict | None:
     host = rotary_host(model)
     return plain(
         {
-            "record": KIND,
-            "ctxext_version": __version__,
             "source_model": getattr(host.config, "_name_or_path", "") or "a model in memory",
             "patch": call,
             "rope_parameters": recorded_rope_parameters(model),
@@ -78,13 +68,13 @@ def native_rope_parameters(model) -> dict | None:
 def write_adapter_record(model, folder: str | Path) -> None:
     """ctxext.yaml beside the adapter in `folder` when `model` is patched in memory; where it is not, a record of
     an earlier save in the same folder is removed (it would patch a base this adapter was not trained on)."""
-    path = Path(folder) / RECORD
     record = adapter_record(model)
     if record is None:
-        if path.is_file() and is_adapter_record(yaml.safe_load(path.read_text())):
-            path.unlink()
+        earlier = read_record(folder)
+        if earlier is not None and is_adapter_record(earlier.values):
+            (Path(folder) / RECORD_FILE).unlink()
         return
-    path.write_text(NOTE + yaml.safe_dump(record, sort_keys=False))
+    write_record(folder, CtxextRecord("adapter", WRITTEN_BY, record))
 
 
 def is_adapter_record(record) -> bool:
@@ -99,17 +89,15 @@ def read_adapter_record(adapter, options: dict | None = None) -> dict | None:
     options = options or {}
     subfolder = options.get("subfolder") or ""
     if Path(adapter).is_dir():
-        path = Path(adapter) / subfolder / RECORD
+        path = Path(adapter) / subfolder / RECORD_FILE
     else:
         hub = {key: options[key] for key in ("revision", "cache_dir", "token") if options.get(key) is not None}
         try:
-            path = Path(hf_hub_download(str(adapter), RECORD, subfolder=subfolder or None, **hub))
+            path = Path(hf_hub_download(str(adapter), RECORD_FILE, subfolder=subfolder or None, **hub))
         except (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError, OSError):
             return None
-    if not path.is_file():
-        return None
-    record = yaml.safe_load(path.read_text())
-    return record if is_adapter_record(record) else None
+    record = read_record(path)
+    return record.values if record is not None and is_adapter_record(record.values) else None
 
 
 def carry_patch(model, record: dict, where: str) -> None:

@@ -31,7 +31,8 @@ from pathlib import Path
 from ..errors import CtxextError, did_you_mean
 from ..methods import METHODS, get_method
 from ..patching import patch, rotary_host
-from .adapters import RECORD, write_adapter_record
+from ..record_file import RECORD_FILE
+from .adapters import write_adapter_record
 
 try:  # axolotl's plugin base and pydantic (axolotl's dependency), where axolotl is installed
     from axolotl.integrations.base import BasePlugin
@@ -133,5 +134,5 @@ class CtxextPlugin(BasePlugin):
         output = cfg.get("output_dir")
         if patch_call(cfg) is None or not output or not (Path(output) / "adapter_config.json").is_file():
             return
-        if not (Path(output) / RECORD).is_file():
+        if not (Path(output) / RECORD_FILE).is_file():
             write_adapter_record(model, output)

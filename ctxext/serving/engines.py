@@ -20,13 +20,12 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from ..errors import CtxextError
 from ..methods import compute_inv_freq, get_method
 from ..methods.remapping import RemapParams
 from ..outputs import atomic_output_dir, check_output_dir
 from ..patching.families import is_nested, own_partial_rotary_factor
+from ..record_file import read_record, write_record
 from .forms import for_engines, rope_form, text_config_of, with_both_spellings, with_family_keys, with_text_config
 from .gguf import composition_refusal, describe, gguf_rope, is_gguf, read_gguf, self_extend_flags
 
@@ -165,9 +164,8 @@ def read_served_model(path) -> ServedModel:
         **(text.get("rope_scaling") or {"rope_type": "default"}),
         "rope_theta": text.get("rope_theta", 10000.0),
     }
-    record = None
-    if (path / "ctxext.yaml").is_file():
-        record = yaml.safe_load((path / "ctxext.yaml").read_text())
+    written = read_record(path)
+    record = None if written is None else written.values
     return ServedModel(
         path, "checkpoint", config.get("model_type", "?"), dict(rope), text.get("ctxext_attention"), record, config
     )
@@ -697,9 +695,9 @@ def export_checkpoint(
         (staging / "config.json").write_text(
             json.dumps(_config_with(model.config, rope, extra), indent=2, sort_keys=True) + "\n"
         )
-        if (staging / "ctxext.yaml").exists():
-            with open(staging / "ctxext.yaml", "a") as f:
-                f.write(f"exported_for: {engine}\n")
+        written = read_record(staging)
+        if written is not None:
+            write_record(staging, written.with_values(exported_for=engine))
     return how
 
 

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import yaml
 from peft import PeftModel
 from transformers.integrations import unset_hf_deepspeed_config
 
@@ -25,6 +24,7 @@ from ..integrations.adapters import adapter_record
 from ..loading import load_model
 from ..outputs import atomic_output_dir
 from ..patching.patch import recorded_rope_parameters
+from ..record_file import CtxextRecord, write_record
 from ..serving.forms import write_config_for_serving
 
 if TYPE_CHECKING:
@@ -165,17 +165,11 @@ def save_results(setup: Setup, model) -> None:
     if not runtime.is_main:
         return
     unwrapped = accelerator.unwrap_model(model)
-    note = (
-        "# Written by `ctxext finetune`. After `import ctxext`, PeftModel.from_pretrained(base, this_folder) and\n"
-        "# AutoPeftModelForCausalLM.from_pretrained(this_folder) patch the unpatched base as `patch` says first\n"
-        "# (ctxext.integrations.adapters); without ctxext, patch it yourself:\n"
-        "#   model = AutoModelForCausalLM.from_pretrained(source); ctxext.patch(model, method, factor=...)\n"
-    )
     with atomic_output_dir(setup.output / "adapter", overwrite=True) as staging:
         unwrapped.save_pretrained(staging, state_dict=state_dict)
         setup.tokenizer.save_pretrained(staging)
         record = {**(adapter_record(unwrapped.get_base_model()) or {}), **method_record(setup)}  # patch, then recipe
-        (staging / "ctxext.yaml").write_text(note + yaml.safe_dump(record, sort_keys=False))
+        write_record(staging, CtxextRecord("adapter", "ctxext finetune", record))
     if not setup.recipe.train.save_merged:
         return
     if runtime.sharded:
@@ -194,9 +188,7 @@ def save_results(setup: Setup, model) -> None:
             "max_position_embeddings": merged.config.max_position_embeddings,
             "written_as": {"format": "native", "rope_type": form.rope_parameters["rope_type"], "how": form.how},
         }
-        (staging / "ctxext.yaml").write_text(
-            "# Written by `ctxext finetune`: base + LoRA, merged.\n" + yaml.safe_dump(record, sort_keys=False)
-        )
+        write_record(staging, CtxextRecord("merged", "ctxext finetune", record))
 
 
 def merge_adapter(model_path: str, adapter: Path, method):
