@@ -46,13 +46,13 @@ def _resolved(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join([*base, node.module] if node.module else base)
 
 
-def _imports(module: str, path: Path, known: set[str]) -> set[str]:
+def _imports(module: str, path: Path, known: set[str], type_checking: bool = False) -> set[str]:
     """ctxext modules `module` depends on: every import in it, at module level or inside a function (a local
-    import hides a dependency, it does not remove it), except under `if TYPE_CHECKING:`."""
+    import hides a dependency, it does not remove it), and under `if TYPE_CHECKING:` only if `type_checking`."""
     tree = ast.parse(path.read_text())
     imported = set()
     for node in tree.body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) and not type_checking:
             continue
         for sub in ast.walk(node):
             if isinstance(sub, ast.Import):
@@ -64,9 +64,9 @@ def _imports(module: str, path: Path, known: set[str]) -> set[str]:
     return {name for name in imported if name in known and name != module}
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
     found = modules()
-    return {name: _imports(name, path, set(found)) for name, path in found.items()}
+    return {name: _imports(name, path, set(found), type_checking) for name, path in found.items()}
 
 
 def _cycle_from(start: str, graph: dict[str, set[str]]) -> list[str] | None:
@@ -95,6 +95,37 @@ def test_no_import_cycle_among_ctxext_modules():
     }
     cycles = {frozenset(cycle) for name in graph if (cycle := _cycle_from(name, graph))}
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(sorted(c)) for c in cycles)
+
+
+def test_no_circle_among_the_training_modules_even_for_the_type_checker():
+    """ctxext.train's modules read the run's state from train/state.py, never from the module that builds it
+    (train/setup.py): no circle, even counting the imports under `if TYPE_CHECKING:` a reader sees."""
+    graph = {
+        name: targets for name, targets in import_graph(type_checking=True).items() if name.startswith("ctxext.train.")
+    }
+    graph = {name: {n for n in targets if n in graph} for name, targets in graph.items()}
+    assert not {frozenset(cycle) for name in graph if (cycle := _cycle_from(name, graph))}
+
+
+MAX_LOCAL_IMPORTS = 40  # outside ctxext/cli/ (whose modules import what a command runs in its run())
+
+
+def test_function_local_imports_stay_few():
+    """A function-local import is for an optional extra or a module kept out of `--help`; at most 40 outside the
+    command modules, counted as the AST holds them."""
+    local = [
+        f"{path.relative_to(REPO)}:{sub.lineno}"
+        for path in modules().values()
+        if "cli" not in path.relative_to(PACKAGE).parts
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for sub in node.body
+        for sub in ast.walk(sub)
+        if isinstance(sub, (ast.Import, ast.ImportFrom))
+    ]
+    assert len(set(local)) <= MAX_LOCAL_IMPORTS, f"{len(set(local))} function-local imports: " + ", ".join(
+        sorted(set(local))
+    )
 
 
 def test_the_code_map_names_every_package_and_only_existing_paths():

@@ -38,6 +38,7 @@ import numpy as np
 from ..errors import CtxextError
 from .longrope import DEFAULT_SIGMA, CmaProposer, CriticalSpace, factors_from, knot_positions
 from .space import Range
+from .store import optuna_module
 
 POLL_SECONDS = 1.0  # how often a worker with nothing to run looks at the study again
 
@@ -181,7 +182,7 @@ def scalar_search(
 
 def propose_tpe(space: list[Range], history: list[dict], seed: int, number: int, startup_trials: int) -> dict:
     """TPE's proposal for trial `number`, from a sampler seeded by (seed, number) and the trials so far."""
-    import optuna  # noqa: PLC0415 -- optional: search
+    optuna = optuna_module()
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     distributions = {r.name: r.distribution() for r in space}

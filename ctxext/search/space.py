@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CtxextError, did_you_mean
+from .store import optuna_module
 
 WORDS = ("log", "int", "pow2", "each")
 ELEMENT = re.compile(r"^(\w+)\[(\d+)\]$")  # name[i]: element i of a list parameter
@@ -66,7 +67,7 @@ class Range:
 
     def distribution(self):
         """The Optuna distribution of this range."""
-        import optuna  # noqa: PLC0415 -- optional: search
+        optuna = optuna_module()
 
         if self.choices is not None:
             return optuna.distributions.CategoricalDistribution(list(self.choices))

@@ -62,15 +62,21 @@ def storage_url(storage: str | Path | None, output: str | Path) -> str:
     return str(Path(storage or Path(output) / JOURNAL_FILE).expanduser().resolve())
 
 
+def optuna_module():
+    """Optuna, the search extra's library, imported here only (the module loads without it)."""
+    import optuna  # noqa: PLC0415 -- optional: search
+    import optuna.storages.journal  # noqa: PLC0415 -- optional: search
+
+    return optuna
+
+
 def open_storage(url: str):
     """An Optuna storage: an RDB URL (`scheme://...`), else a journal file at that path."""
-    import optuna  # noqa: PLC0415 -- optional: search
-
+    optuna = optuna_module()
     if "://" not in url:
-        from optuna.storages.journal import JournalFileBackend, JournalStorage  # noqa: PLC0415 -- optional: search
-
+        journal = optuna.storages.journal
         Path(url).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        return JournalStorage(JournalFileBackend(str(Path(url).expanduser())))
+        return journal.JournalStorage(journal.JournalFileBackend(str(Path(url).expanduser())))
     from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415 -- optional: search
 
     engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None  # workers wait for the lock
@@ -121,7 +127,7 @@ class TrialStore:
     def open(cls, url: str, study_name: str, settings: dict) -> TrialStore:
         """The study `study_name` in the storage at `url`, created if missing; a CtxextError if it holds a search
         with other settings."""
-        import optuna  # noqa: PLC0415 -- optional: search
+        optuna = optuna_module()
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         study = optuna.create_study(
@@ -166,7 +172,7 @@ class TrialStore:
 
     def import_records(self, records: list[dict]) -> None:
         """Add the trials of a trials.jsonl (a search started before the studies) to an empty study."""
-        import optuna  # noqa: PLC0415 -- optional: search
+        optuna = optuna_module()
 
         for record in records:
             complete = record["state"] == "complete"
@@ -218,7 +224,7 @@ class TrialStore:
 
     def _set_params(self, trial, params: dict, distributions: dict) -> None:
         """`trial.suggest_*` answered with `params` (Optuna's PartialFixedSampler), for the trial's own record."""
-        import optuna  # noqa: PLC0415 -- optional: search
+        optuna = optuna_module()
 
         sampler = self.study.sampler
         with warnings.catch_warnings():
@@ -233,7 +239,7 @@ class TrialStore:
     def finish(self, claim: Claim, record: dict) -> bool:
         """Record a scored trial: COMPLETE with its value, or FAIL (invalid, diverged) with `state` and `error`.
         False when another worker gave the trial up meanwhile (no heartbeat for too long): its slot is queued."""
-        from optuna.trial import TrialState  # noqa: PLC0415 -- optional: search
+        TrialState = optuna_module().trial.TrialState  # noqa: N806 (the class)
 
         try:
             for key in ("state", "metrics", "error", "repeat_of"):
@@ -254,7 +260,7 @@ class TrialStore:
 
     def give_back(self, claim: Claim, reason: str, requeue: bool = True) -> None:
         """End a trial without a result (FAIL with `error`) and queue its slot again."""
-        from optuna.trial import TrialState  # noqa: PLC0415 -- optional: search
+        TrialState = optuna_module().trial.TrialState  # noqa: N806 (the class)
 
         claim.trial.set_user_attr("error", reason)
         self.study.tell(claim.trial, state=TrialState.FAIL)
@@ -269,7 +275,7 @@ class TrialStore:
     def release_lost(self) -> int:
         """Give up the running trials whose worker is gone (a dead process here, or no heartbeat for
         `GRACE_SECONDS`) and queue their slots again; how many."""
-        from optuna.trial import TrialState  # noqa: PLC0415 -- optional: search
+        TrialState = optuna_module().trial.TrialState  # noqa: N806 (the class)
 
         released = 0
         for t in self.frozen():
@@ -292,20 +298,23 @@ class TrialStore:
 
 
 def _suggest(trial, name: str, distribution) -> None:
-    from optuna.distributions import CategoricalDistribution, IntDistribution  # noqa: PLC0415 -- optional: search
+    distributions = optuna_module().distributions
 
-    if isinstance(distribution, CategoricalDistribution):
+    if isinstance(distribution, distributions.CategoricalDistribution):
         trial.suggest_categorical(name, distribution.choices)
-    elif isinstance(distribution, IntDistribution):
+    elif isinstance(distribution, distributions.IntDistribution):
         trial.suggest_int(name, distribution.low, distribution.high, log=distribution.log)
     else:
         trial.suggest_float(name, distribution.low, distribution.high, log=distribution.log)
 
 
 def _finished_elsewhere() -> tuple:
-    from optuna.exceptions import OptunaError  # noqa: PLC0415 -- optional: search
 
-    return (OptunaError, RuntimeError, ValueError)  # Optuna's errors for a trial another process finished
+    return (
+        optuna_module().exceptions.OptunaError,
+        RuntimeError,
+        ValueError,
+    )  # Optuna's errors for a trial another process finished
 
 
 def _is_done(trial) -> bool:

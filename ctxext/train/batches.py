@@ -13,7 +13,7 @@ from .pose import pose_generator, pose_position_ids
 from .recipe import Recipe
 
 if TYPE_CHECKING:
-    from .setup import Setup
+    from .state import Setup
 
 
 def sample_indices(

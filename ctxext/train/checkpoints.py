@@ -29,7 +29,7 @@ from ..serving.forms import write_config_for_serving
 
 if TYPE_CHECKING:
     from .records import MetricsLog
-    from .setup import Setup
+    from .state import Setup
 
 CHECKPOINTS = "checkpoints"
 

@@ -21,7 +21,7 @@ from .recipe import Recipe
 from .records import MetricsLog
 
 if TYPE_CHECKING:
-    from .setup import Setup
+    from .state import Setup
 
 
 def load_eval_documents(recipe: Recipe, tokenizer, original_length: int, train_names: list[str]):

@@ -32,7 +32,8 @@ from .mixed_window import rotary_switch
 from .recipe import Recipe
 from .records import LossWindow, MetricsLog, open_run, plot_metrics, plot_title, start_trackers, write_run_record
 from .sequence_parallel import sequence_parallel_group, slice_loss, slice_of_sequence, zero3_gradient_factor
-from .setup import Setup, prepare, prepare_training
+from .setup import prepare, prepare_training
+from .state import Setup
 
 
 def finetune(

@@ -22,7 +22,7 @@ from .lora import count_parameters
 from .recipe import SECTIONS, Recipe
 
 if TYPE_CHECKING:
-    from .setup import Setup
+    from .state import Setup
 
 
 # ------------------------------------------------------------------------------------------- the metrics

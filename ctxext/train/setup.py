@@ -6,7 +6,6 @@ output directory is touched.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import accelerate
@@ -36,31 +35,11 @@ from .mixed_window import check_switchable, short_length_for
 from .pretrain_tiny import resolve_model_name
 from .recipe import Recipe
 from .sequence_parallel import check_model, hand_attention_to_ulysses, parallelism_config
+from .state import Runtime, Setup
 from .trackers import TRACKERS_DIR, tracker_names
 
 
 # ------------------------------------------------------------------------------------------- runtime
-@dataclass
-class Runtime:
-    accelerator: object
-    processes: Processes
-    precision: str  # fp32 | bf16-mixed | bf16
-    weights_dtype: torch.dtype
-    attn_implementation: str
-    accumulation: int  # micro-steps per optimizer step, per process
-    trackers: tuple[str, ...] = ()  # --report-to: tensorboard, wandb, mlflow (ctxext.train.trackers)
-    sp_size: int = 1  # processes to a sequence (parallel.sp_size; ctxext.train.sequence_parallel)
-
-    @property
-    def is_main(self) -> bool:
-        return self.accelerator.is_main_process
-
-    @property
-    def sharded(self) -> bool:
-        """FSDP and DeepSpeed shard parameters: every process must take part in every forward."""
-        return self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-
-
 def make_runtime(recipe: Recipe, output: Path | None = None, trackers: tuple[str, ...] = ()) -> Runtime:
     """The accelerate processes, device, precision, attention and trackers of a run (ctxext.runtime chooses the
     first four; the trackers write under `output`)."""
@@ -113,27 +92,6 @@ def check_sharding_engine(accelerator) -> None:
 
 
 # ------------------------------------------------------------------------------------------ setting up
-@dataclass
-class Setup:
-    recipe: Recipe
-    runtime: Runtime
-    model: object  # PeftModel, patched
-    tokenizer: object
-    train_data: object  # PackedSequences
-    data_info: dict
-    eval_documents: list
-    eval_lengths: list[int]
-    bos_token_id: int | None
-    original_length: int
-    output: Path
-    model_path: str
-    short_length: int | None = None  # mixed_window: tokens per short sequence (None: mixed-window is off)
-
-    @property
-    def mixed_window(self) -> bool:
-        return self.short_length is not None
-
-
 def prepare(recipe: Recipe, resume: bool, progress: bool = True, report_to=None) -> Setup:
     """Load and check everything; raises CtxextError for bad input before the output directory is touched.
 
