@@ -71,7 +71,7 @@ PROBE_TOKENS, PROBE_KEPT = 2048, 64
 # The cost of a forward over a window of `f` x --length tokens, in forwards over --length: attention is quadratic,
 # the rest linear (SmolLM2 on the EPYC: a 16k window 86 s, a 32k one 302 s, so 0.5 -> 0.29).
 COST_EXPONENT = 1.8
-REMAP_COST = 1.17  # a self_extend prefill over SDPA's (BENCHMARKS.md, "Position remapping", 16k)
+REMAP_COST = 1.17  # a self_extend prefill over SDPA's (docs/benchmarks/attention-methods.md, "Position remapping", 16k)
 
 
 def write_shipped_models(base: Path, folder: Path) -> dict:

@@ -14,6 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 150
+BENCHMARKS_MAX_LINES = 350  # a results page; detail goes to docs/benchmarks/
 
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
 CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1")
@@ -105,6 +106,13 @@ def test_every_relative_link_in_the_documentation_resolves():
 def test_readme_is_a_landing_page_of_at_most_150_lines():
     lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail into docs/guides/"
+
+
+def test_benchmarks_is_a_results_page_of_at_most_350_lines_linking_its_detail():
+    lines = (REPO / "BENCHMARKS.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= BENCHMARKS_MAX_LINES, f"BENCHMARKS.md has {len(lines)} lines; move detail to docs/benchmarks/"
+    linked = {(REPO / target.partition("#")[0]).resolve() for _, target in links(REPO / "BENCHMARKS.md")}
+    assert set((REPO / "docs" / "benchmarks").glob("*.md")) <= linked
 
 
 def test_readme_links_every_guide():
