@@ -164,6 +164,23 @@ def _rotary_outputs(rotary, *args) -> tuple:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_the_configs_rope_record_and_the_modules_layout_agree_per_layer_type(family):
+    """The two routes to a model's rope agree: the record (patching/record.py, read from the config: the base with
+    HunYuan's alpha applied, head_dim x the partial factor) and the layout (patching/families.py, probed from the
+    modules: each rotary's inv_freq, 2 x its length), on the base and rotated width of every layer type."""
+    if status(family)[0] != "patched":
+        pytest.skip(f"{family}: {status(family)[0]} (listed in docs/guides/families.md)")
+    model, _ = build(family)
+    layout = rope_layout(model)
+    record = ctxext.patching.record.model_rope_record(model)
+    assert set(layout.bases) <= set(record.types), (layout.bases, list(record.types))
+    for key, base in layout.bases.items():
+        shipped = record.types[key]
+        assert base == pytest.approx(shipped.base, rel=1e-6), key
+        assert layout.rotary_dims[key] == shipped.rotary_dim, key
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_static_methods_equal_transformers_rope_types(family, request):
     expect_known_defect(request, "static", family)
     if status(family)[0] != "patched":
