@@ -198,8 +198,9 @@ def serving(model: ServedModel, engine: str) -> Serving:
 
 
 def engine_table(model: ServedModel) -> list[Support]:
-    rows = [_transformers(model), _vllm_or_sglang(model, "vllm"), _vllm_or_sglang(model, "sglang"), _llama_cpp(model)]
-    return [_zeroed_frequencies_row(model, row.engine) or row for row in rows]
+    """Each engine's verdict on `model`: the first rule of the engine's ordered table (ENGINE_RULES) that speaks
+    for it; each table's last rule always does."""
+    return [next(row for rule in ENGINE_RULES[engine] if (row := rule(model, engine))) for engine in ENGINES]
 
 
 def _attention_method(model: ServedModel) -> str | None:
@@ -210,43 +211,47 @@ def _is_remapping(method: str) -> bool:
     return issubclass(get_method(method).params_cls, RemapParams)
 
 
-def _transformers(model: ServedModel) -> Support:
-    if model.kind == "gguf":
-        if model.method == "none" or get_method(model.method).new_base is not None:
-            return Support("transformers", "exact", "its GGUF loader reads rope.freq_base, all this file changes")
-        return Support(
-            "transformers",
-            "no",
-            "its GGUF loader reads only rope.freq_base, not the scaling keys or "
-            "rope_freqs; load the patched checkpoint directory instead",
-        )
-    if model.nested and not (_attention_method(model) or model.query_scaling):
-        types = {name: values.get("rope_type", "default") for name, values in model.rope_parameters.items()}
-        if not any(t.startswith("ctxext_") for t in types.values()):
-            listed = ", ".join(f"{name}: {t}" for name, t in types.items())
-            return Support("transformers", "exact", f"reads rope_parameters nested by layer type ({listed})")
-    rope_type = model.rope_parameters.get("rope_type", "default")
-    if model.nested or rope_type.startswith("ctxext_") or _attention_method(model) or model.query_scaling:
-        what = model.query_scaling if model.query_scaling and not _attention_method(model) else f"'{model.method}'"
-        return Support(
-            "transformers",
-            "no",
-            f"{what} runs only with ctxext: `import ctxext` before loading (it re-installs the method)",
-        )
+def _transformers_gguf(model: ServedModel, engine: str) -> Support | None:
+    if model.kind != "gguf":
+        return None
+    if model.method == "none" or get_method(model.method).new_base is not None:
+        return Support(engine, "exact", "its GGUF loader reads rope.freq_base, all this file changes")
     return Support(
-        "transformers",
-        "exact",
-        f"reads rope type '{rope_type}' (rope_parameters in 5.x, rope_scaling + rope_theta in 4.x)",
+        engine,
+        "no",
+        "its GGUF loader reads only rope.freq_base, not the scaling keys or "
+        "rope_freqs; load the patched checkpoint directory instead",
     )
 
 
-def _vllm_or_sglang(model: ServedModel, engine: str) -> Support:
-    """The verdict of the first rule in VLLM_SGLANG_RULES that speaks for this checkpoint; else the engine reads
-    the rope type as written."""
-    for rule in VLLM_SGLANG_RULES:
-        row = rule(model, engine)
-        if row is not None:
-            return row
+def _transformers_nested_types_it_knows(model: ServedModel, engine: str) -> Support | None:
+    if not model.nested or _attention_method(model) or model.query_scaling:
+        return None
+    types = {name: values.get("rope_type", "default") for name, values in model.rope_parameters.items()}
+    if any(t.startswith("ctxext_") for t in types.values()):
+        return None
+    listed = ", ".join(f"{name}: {t}" for name, t in types.items())
+    return Support(engine, "exact", f"reads rope_parameters nested by layer type ({listed})")
+
+
+def _transformers_needs_ctxext(model: ServedModel, engine: str) -> Support | None:
+    if not (model.nested or _rope_type(model).startswith("ctxext_") or _attention_method(model) or model.query_scaling):
+        return None
+    what = model.query_scaling if model.query_scaling and not _attention_method(model) else f"'{model.method}'"
+    return Support(
+        engine, "no", f"{what} runs only with ctxext: `import ctxext` before loading (it re-installs the method)"
+    )
+
+
+def _transformers_reads_the_type(model: ServedModel, engine: str) -> Support:
+    return Support(
+        engine,
+        "exact",
+        f"reads rope type '{_rope_type(model)}' (rope_parameters in 5.x, rope_scaling + rope_theta in 4.x)",
+    )
+
+
+def _vllm_or_sglang_reads_the_type(model: ServedModel, engine: str) -> Support:
     return Support(
         engine,
         "exact",
@@ -536,64 +541,84 @@ VLLM_SGLANG_RULES = (
 )
 
 
-def _llama_cpp(model: ServedModel) -> Support:
-    if model.kind == "gguf":
-        how = (model.record or {}).get("written_as", "unpatched")
-        return Support("llama.cpp", "exact", f"{how}; run it with a context (-c) up to the file's context_length")
-    arch = GGUF_ARCH.get(model.family)
-    if arch is None:
-        return Support(
-            "llama.cpp", "no", f"ctxext writes GGUF rope keys for {', '.join(GGUF_ARCH)}, not {model.family}"
-        )
-    if model.nested:
-        return Support(
-            "llama.cpp",
-            "no",
-            f"rope parameters nested by layer type are not claimed for llama.cpp here; patch the unpatched "
-            f"model's GGUF with `ctxext patch MODEL.gguf` (llama.cpp's {arch} scales what docs/guides/serving.md "
-            f"says)",
-        )
-    if model.record is None:
-        return Support(
-            "llama.cpp",
-            "no",
-            "no ctxext.yaml here, so the method is unknown; patch the model's GGUF with `ctxext patch MODEL.gguf ...`",
-        )
-    if is_composed(model):
-        return _llama_cpp_composed(model, arch)
+def _llama_cpp_gguf(model: ServedModel, engine: str) -> Support | None:
+    if model.kind != "gguf":
+        return None
+    how = (model.record or {}).get("written_as", "unpatched")
+    return Support(engine, "exact", f"{how}; run it with a context (-c) up to the file's context_length")
+
+
+def _llama_cpp_architecture(model: ServedModel, engine: str) -> Support | None:
+    if model.family in GGUF_ARCH:
+        return None
+    return Support(engine, "no", f"ctxext writes GGUF rope keys for {', '.join(GGUF_ARCH)}, not {model.family}")
+
+
+def _llama_cpp_nested(model: ServedModel, engine: str) -> Support | None:
+    if not model.nested:
+        return None
+    return Support(
+        engine,
+        "no",
+        f"rope parameters nested by layer type are not claimed for llama.cpp here; patch the unpatched "
+        f"model's GGUF with `ctxext patch MODEL.gguf` (llama.cpp's {GGUF_ARCH[model.family]} scales what "
+        f"docs/guides/serving.md says)",
+    )
+
+
+def _llama_cpp_no_record(model: ServedModel, engine: str) -> Support | None:
+    if model.record is not None:
+        return None
+    return Support(
+        engine,
+        "no",
+        "no ctxext.yaml here, so the method is unknown; patch the model's GGUF with `ctxext patch MODEL.gguf ...`",
+    )
+
+
+def _llama_cpp_self_extend(model: ServedModel, engine: str) -> Support | None:
+    spec, params = model.method_and_params()
+    if spec.name != "self_extend":
+        return None
+    return Support(
+        engine,
+        "approximate",
+        f"at run time, with {self_extend_flags(params)} (its window is a "
+        "chunk width, and keys are shifted in the cache, not re-rotated)",
+    )
+
+
+def _llama_cpp_keys(model: ServedModel, engine: str) -> Support:
+    """The GGUF keys `ctxext patch MODEL.gguf` writes for the method, or why there are none."""
     spec, params = model.method_and_params()
     L = int(model.record["original_max_position_embeddings"])
     base = float((model.record.get("rope_parameters") or model.rope_parameters)["rope_theta"])
-    if spec.name == "self_extend":
-        return Support(
-            "llama.cpp",
-            "approximate",
-            f"at run time, with {self_extend_flags(params)} (its window is a "
-            "chunk width, and keys are shifted in the cache, not re-rotated)",
-        )
     try:
-        rope = gguf_rope(spec, params, arch, model.rotary_dim, base, L, logn=model.logn)
+        rope = gguf_rope(spec, params, GGUF_ARCH[model.family], model.rotary_dim, base, L, logn=model.logn)
     except CtxextError as error:
-        return Support("llama.cpp", "no", str(error))
+        return Support(engine, "no", str(error))
     return Support(
-        "llama.cpp",
+        engine,
         "exact",
         f"{rope.how}: convert the source model with llama.cpp's "
         f"convert_hf_to_gguf.py, then `ctxext patch MODEL.gguf` with the same method",
     )
 
 
-def _llama_cpp_composed(model: ServedModel, arch: str) -> Support:
+def _llama_cpp_composed(model: ServedModel, engine: str) -> Support | None:
     """llama.cpp's row for a method composed with a shipped scaling: what `ctxext patch MODEL.gguf` does with the
     GGUF llama.cpp's converter writes of the source (gguf.composition_refusal): Llama 3.1's llama3 becomes
     per-pair rope_freqs, which the composition extends exactly on the llama architecture; anything else is refused."""
+    if not is_composed(model):
+        return None
+    arch = GGUF_ARCH[model.family]
     shipped = ((model.record.get("source_rope") or {}).get("rope_parameters") or {}).get("rope_type", "default")
     kind = {"llama3": "rope_freqs", "longrope": "longrope"}.get(shipped, shipped)
     reason = composition_refusal(arch, kind)
     if reason is not None:
-        return Support("llama.cpp", "no", reason)
+        return Support(engine, "no", reason)
     return Support(
-        "llama.cpp",
+        engine,
         "exact",
         f"per-pair factors in rope_freqs: llama.cpp's convert_hf_to_gguf.py stores the shipped {shipped} as rope_freqs, "
         f"and `ctxext patch MODEL.gguf` with the same method composes with them",
@@ -637,6 +662,33 @@ def _zeroed_frequencies_row(model: ServedModel, engine: str) -> Support | None:
         f"{PROPORTIONAL_READERS}, which takes no factor: it would serve p-RoPE with frequencies not divided by "
         f"{factor:g}; serve it with transformers or ctxext",
     )
+
+
+# Each engine's verdict, first match wins (engine_table). Methods that zero frequencies come first everywhere: their
+# row is not the generic one. Then transformers: a GGUF file, nested types it knows, what needs ctxext, the type it
+# reads; vLLM and SGLang: VLLM_SGLANG_RULES, the type as written; llama.cpp: a GGUF file, an architecture ctxext
+# writes no keys for, nested types, no record, a composition, self_extend's run-time flags, the keys written.
+ENGINE_RULES = {
+    "transformers": (
+        _zeroed_frequencies_row,
+        _transformers_gguf,
+        _transformers_nested_types_it_knows,
+        _transformers_needs_ctxext,
+        _transformers_reads_the_type,
+    ),
+    "vllm": (_zeroed_frequencies_row, *VLLM_SGLANG_RULES, _vllm_or_sglang_reads_the_type),
+    "sglang": (_zeroed_frequencies_row, *VLLM_SGLANG_RULES, _vllm_or_sglang_reads_the_type),
+    "llama.cpp": (
+        _zeroed_frequencies_row,
+        _llama_cpp_gguf,
+        _llama_cpp_architecture,
+        _llama_cpp_nested,
+        _llama_cpp_no_record,
+        _llama_cpp_composed,
+        _llama_cpp_self_extend,
+        _llama_cpp_keys,
+    ),
+}
 
 
 def _proportional_as_written(model: ServedModel, engine: str) -> tuple[dict, dict, str] | None:
