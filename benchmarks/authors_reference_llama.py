@@ -196,7 +196,7 @@ def run_side(side: str, args, prompts: list[dict], scratch: Path) -> dict:
     done = subprocess.run(argv, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"the {side} side failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    return torch.load(scratch / f"{tag}-out.pt")
+    return torch.load(scratch / f"{tag}-out.pt", mmap=True)  # file-backed: the full logits stay off the heap
 
 
 def method_params(args) -> dict:
@@ -337,7 +337,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, help="results JSON to add rows to (default: by method)")
     parser.add_argument("--make-fixture", type=Path, help="run the tiny model instead and write this fixture")
+    parser.add_argument("--table", action="store_true", help="print the results JSON's rows as Markdown, run nothing")
     args = parser.parse_args()
+    if args.table:
+        return print_tables(json.loads((args.out or RESULTS[args.method]).read_text()))
     if args.window is None:
         args.window = 1024 if args.method == "self_extend" else 512
     torch.set_num_threads(args.threads)
@@ -371,6 +374,48 @@ def main() -> None:
             print(json.dumps({"length": length, **costs}), flush=True)
             out_path.parent.mkdir(exist_ok=True)
             out_path.write_text(json.dumps(kept, indent=1) + "\n")
+
+
+def print_tables(kept: dict) -> None:
+    """The agreement rows and the cost rows of a results JSON, as Markdown tables."""
+    print(
+        "| method | setting | prompt | tokens | greedy tokens equal | max abs logit diff (answer) | prefill: max abs "
+        "logit diff / argmax disagreements |"
+    )
+    print("|---|---|---|---:|---|---:|---|")
+    for r in kept["rows"]:
+        setting = ", ".join(f"{k} {r[k]}" for k in ("group_size", "window", "k", "training_length") if k in r)
+        equal = f"{r['agreeing_prefix']}/{r['new_tokens']}"
+        prefill = "-"
+        if "max_abs_logit_difference_prefill" in r:
+            prefill = (
+                f"{r['max_abs_logit_difference_prefill']:.2e} (first w: "
+                f"{r['max_abs_logit_difference_prefill_first_window']:.1e}) / {r['prefill_argmax_disagreements']} of "
+                f"{r['prefill_positions']}"
+            )
+        answer = f"{r['max_abs_logit_difference_answer']:.2e}"
+        print(f"| {r['method']} | {setting} | {r['prompt']} | {r['prompt_tokens']} | {equal} | {answer} | {prefill} |")
+    print()
+    print(
+        "| method | tokens | prefill s (theirs / ctxext, ratio) | peak RSS GiB after prefill (theirs / ctxext, ratio) "
+        "| decode s/token (theirs / ctxext, ratio) |"
+    )
+    print("|---|---:|---|---|---|")
+    for c in kept["cost"]:
+        ours, ref = c["ctxext"], c["reference"]
+
+        prefill = pair(ref, ours, "prefill_seconds", 1)
+        peak = pair(ref, ours, "peak_rss_after_prefill_gib", 2)
+        decode = pair(ref, ours, "decode_seconds_per_token", 3)
+        print(f"| {c['method']} | {c['length']} | {prefill} | {peak} | {decode} |")
+
+
+def pair(ref: dict | None, ours: dict, key: str, digits: int) -> str:
+    """'theirs / ctxext (theirs/ctxext x)' for one cost, '- / ctxext' where the reference did not run."""
+    if ref is None or ref[key] is None:
+        return f"- / {ours[key]:.{digits}f}"
+    text = f"{ref[key]:.{digits}f} / {ours[key]:.{digits}f}"
+    return f"{text} ({ref[key] / ours[key]:.2f}x)"
 
 
 def same_row(a: dict, b: dict) -> bool:
