@@ -31,14 +31,24 @@ the LM head on the last position, then one token per forward with the cache (no 
 authors' examples). transformers 4.x's causal-LM forward computes the logits of every position, transformers 5's
 `generate` only the last: calling the base model keeps a 1.6 GB logits tensor out of both sides' prefill peaks.
 
-    git -C /work/.mirror/datamllab+LongLM/repo show HEAD:PATH > REF/PATH    # each file of the tree (see below)
+The committed results came from (1 thread: 2 threads ran 4x slower on the loaded 2-core machine):
     pip install --target TF438 transformers==4.38.2 'tokenizers<0.19' 'huggingface_hub<1.0' --no-deps
     pip install --target TF431 transformers==4.31.0 'tokenizers<0.14' 'huggingface_hub<1.0' --no-deps
+    C="--checkpoint .cache/smollm2-135m-instruct --reference-checkpoint SMOLLM2_WITH_ROPE_THETA --threads 1 \
+       --decode-tokens 8"
     python benchmarks/authors_reference_llama.py --method self_extend --reference-dir REF_LONGLM \
-        --reference-pythonpath TF438 --checkpoint .cache/smollm2-135m-instruct \
-        --reference-checkpoint SMOLLM2_WITH_ROPE_THETA --lengths 4096,8192 --ctxext-only-lengths 16384
-    python benchmarks/authors_reference_llama.py --method rerope --reference-dir REF_REROPE --reference-pythonpath TF431 ...
-    python benchmarks/authors_reference_llama.py --method self_extend ... --make-fixture tests/fixtures/selfextend_reference.json
+        --reference-pythonpath TF438 $C --lengths 4096
+    python benchmarks/authors_reference_llama.py --method self_extend ... $C --lengths "" --ctxext-only-lengths 8192,16384
+    python benchmarks/authors_reference_llama.py --method rerope --reference-dir REF_REROPE --reference-pythonpath TF431 \
+        $C --lengths 4096
+    python benchmarks/authors_reference_llama.py --method leaky_rerope ... $C --lengths 4096 --no-passkey
+    python benchmarks/authors_reference_llama.py --method self_extend ... --window 16 --group-size 4 \
+        --make-fixture tests/fixtures/selfextend_reference.json   # the tiny model (also G 3; rerope, leaky_rerope)
+REF_* are the trees of the mirrors' commits (REFERENCES below), file by file with `git show COMMIT:PATH`;
+SMOLLM2_WITH_ROPE_THETA is the checkpoint with rope_parameters.rope_theta (1e5) copied to the top of config.json.
+The authors' prefill keeps about four (heads, T, T) fp32 score tensors alive per layer: 4.1 GiB peak at 4096
+tokens measured, about 10.5 GiB at 8192 and 38 GiB at 16384 by that count, which did not fit beside the shared
+machine's other jobs (a 4096 run was OOM-killed once); `--table` prints a results file as Markdown.
 """
 
 import argparse
