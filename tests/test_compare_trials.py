@@ -178,6 +178,7 @@ def test_a_tie_more_trials_cannot_break_is_reported_with_why_they_stopped(tmp_pa
         ("rerope", 1, 3), ("yarn", 1, 3)
     ]  # fmt: skip
     found = {r["key"]["config"]["method"]: 3 + r["correct"] for r in added}  # the planted 3/3, then the block
+    assert all([t["trial"] for t in r["records"]] == [3, 4, 5] for r in added)  # numbered after the table's 0-2
     rows = {r["label"]: r for r in results["rows"]}
     for method in ("yarn", "rerope"):
         assert rows[method]["passkey"]["256"]["correct"] == found[method]
@@ -196,6 +197,9 @@ def test_a_tie_more_trials_cannot_break_is_reported_with_why_they_stopped(tmp_pa
     assert results["recommendations"]["vllm"]["decided"]["added"] == 0
 
     before = cell_files(cells)
+    resumed = run_compare(replace(asked, max_passkey_trials=6, page=page)).results
+    assert cell_files(cells) == before  # the same command finds its blocks: nothing computed again
+    assert resumed["recommendations"]["ctxext"]["decided"] == pick["decided"]
     again = run_compare(replace(asked, max_passkey_trials=12, report_only=True)).results
     assert cell_files(cells) == before  # report-only computed nothing
     decided = again["recommendations"]["ctxext"]["decided"]

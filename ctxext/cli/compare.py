@@ -238,6 +238,9 @@ def _print_summary(result) -> None:
             continue
         ratios = ", ".join(f"{n}: {r:.3f}" for n, r in pick["ratios"].items())
         print(f"{TARGET_NAMES[target]:>16}: {pick['label']} (vs native {ratios}; {pick['tier']})")
+        decided = pick.get("decided")
+        if decided and (pick.get("tied_with") or decided["added"]):
+            print(f"{'':>16}  {decided['decided']} at {decided['trials']} passkey trials a length")
     missing = len(results["missing"])
     if result.output is not None:
         print(f"report: {result.output.resolve() / 'report.md'}" + (f" ({missing} cells missing)" if missing else ""))

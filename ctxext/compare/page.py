@@ -76,6 +76,7 @@ def page_missing(rows: list, measured, docs: list[str], lengths: list[int], pass
 def machines(measured) -> str:
     """Which machines computed the cells, with how many each ('not recorded' for cells older than the record)."""
     cells = [*measured.native.values(), *measured.perplexity.values(), *measured.passkey.values()]
+    cells += [block for cell in measured.passkey.values() for block in cell.get("added", [])]  # the decide stage's
     counts = Counter(c.get("machine", "not recorded") for c in cells)
     return "; ".join(f"{name} ({n} cells)" for name, n in counts.most_common()) or "none yet"
 

@@ -588,7 +588,9 @@ def protocol_lines(results: dict) -> list[str]:
         f"- **Native**: {p['native']}.",
         f"- **Passkey**: {p['passkey']['keys_per_depth']} key(s) per depth at depths "
         f"{', '.join(f'{d:g}' for d in p['passkey']['depths'])}, seeded by 0, at "
-        f"{', '.join(str(n) for n in p['passkey']['lengths'])} tokens ({p['passkey']['note']}).",
+        f"{', '.join(str(n) for n in p['passkey']['lengths'])} tokens ({p['passkey']['note']}); up to "
+        f"{p['passkey']['max_trials']} trials a length for the rows tied with a recommendation: "
+        f"{p['passkey']['added']}.",
         f"- **Searches**: `ctxext search` studies, objective `{p['objective']}` (needle keys seeded by 1, not the "
         f"table's). {results['pruning_rule']}",
         f"- **Cost**: prefill time and peak memory of each row's cell on the first held-out document at "
