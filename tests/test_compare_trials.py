@@ -130,6 +130,10 @@ def test_a_round_the_budget_left_cannot_fit_is_not_started():
 
 
 # ------------------------------------------------------------------------------------------ tiny model
+def again_report(tmp_path) -> str:
+    return (tmp_path / "out" / "report.md").read_text()
+
+
 def cell_files(cells):
     return {p.name: json.loads(p.read_text()) for p in cells.glob("*.json")}
 
@@ -204,6 +208,8 @@ def test_a_tie_more_trials_cannot_break_is_reported_with_why_they_stopped(tmp_pa
     assert cell_files(cells) == before  # report-only computed nothing
     decided = again["recommendations"]["ctxext"]["decided"]
     assert decided["decided"] == "cells missing" and decided["trials"] == 6
+    assert (decided["next_trials"], decided["pending"], decided["of"]) == (12, 2, 2)
+    assert "more passkey trials are under way: 2 of the 2 row lengths going from 6 to 12" in again_report(tmp_path)
     assert {f"passkey trials: {m} at 256, block {b}" for m in ("yarn", "rerope") for b in (2, 3)} <= set(
         again["missing"]
     )

@@ -97,8 +97,9 @@ def decide(source: TrialSource, targets, block_size: int, max_trials: int, log=l
         log(f"decide: {len(needed)} row lengths to {upto * block_size} passkey trials ({', '.join(open_targets)})")
         complete = [source.add(label, n, v) for (label, n), v in needed.items()]
         if not all(complete):
+            pending = {"next_trials": upto * block_size, "pending": complete.count(False), "of": len(complete)}
             for target in open_targets:
-                records[target].update(decided=MISSING, trials=level * block_size)
+                records[target].update(decided=MISSING, trials=level * block_size, **pending)
             break
         level = upto
     for record in records.values():

@@ -180,7 +180,10 @@ def decision_note(decided: dict | None, pick: RowNumbers, tied: list[RowNumbers]
             f"more passkey trials stopped at {trials} a length by the budget: the next round needs about "
             f"{decided['needed_seconds']:.0f} s, {decided['seconds_left']:.0f} s are left"
         )
-    return f"more passkey trials stopped at {trials} a length: their next cells are not kept (report-only)"
+    return (
+        f"more passkey trials are under way: {decided['pending']} of the {decided['of']} row lengths going from "
+        f"{trials} to {decided['next_trials']} trials lack kept cells (the same command computes them)"
+    )
 
 
 def note_line(tie: str, why: str) -> str | None:
