@@ -452,6 +452,7 @@ def test_the_effective_length_is_a_column_of_the_table_and_the_csv_under_its_rul
         methods=["yarn", "rerope"],
         held_out_docs=2,
         search=False,
+        max_passkey_trials=0,  # the table's passkey cells only (the decide stage: tests/test_compare_trials.py)
         runtime=RuntimeOptions(device="cpu", dtype="fp32", progress=False),
     )
     run_compare(asked)

@@ -17,10 +17,12 @@ def tiny(tmp_path_factory):
     return write_compare_inputs(tmp_path_factory.mktemp("compare"))
 
 
-def cell_processes(cells) -> collections.Counter:
-    """How many cell files each process rank wrote (None: a cell that records no process)."""
+def cell_processes(cells, blocks: bool = False) -> collections.Counter:
+    """How many cell files each process rank wrote (None: a cell that records no process); the stages' cells, or
+    with `blocks` the decide stage's further passkey blocks (the main process computes those)."""
+    records = [json.loads(path.read_text()) for path in cells.glob("*.json")]
     return collections.Counter(
-        (json.loads(path.read_text()).get("process") or {}).get("rank") for path in cells.glob("*.json")
+        (r.get("process") or {}).get("rank") for r in records if bool(r["key"].get("block")) == blocks
     )
 
 
@@ -60,9 +62,12 @@ def test_two_processes_share_the_cells_and_give_the_table_of_one(tiny, tmp_path,
     by_rank = cell_processes(tmp_path / "two" / "cells")
     assert set(by_rank) == {0, 1}, by_rank
     assert abs(by_rank[0] - by_rank[1]) <= 2, by_rank
-    assert sum(by_rank.values()) == len(list((tmp_path / "one" / "cells").glob("*.json")))
-    assert set(cell_processes(tmp_path / "one" / "cells")) == {None}
+    blocks = cell_processes(tmp_path / "two" / "cells", blocks=True)
+    assert set(blocks) <= {0}  # the decide stage runs on the main process
+    one_cells = cell_processes(tmp_path / "one" / "cells") + cell_processes(tmp_path / "one" / "cells", blocks=True)
+    assert sum(by_rank.values()) + sum(blocks.values()) == sum(one_cells.values())
+    assert set(one_cells) == {None}
     # each process logs the cells it computes: no cell was computed twice (the file keeps the last writer's rank)
-    assert launched.stdout.count("[process 0 of 2]") == by_rank[0], launched.stdout
+    assert launched.stdout.count("[process 0 of 2]") == by_rank[0] + blocks[0], launched.stdout
     assert launched.stdout.count("[process 1 of 2]") == by_rank[1]
     assert not (tmp_path / "two" / ".processes").exists()  # the wait files are gone

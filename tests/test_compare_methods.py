@@ -133,6 +133,8 @@ def test_the_page_rebuilt_from_the_committed_cells_is_the_committed_page(tmp_pat
     columns = [name.strip() for name in table[0].strip("|").split("|")]
     rows = {line.split(" | ")[0][2:]: line.strip("|").split("|") for line in table[2:]}
     for line in record["missing"]:
+        if line.startswith("passkey trials: "):  # the decide stage's further blocks: the column shows the count so far
+            continue
         kind, label, length = re.match(r"(perplexity|passkey|search): (.+?) at (\d+)", line).groups()
         if kind == "search" or label not in rows:
             continue

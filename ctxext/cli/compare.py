@@ -143,6 +143,15 @@ def _add_scoring_arguments(parser) -> None:
     )
     scoring.add_argument("--passkey-trials", type=int, default=1, metavar="K", help="keys per depth (default 1)")
     scoring.add_argument(
+        "--max-passkey-trials",
+        type=int,
+        default=12,
+        metavar="N",
+        help="the rows tied with a recommendation get more passkey trials (doubling: 3, 6, 12) until its leader is "
+        "separated, N trials a length, or the budget; the report says which (default 12; at most the table's "
+        "trials: none added)",
+    )
+    scoring.add_argument(
         "--passkey-lengths",
         metavar="N,N",
         help="where passkey runs (default: L, the unpatched model only, and every length); each L or one of --lengths",
@@ -193,6 +202,7 @@ def request_from_args(args):
         search=not args.no_search,
         passkey_depths=parse_depths(args.passkey_depths),
         passkey_trials=args.passkey_trials,
+        max_passkey_trials=args.max_passkey_trials,
         cache=args.cache_dir,
         storage=args.storage,
         write_best=args.write_best,
@@ -228,6 +238,9 @@ def _print_summary(result) -> None:
             continue
         ratios = ", ".join(f"{n}: {r:.3f}" for n, r in pick["ratios"].items())
         print(f"{TARGET_NAMES[target]:>16}: {pick['label']} (vs native {ratios}; {pick['tier']})")
+        decided = pick.get("decided")
+        if decided and (pick.get("tied_with") or decided["added"]):
+            print(f"{'':>16}  {decided['decided']} at {decided['trials']} passkey trials a length")
     missing = len(results["missing"])
     if result.output is not None:
         print(f"report: {result.output.resolve() / 'report.md'}" + (f" ({missing} cells missing)" if missing else ""))

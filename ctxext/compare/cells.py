@@ -28,6 +28,7 @@ from ..search.objective import checked_method, score_perplexity
 
 ONE_WINDOW = "one window"
 PASSKEY_SEED = 0  # the table's keys; the needle objective of the searches uses other keys (seed 1)
+BLOCK_SEED = 100  # the keys of a row's further passkey trials (the decide stage): block b is seeded by 100 + b
 STOP_AFTER_ENV = "CTXEXT_COMPARE_STOP_AFTER_CELLS"  # tests only: exit (as if killed) after this many new cells
 
 
@@ -46,8 +47,16 @@ def perplexity_key(config: dict | None, document: str, length: int, tokens: str,
     }
 
 
-def passkey_key(config: dict | None, length: int, trials) -> dict:
-    return {"kind": "passkey", "config": config, "length": length, "keys": [(t.depth, t.key) for t in trials]}
+def passkey_key(config: dict | None, length: int, trials, block: int = 0) -> dict:
+    """A passkey cell's key; a further block of trials (block >= 1, the decide stage) also names its block."""
+    key = {"kind": "passkey", "config": config, "length": length, "keys": [(t.depth, t.key) for t in trials]}
+    return {**key, "block": block} if block else key
+
+
+def block_trials(length: int, depths: list[float], keys_per_depth: int, block: int):
+    """The trials of a passkey block: block 0 is the table's cell (seed 0), block b >= 1 the same depths and number
+    of keys, seeded by BLOCK_SEED + b (the same keys for every row)."""
+    return plan_trials([length], list(depths), keys_per_depth, seed=BLOCK_SEED + block if block else PASSKEY_SEED)
 
 
 class Cells:
@@ -104,22 +113,33 @@ class Cells:
         return self._store(key, value, f"{label} @ {length} on {document.name}: {math.exp(nll / tokens):.3f}")
 
     def passkey(self, label: str, config: dict, length: int, depths: list[float], keys_per_depth: int):
-        trials = plan_trials([length], list(depths), keys_per_depth, seed=PASSKEY_SEED)
-        key = passkey_key(config, length, trials)
+        return self.passkey_block(label, config, length, depths, keys_per_depth, 0)
+
+    def passkey_block(
+        self, label: str, config: dict, length: int, depths, keys_per_depth: int, block: int, find_only=False
+    ):
+        """Block `block` of a row's passkey trials at `length` (0: the table's cell); its records number the trials
+        from block * its size, so the blocks of a row together are one run of trials. `find_only`: never compute."""
+        trials = block_trials(length, depths, keys_per_depth, block)
+        key = passkey_key(config, length, trials, block)
         found = self.cache.get(key)
-        if found is not None or not self.compute:
+        if found is not None or not self.compute or find_only:
             return found
         model = self.model_loader()
         began = time.perf_counter()
         method = checked_method(label, MethodConfig.from_mapping(config))
         records = run_passkey(model, self.tokenizer, trials, [method], self.bos_id)
+        for record in records:
+            record["trial"] += block * len(trials)
         value = {
             "correct": sum(r["correct"] for r in records),
             "trials": len(records),
             "records": records,
             "seconds": time.perf_counter() - began,
         }
-        return self._store(key, value, f"passkey {label} @ {length}: {value['correct']}/{value['trials']}")
+        first = block * len(trials) + 1
+        which = f" (trials {first}-{first + len(trials) - 1})" if block else ""
+        return self._store(key, value, f"passkey {label} @ {length}{which}: {value['correct']}/{value['trials']}")
 
 
 def score_one_window(model, config: dict, name: str, ids, length: int, bos_id):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..outputs import atomic_write_text, new_figure, save_figure, write_json
 from ..tasks.report import EFFECTIVE_RULE
-from .ranking import recommend, tie_note, tied_rows
+from .ranking import recommend, recommendation_notes, tied_rows
 from .report import (
     baseline_accuracy,
     cost_numbers,
@@ -76,6 +76,7 @@ def page_missing(rows: list, measured, docs: list[str], lengths: list[int], pass
 def machines(measured) -> str:
     """Which machines computed the cells, with how many each ('not recorded' for cells older than the record)."""
     cells = [*measured.native.values(), *measured.perplexity.values(), *measured.passkey.values()]
+    cells += [block for cell in measured.passkey.values() for block in cell.get("added", [])]  # the decide stage's
     counts = Counter(c.get("machine", "not recorded") for c in cells)
     return "; ".join(f"{name} ({n} cells)" for name, n in counts.most_common()) or "none yet"
 
@@ -126,7 +127,9 @@ def page_state(session, rows: list, path: Path) -> dict:
         "recommendations": recommend(numbers, baseline_accuracy(measured, plan.L), TARGETS),
         "ties": {t: tied_rows(numbers, baseline_accuracy(measured, plan.L), t) for t in TARGETS},
         "effective": effective_lengths(measured, [r.label for r in ordered], passkey_lengths),
-        "missing": page_missing(ordered, measured, docs, plan.lengths, passkey_lengths, plan.L),
+        "missing": page_missing(ordered, measured, docs, plan.lengths, passkey_lengths, plan.L)
+        + [m for m in measured.missing if m.startswith("passkey trials: ")],
+        "decisions": session.decisions,
         "machine": session.machine,
         "search_seconds": seconds,
         "search_trials": trials,
@@ -160,11 +163,22 @@ def protocol_lines(state: dict) -> list[str]:
         "tokens (the model's own quality on that text, the project's reference).",
         f"- **Passkey**: accuracy at {', '.join(str(n) for n in state['passkey_lengths'])} tokens, "
         f"{len(depths) * request.passkey_trials} seeded keys at depths {', '.join(f'{d:g}' for d in depths)} "
-        "(the Landmark/YaRN format).",
+        "(the Landmark/YaRN format)" + added_trials_text(request) + ".",
         searched_line(state),
         "",
     ]
     return lines
+
+
+def added_trials_text(request) -> str:
+    """What the passkey line says of the decide stage's further trials ('' when none are added)."""
+    size = len(request.passkey_depths) * request.passkey_trials
+    if request.max_passkey_trials <= size:
+        return ""
+    return (
+        f"; the rows tied with a recommendation get further blocks of {size} keys (seeded by 100 + block), doubling "
+        f"a round, until its leader is separated or {request.max_passkey_trials} a length (`ctxext.compare.decide`)"
+    )
 
 
 def searched_line(state: dict) -> str:
@@ -288,9 +302,11 @@ def recommendation_lines(state: dict) -> list[str]:
         passkey = ", ".join(passkey_text(*result) for result in pick.passkey.values() if result) or "-"
         ratios = " | ".join(f"{pick.ratios[n]:.3f}" for n in lengths)
         lines.append(f"| {TARGET_NAMES[target]} | {pick.label} | {ratios} | {passkey} | `{SERVE_LINES[target]}` |")
-    picks = [(state["recommendations"].get(t), state["ties"][t]) for t in TARGETS]
-    notes = sorted({tie_note(pick, tied) for pick, tied in picks if pick} - {""})
-    lines += ["", *(f"- **Not separated:** {note}." for note in notes)] if notes else []
+    decisions = state["decisions"]
+    notes = recommendation_notes(
+        [(state["recommendations"].get(t), state["ties"][t], decisions.get(t)) for t in TARGETS]
+    )
+    lines += ["", *notes] if notes else []
     return [*lines, ""]
 
 
@@ -306,6 +322,8 @@ def effective_lines(state: dict) -> list[str]:
     effective = state["effective"]
     if not effective:
         return []
+    if effective["threshold"] is None:  # the unpatched model found no key inside its window
+        return ["", f"{EFFECTIVE_RULE[0].upper()}{EFFECTIVE_RULE[1:]}: not measured ({effective['note']})."]
     return [
         "",
         f"{EFFECTIVE_RULE[0].upper()}{EFFECTIVE_RULE[1:]}, here passkey accuracy "

@@ -240,6 +240,12 @@ def screen_forwards(plan_values: dict) -> dict[int, float]:
     return out
 
 
+def passkey_seconds(plan: ComparePlan, length: int, trials: int) -> float:
+    """What `trials` passkey trials at `length` are estimated to take: one forward pass each, as `screen_forwards`
+    counts them, at the estimate's seconds per forward (FLOPs over the measured rate); the decide stage's cost."""
+    return trials * plan.estimate["forward_seconds"][length]
+
+
 def estimate_screen(plan: ComparePlan, throughput: float) -> dict:
     values = {
         "objective": plan.request.objective,
@@ -275,6 +281,8 @@ def check_request(request: CompareRequest) -> None:
     check_objective(request.objective)
     if not request.lengths:
         raise CtxextError("--lengths: give at least one length, e.g. 16k,32k")
+    if request.max_passkey_trials < 0:
+        raise CtxextError(f"--max-passkey-trials must be 0 (no added trials) or more, got {request.max_passkey_trials}")
     for name in ("calibration_docs", "held_out_docs", "passkey_trials"):
         if getattr(request, name) < 1:
             raise CtxextError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(request, name)}")

@@ -159,3 +159,42 @@ def tie_note(pick: RowNumbers, tied: list[RowNumbers]) -> str:
         f"{pick.label} and {', '.join(others)} are not separated by {'/'.join(map(str, trials))} passkey trials a "
         f"length and the held-out documents' spread; {pick.label} found {found}"
     )
+
+
+def decision_note(decided: dict | None, pick: RowNumbers, tied: list[RowNumbers]) -> str:
+    """What the recommendation says of how the decide stage ended ('' where it added no trials and left no tie)."""
+    if not decided:
+        return ""
+    reason, trials = decided["decided"], decided["trials"]
+    if reason == "separated":
+        others = [label for label in decided["candidates"] if label != pick.label]
+        return (
+            f"{pick.label} is separated from {', '.join(others)} after {trials} passkey trials a length"
+            if others
+            else ""
+        )
+    if reason == "trial cap":
+        return f"more passkey trials stopped at the cap, {decided['cap']} a length (--max-passkey-trials)"
+    if reason == "budget":
+        return (
+            f"more passkey trials stopped at {trials} a length by the budget: the next round needs about "
+            f"{decided['needed_seconds']:.0f} s, {decided['seconds_left']:.0f} s are left"
+        )
+    return (
+        f"more passkey trials are under way: {decided['pending']} of the {decided['of']} row lengths going from "
+        f"{trials} to {decided['next_trials']} trials lack kept cells (the same command computes them)"
+    )
+
+
+def note_line(tie: str, why: str) -> str | None:
+    """The line under a recommendation table for its tie note and decision note (None: nothing to say)."""
+    if not tie and not why:
+        return None
+    return (f"- **Not separated:** {tie}" + (f"; {why}" if why else "") if tie else f"- **Separated:** {why}") + "."
+
+
+def recommendation_notes(picks) -> list[str]:
+    """The lines under a recommendation table, for (pick, tied, decided) per target: each tie with why the added
+    trials stopped, and each tie the added trials broke; one line for what several targets share."""
+    lines = [note_line(tie_note(p, tied), decision_note(d, p, tied)) for p, tied, d in picks if p is not None]
+    return sorted(set(lines) - {None})

@@ -19,8 +19,10 @@ from .ranking import (
     RANKING_RULE,
     TIERS,
     RowNumbers,
+    decision_note,
     mean_ratio,
     needle_tier,
+    note_line,
     rank_rows,
     recommend,
     tie_note,
@@ -287,6 +289,8 @@ def recommendation_record(session, target: str, row, pick, serving: dict, baseli
         "mean_ratio": mean_ratio(pick.ratios),
         "tied_with": [r.label for r in tied if r is not pick],
         "tie_note": tie_note(pick, tied),
+        "decided": session.decisions.get(target),
+        "decision_note": decision_note(session.decisions.get(target), pick, tied),
         "serving": serving[pick.label].get(target, {}),
         "method_file": str(method_file),
         "commands": serve_commands(target, session.request.model, str(method_file), longest, written_name),
@@ -407,6 +411,9 @@ def protocol(session) -> dict:
             "depths": request.passkey_depths,
             "keys_per_depth": request.passkey_trials,
             "seed": 0,
+            "max_trials": request.max_passkey_trials,
+            "added": "the rows tied with a recommendation get further blocks of the same size (block b seeded by "
+            "100 + b), doubling a round, until the leader is separated, the cap or the budget (ctxext.compare.decide)",
             "note": f"at L = {plan.L} only the unpatched model (the baseline of the needle tiers)",
         },
         "split": {
@@ -556,8 +563,9 @@ def recommendation_lines(results: dict) -> list[str]:
             + f" | {passkey} | {pick['tier']} |"
         )
     lines += [""]
-    notes = {pick["tie_note"] for pick in results["recommendations"].values() if pick and pick.get("tie_note")}
-    lines += [f"- **Not separated:** {note}." for note in sorted(notes)] + ([""] if notes else [])
+    picks = [p for p in results["recommendations"].values() if p]
+    notes = sorted({note_line(p.get("tie_note") or "", p.get("decision_note") or "") for p in picks} - {None})
+    lines += sorted(notes) + ([""] if notes else [])
     for target in TARGETS:
         pick = results["recommendations"].get(target)
         if pick is None:
@@ -580,7 +588,9 @@ def protocol_lines(results: dict) -> list[str]:
         f"- **Native**: {p['native']}.",
         f"- **Passkey**: {p['passkey']['keys_per_depth']} key(s) per depth at depths "
         f"{', '.join(f'{d:g}' for d in p['passkey']['depths'])}, seeded by 0, at "
-        f"{', '.join(str(n) for n in p['passkey']['lengths'])} tokens ({p['passkey']['note']}).",
+        f"{', '.join(str(n) for n in p['passkey']['lengths'])} tokens ({p['passkey']['note']}); up to "
+        f"{p['passkey']['max_trials']} trials a length for the rows tied with a recommendation: "
+        f"{p['passkey']['added']}.",
         f"- **Searches**: `ctxext search` studies, objective `{p['objective']}` (needle keys seeded by 1, not the "
         f"table's). {results['pruning_rule']}",
         f"- **Cost**: prefill time and peak memory of each row's cell on the first held-out document at "

@@ -15,6 +15,7 @@ DEFAULT_OBJECTIVE = "ppl+needle-ppl"  # keeps retrieval: a perplexity search alo
 DEFAULT_TRIALS = 8  # trials of the last rung of successive halving, without --budget
 BUDGET_TRIALS_CAP = 32  # under --budget without --trials: the most trials one search is given
 PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
+MAX_PASSKEY_TRIALS = 12  # the decide stage: passkey trials a length for the rows tied with a recommendation
 PRESETS = {
     "all": "every method that applies to this model (the default)",
     "training-free": "every method that needs no fine-tuning (all but linear: Position Interpolation fine-tunes)",
@@ -61,6 +62,7 @@ class CompareRequest:
     search: bool = True  # False: the defaults only (no screen, no searches)
     passkey_depths: list[float] = field(default_factory=lambda: list(PASSKEY_DEPTHS))
     passkey_trials: int = 1  # keys per depth and length
+    max_passkey_trials: int = MAX_PASSKEY_TRIALS  # the decide stage's cap a length (at most the table's: none added)
     cache: str | Path | None = None  # where cells/ and searches/ are kept (None: OUTPUT)
     storage: str | None = None  # one Optuna storage for every search (None: each search's own journal)
     write_best: str | None = None  # [TARGET:]DIR, TARGET one of WRITE_TARGETS (default ctxext)

@@ -28,12 +28,14 @@ from ..errors import CtxextError
 from ..extras import require
 from ..runtime import Processes, machine_description
 from .cells import Cells
+from .decide import SessionTrials, decide
 from .page import write_page
 from .plan import NONE, ComparePlan, default_config, plan_compare
 from .processes import MainOnly, alone, my_share
 from .report import report_results, write_report
 from .request import BUDGET_TRIALS_CAP, DEFAULT_TRIALS, CompareRequest, needed_extras
 from .searches import StudyRunner, read_history, search_pending, searched_config, successive_halving
+from .serving import TARGETS
 from .tasks import run_task_cells
 
 
@@ -112,6 +114,7 @@ class Session:
         self.runner = StudyRunner(plan, root, self.load_model, self.compute, self.log)
         self.measured = Measurements()
         self.halving: dict[int, dict] = {}
+        self.decisions: dict[str, dict] = {}  # target -> how the decide stage ended (ctxext.compare.decide)
         self.progress = None
 
     def load_model(self):
@@ -348,6 +351,22 @@ class Session:
                 for method in [m for m in searchable if kind.covers(m)]:
                     self.runner.run(method, length, kind.trials, objective=kind.objective)
 
+    def stage_decide(self, rows: list[Row]) -> None:
+        """More passkey trials for the rows tied with a recommendation (ctxext.compare.decide), on the main process
+        (its blocks are cells, kept as computed); the measurements and decisions reach every process."""
+        request = self.request
+        size = len(request.passkey_depths) * request.passkey_trials
+        if request.max_passkey_trials <= size:
+            return
+
+        def decided():
+            source = SessionTrials(self, rows)
+            self.decisions = decide(source, TARGETS, size, request.max_passkey_trials, self.log)
+            self.measured.missing += source.missing
+            return self.measured, self.decisions
+
+        self.measured, self.decisions = self.main_only.run(decided)
+
     def stage_searches(self) -> None:
         """The searches, on the main process only (ctxext.compare.processes); the halving record reaches all."""
 
@@ -391,15 +410,16 @@ def run_compare(request: CompareRequest, log: Callable[[str], None] | None = Non
     session.stage_tasks(defaults)
     searching = request.search and bool(plan.searchable)
     once = session.main_only.run
-    results = once(lambda: write_outputs(session, defaults, final=not searching))
     rows = defaults
     if searching:
+        once(lambda: write_outputs(session, defaults, final=False))
         session.stage_searches()
         searched = session.searched_rows()
         session.stage_cells(searched, with_native=False, what="searched rows")
         session.stage_tasks(searched)
         rows = defaults + searched
-        results = once(lambda: write_outputs(session, rows))
+    session.stage_decide(rows)
+    results = once(lambda: write_outputs(session, rows))
     written = once(lambda: write_best(session, results)) if plan.write_best else None
     if written is not None:
         results = once(lambda: write_report(session, rows, written=written, final=False))
