@@ -314,3 +314,16 @@ def test_the_table_is_what_patch_asks():
     assert first_refusal(request) == str(refused.value)
     rope = model_rope_record(model)  # the default gpt-oss config's yarn x32 over 4096 reaches 131072
     assert (rope.original_length, rope.trained_context) == (4096, 32 * 4096)
+
+
+def test_the_rope_record_is_public_where_the_docs_import_it():
+    """`ctxext.rope_record` and `ctxext.RopeRecord` are the record module's own (ctxext's __all__ and patching's)."""
+    import ctxext.patching.record as record_module
+
+    assert ctxext.rope_record is record_module.rope_record and ctxext.RopeRecord is record_module.RopeRecord
+    assert {"RopeRecord", "rope_record"} <= set(ctxext.__all__) & set(ctxext.patching.__all__)
+    shipped = ctxext.rope_record(tiny_model("llama").config)
+    assert (
+        isinstance(shipped, ctxext.RopeRecord)
+        and shipped.trained_context == tiny_model("llama").config.max_position_embeddings
+    )

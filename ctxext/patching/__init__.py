@@ -3,6 +3,7 @@
 from .attention import register_load_hook
 from .families import RopeLayout, rope_layout, rotary_dim, rotary_host
 from .patch import applied_method, original_length, patch, unpatch
+from .record import RopeRecord, model_rope_record, rope_record
 from .rope_types import register_rope_types
 from .rotary import ScaledRotaryEmbedding, is_dynamic
 
@@ -11,12 +12,15 @@ register_load_hook()  # models built from a config with `ctxext_attention` come 
 
 __all__ = [
     "RopeLayout",
+    "RopeRecord",
     "ScaledRotaryEmbedding",
     "applied_method",
     "is_dynamic",
+    "model_rope_record",
     "original_length",
     "patch",
     "rope_layout",
+    "rope_record",
     "rotary_dim",
     "rotary_host",
     "unpatch",
