@@ -37,8 +37,7 @@ import numpy as np
 
 from ..errors import CtxextError
 from .longrope import DEFAULT_SIGMA, CmaProposer, CriticalSpace, factors_from, knot_positions
-from .space import Range
-from .store import optuna_module
+from .space import Range, optuna_module
 
 POLL_SECONDS = 1.0  # how often a worker with nothing to run looks at the study again
 

@@ -29,11 +29,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CtxextError, did_you_mean
-from .store import optuna_module
 
 WORDS = ("log", "int", "pow2", "each")
 ELEMENT = re.compile(r"^(\w+)\[(\d+)\]$")  # name[i]: element i of a list parameter
 SCALES = {"*factor": "factor", "*L": "L", "*base": "base"}
+
+
+def optuna_module():
+    """Optuna, the search extra's library, imported here only: this module, and `--help`, load without it."""
+    import optuna  # noqa: PLC0415 -- optional: search
+    import optuna.storages.journal  # noqa: PLC0415 -- optional: search
+
+    return optuna
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from pathlib import Path
 
 from ..errors import CtxextError
 from ..outputs import atomic_write_text
+from .space import optuna_module
 
 SETTINGS_ATTR = "ctxext_search"
 DERIVED = ("selected_pairs",)  # settings measured on the model once the search starts: recorded, not compared
@@ -60,14 +61,6 @@ def storage_url(storage: str | Path | None, output: str | Path) -> str:
     if storage and "://" in str(storage):
         return str(storage)
     return str(Path(storage or Path(output) / JOURNAL_FILE).expanduser().resolve())
-
-
-def optuna_module():
-    """Optuna, the search extra's library, imported here only (the module loads without it)."""
-    import optuna  # noqa: PLC0415 -- optional: search
-    import optuna.storages.journal  # noqa: PLC0415 -- optional: search
-
-    return optuna
 
 
 def open_storage(url: str):
