@@ -381,7 +381,7 @@ def length_rows(args, scratch: Path, tokenizer, lm_head) -> list[dict]:
     if args.no_mscale:
         ref_ckpt = reference_checkpoint_without_mscale(ref_ckpt, scratch)
     for length in args.lengths:
-        prompts = passkey_prompts(tokenizer, length)[: args.passkeys]
+        prompts = [p for p in passkey_prompts(tokenizer, length) if p["depth"] in args.passkey_depths]
         base = {
             "threads": args.threads,
             "prefill": play_ids(tokenizer, length),
@@ -542,13 +542,14 @@ def main() -> None:
     parser.add_argument("--original-length", type=int, default=8192, help="L (SmolLM2-135M: 8192)")
     parser.add_argument("--local-window", type=int, help="w (default L // 8, the reference's default)")
     parser.add_argument("--lengths", default="4096,8192,16384")
-    parser.add_argument("--passkeys", type=int, default=3, help="how many of the depths 0.1, 0.5, 0.9 to run")
+    parser.add_argument("--passkey-depths", default="0.1,0.5,0.9", help="which of the depths 0.1, 0.5, 0.9 to run")
     parser.add_argument("--new-tokens", type=int, default=10, help="greedy tokens per passkey answer (default 10)")
     parser.add_argument("--no-mscale", action="store_true", help="the reference with its mscale rule off (see above)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--make-fixture", help="write the tiny-model fixture here instead")
     args = parser.parse_args()
+    args.passkey_depths = [float(d) for d in args.passkey_depths.split(",") if d]
     args.lengths = [int(n) for n in args.lengths.split(",")]
     random.seed(0)
     with tempfile.TemporaryDirectory() as scratch:

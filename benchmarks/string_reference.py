@@ -121,7 +121,7 @@ def length_rows(args, scratch: Path, tokenizer, lm_head) -> list[dict]:
     params = {"shifted_offset": S, "local_value": W}
     rows = []
     for length in args.lengths:
-        prompts = passkey_prompts(tokenizer, length)[: args.passkeys]
+        prompts = [p for p in passkey_prompts(tokenizer, length) if p["depth"] in args.passkey_depths]
         base = {
             "threads": args.threads,
             "prefill": play_ids(tokenizer, length),
@@ -296,12 +296,13 @@ def main() -> None:
     parser.add_argument("--local-value", type=int, default=128, help="W (default 128)")
     parser.add_argument("--lengths", default="4096,8192,16384")
     parser.add_argument("--stepwise-lengths", default="", help="lengths to run through the reference's decoding path")
-    parser.add_argument("--passkeys", type=int, default=3, help="how many of the depths 0.1, 0.5, 0.9 to run")
+    parser.add_argument("--passkey-depths", default="0.1,0.5,0.9", help="which of the depths 0.1, 0.5, 0.9 to run")
     parser.add_argument("--new-tokens", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--make-fixture", help="write the tiny-model fixture here instead")
     args = parser.parse_args()
+    args.passkey_depths = [float(d) for d in args.passkey_depths.split(",") if d]
     args.lengths = [int(n) for n in args.lengths.split(",") if n]
     args.stepwise_lengths = [int(n) for n in args.stepwise_lengths.split(",") if n]
     with tempfile.TemporaryDirectory() as scratch:
