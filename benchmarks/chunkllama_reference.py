@@ -36,6 +36,7 @@ without touching its code (chunk_size and w come from the call, not from the con
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -247,8 +248,16 @@ run(model)
 )
 
 
+ONLY = None  # --only: run just this side's children (their outputs kept in --keep-dir), build no row
+
+
 def run_child(script: str, job: dict, env: dict, scratch: Path, name: str) -> dict:
     job_path, out_path = scratch / f"{name}-job.pt", scratch / f"{name}-out.pt"
+    if out_path.exists():  # --keep-dir: a child that ran already (the same job) is not run again
+        return {**torch.load(out_path), "wall_seconds": None}
+    side = "ctxext" if "ctxext" in name else "reference"
+    if ONLY is not None and side != ONLY:
+        return None
     torch.save(job, job_path)
     started = time.perf_counter()
     done = subprocess.run(
@@ -396,7 +405,7 @@ def length_rows(args, scratch: Path, tokenizer, lm_head) -> list[dict]:
             scratch,
             f"ref-{length}",
         )
-        print(f"reference @ {length}: {theirs['wall_seconds']:.0f} s", flush=True)
+        print(f"reference @ {length}: {theirs and theirs['wall_seconds']} s", flush=True)
         ours = run_child(
             CTXEXT_CHILD,
             {**base, "checkpoint": str(args.checkpoint), "method": "dual_chunk", "params": params},
@@ -404,7 +413,9 @@ def length_rows(args, scratch: Path, tokenizer, lm_head) -> list[dict]:
             scratch,
             f"ctxext-{length}",
         )
-        print(f"ctxext @ {length}: {ours['wall_seconds']:.0f} s", flush=True)
+        print(f"ctxext @ {length}: {ours and ours['wall_seconds']} s", flush=True)
+        if theirs is None or ours is None:  # --only: one side's output is kept for a later run
+            continue
         row = {
             "length": length,
             "settings": {**params, "chunk_length": params["chunk_size"] - w, "reference_mscale": not args.no_mscale},
@@ -548,11 +559,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--make-fixture", help="write the tiny-model fixture here instead")
+    parser.add_argument("--keep-dir", help="keep the children's inputs and outputs here; reuse outputs found there")
+    parser.add_argument(
+        "--only", choices=("reference", "ctxext"), help="run one side's children only (with --keep-dir)"
+    )
     args = parser.parse_args()
     args.passkey_depths = [float(d) for d in args.passkey_depths.split(",") if d]
     args.lengths = [int(n) for n in args.lengths.split(",")]
     random.seed(0)
-    with tempfile.TemporaryDirectory() as scratch:
+    global ONLY
+    ONLY = args.only
+    with scratch_dir(args.keep_dir) as scratch:
         if args.make_fixture:
             make_fixture(args, Path(scratch))
             return
@@ -563,6 +580,14 @@ def main() -> None:
         lm_head = model.get_output_embeddings().weight.detach().float()
         del model
         length_rows(args, Path(scratch), tokenizer, lm_head)
+
+
+def scratch_dir(keep: str | None):
+    """A temporary folder, or --keep-dir (kept, so that its children's outputs are reused by a later run)."""
+    if keep is None:
+        return tempfile.TemporaryDirectory()
+    Path(keep).mkdir(parents=True, exist_ok=True)
+    return contextlib.nullcontext(keep)
 
 
 if __name__ == "__main__":
