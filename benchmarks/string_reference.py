@@ -39,13 +39,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import benchmarks.chunkllama_reference as shared
 from benchmarks.chunkllama_reference import (
     CHILD_COMMON,
     CTXEXT_CHILD,
@@ -59,6 +59,7 @@ from benchmarks.chunkllama_reference import (
     reference_env,
     run_child,
     save_tiny,
+    scratch_dir,
     tiny_ids,
 )
 
@@ -142,7 +143,7 @@ def length_rows(args, scratch: Path, tokenizer, lm_head) -> list[dict]:
             scratch,
             f"ref-{length}",
         )
-        print(f"reference @ {length}: {theirs['wall_seconds']:.0f} s", flush=True)
+        print(f"reference @ {length}: {theirs and theirs['wall_seconds']} s", flush=True)
         ours = run_child(
             CTXEXT_CHILD,
             {**base, "checkpoint": str(args.checkpoint), "method": "string", "params": params},
@@ -150,7 +151,9 @@ def length_rows(args, scratch: Path, tokenizer, lm_head) -> list[dict]:
             scratch,
             f"ctxext-{length}",
         )
-        print(f"ctxext @ {length}: {ours['wall_seconds']:.0f} s", flush=True)
+        print(f"ctxext @ {length}: {ours and ours['wall_seconds']} s", flush=True)
+        if theirs is None or ours is None:  # --only: one side's output is kept for a later run
+            continue
         cost = {
             "prefill_seconds": {"reference": theirs["prefill_seconds"], "ctxext": ours["prefill_seconds"]},
             "peak_rss_after_prefill_bytes": {
@@ -301,11 +304,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--make-fixture", help="write the tiny-model fixture here instead")
+    parser.add_argument("--keep-dir", help="keep the children's inputs and outputs here; reuse outputs found there")
+    parser.add_argument(
+        "--only", choices=("reference", "ctxext"), help="run one side's children only (with --keep-dir)"
+    )
     args = parser.parse_args()
+    shared.ONLY = args.only
     args.passkey_depths = [float(d) for d in args.passkey_depths.split(",") if d]
     args.lengths = [int(n) for n in args.lengths.split(",") if n]
     args.stepwise_lengths = [int(n) for n in args.stepwise_lengths.split(",") if n]
-    with tempfile.TemporaryDirectory() as scratch:
+    with scratch_dir(args.keep_dir) as scratch:
         if args.make_fixture:
             make_fixture(args, Path(scratch))
             return
