@@ -673,7 +673,7 @@ class DualChunkParams(RemapParams):
     )
     local_window: int | None = param(
         None,
-        "w: the local window; chunks are c = s - w tokens long (default L/16, as ChunkLlama)",
+        "w: the local window; chunks are c = s - w tokens long (default L/16, as ChunkLlama's flash decoding)",
         search=(1 / 64, 1 / 4, "log", "int", "*L"),
     )
 
