@@ -156,7 +156,8 @@ def page_work(page: dict, searches: Path, length: int, L: int) -> Work:
             work = work.plus(Work(forwards, cell["seconds"], 1, 0))
     for cell in page["passkey"]:
         if counts_at("passkey", cell["length"], length, L):
-            work = work.plus(Work(len(cell["key"]["keys"]), cell["seconds"], 1, 0))
+            blocks = [cell["key"], *(added["key"] for added in cell.get("added", []))]  # compare's decide stage
+            work = work.plus(Work(sum(len(key["keys"]) for key in blocks), cell["seconds"], len(blocks), 0))
     folders = {r["search"][str(length)]["folder"] for r in page["rows"] if str(length) in r["search"]}
     for folder in sorted(folders):
         work = work.plus(folder_work(searches / folder))

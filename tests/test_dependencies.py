@@ -73,7 +73,7 @@ def imported_distributions(paths) -> dict[str, set[str]]:
                 else:
                     continue
                 for top in {name.split(".")[0] for name in names}:
-                    if top in sys.stdlib_module_names or top in ("ctxext", "tests", "__future__"):
+                    if top in sys.stdlib_module_names or top in ("ctxext", "tests", "benchmarks", "__future__"):
                         continue
                     if top in JUDGED_ENGINES or top in HOST_TRAINERS.get(path.relative_to(REPO).as_posix(), ()):
                         continue
