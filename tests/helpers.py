@@ -530,9 +530,13 @@ def trials_of(storage) -> list:
     import optuna  # the search extra: only the tests that search import it
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
+    from ctxext.search.store import open_storage
+
     try:  # a journal file that does not exist yet raises FileNotFoundError already in its backend
         if "://" not in str(storage):
             storage = JournalStorage(JournalFileBackend(str(storage)))
+        else:  # opened as ctxext opens it: SQLite waits up to 60 s for its lock (optuna's default: 5 s)
+            storage = open_storage(str(storage))
         return optuna.load_study(study_name="ctxext-search", storage=storage).get_trials(deepcopy=False)
     except (KeyError, FileNotFoundError):
         return []  # the study is not created yet
