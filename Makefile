@@ -2,7 +2,7 @@
 # tier, real processes and real-model end-to-end oracles, is `make test-slow`, which CI runs second).
 # Both create or reuse .venv, installing torch first so that pip never pulls a multi-GB CUDA build by accident; the
 # demo installs only ctxext's core (`make demo-setup`), the tests the whole test extra (`make setup`).
-# The default tier's budget: 8 minutes on 2 CPU cores from a fresh clone (measured: 5 min 34 s, loaded; BENCHMARKS.md,
+# The default tier's budget: 8 minutes on 2 CPU cores from a fresh clone (measured: 7 min 0 s, idle; BENCHMARKS.md,
 # "The test suite"; the docs quote this line; a test checks).
 PYTHON ?= python3
 VENV := .venv

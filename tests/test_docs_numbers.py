@@ -76,7 +76,7 @@ def test_the_budget_is_stated_with_its_fresh_clone_measurement():
     for doc in [REPO / "Makefile", *DOCS]:
         for line in doc.read_text().splitlines():
             if "budget: " in line and "CPU cores" in line:
-                assert f"measured: {measured}, loaded" in line, (doc, line)
+                assert re.search(rf"measured: {measured}, (idle|loaded)", line), (doc, line)
 
 
 def test_benchmarks_date_range_spans_its_dates():
