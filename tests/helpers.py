@@ -747,3 +747,40 @@ def tiny_vlm(model_type: str, seed: int = 0, **rope_changes):
     torch.manual_seed(seed)
     config = tiny_vlm_config(model_type, **rope_changes)
     return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").eval()
+
+
+# ------------------------------------------------------------------ the tiny model beside the methods' authors' code
+def reference_prompt():
+    """The token ids every authors'-code fixture was made with (benchmarks/*_reference.py): 150 past L = 64."""
+    return torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(7))
+
+
+def prefill_and_generate(model, new_tokens: int):
+    """(prefill logits, greedy tokens, their scores) of `model` on `reference_prompt()`, by `generate`."""
+    ids = reference_prompt()
+    with torch.no_grad():
+        prefill = model(ids).logits[0]
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    return prefill, out.sequences[0, ids.shape[1] :].tolist(), torch.stack(out.scores)[:, 0]
+
+
+def cached_greedy(model, new_tokens: int) -> dict:
+    """benchmarks/authors_reference_llama.py's loop on `reference_prompt()`: the base model over the prompt, the LM
+    head, then one token per cached forward: {"full": prefill logits, "logits": the answer's, "tokens"}."""
+    with torch.no_grad():
+        out = model.model(input_ids=reference_prompt(), use_cache=True)
+        full = model.lm_head(out.last_hidden_state)[0]
+        cache, logits = out.cache, [full[-1]]
+        for _ in range(new_tokens - 1):
+            step = model(input_ids=logits[-1].argmax().view(1, 1), cache=cache, use_cache=True)
+            cache = step.cache
+            logits.append(step.logits[0, -1])
+    return {"full": full, "logits": torch.stack(logits), "tokens": [int(x.argmax()) for x in logits]}

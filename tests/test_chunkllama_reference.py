@@ -22,7 +22,7 @@ import torch
 
 import ctxext
 from benchmarks.chunkllama_reference import write_stub
-from tests.helpers import tiny_model
+from tests.helpers import prefill_and_generate, tiny_model
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "chunkllama_reference.json").read_text())
 EXACT = 1e-5  # fp32 logits of two implementations of the same sums (observed 6e-7)
@@ -38,19 +38,7 @@ def ctxext_run():
         chunk_size=settings["chunk_size"],
         local_window=settings["local_window_size"],
     )
-    ids = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        prefill = model(ids).logits[0]
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=settings["new_tokens"],
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    return prefill, out.sequences[0, ids.shape[1] :].tolist(), torch.stack(out.scores)[:, 0]
+    return prefill_and_generate(model, settings["new_tokens"])
 
 
 def run(name):

@@ -12,25 +12,15 @@ from pathlib import Path
 import torch
 
 import ctxext
-from tests.helpers import tiny_model
+from tests.helpers import cached_greedy, tiny_model
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "selfextend_reference.json").read_text())
 TOLERANCE = 1e-5  # fp32 logits (|logit| < 1) of two orderings of the same sums; 2e-7 seen when made
 
 
 def greedy(setting: dict) -> dict:
-    """The benchmark's loop: the base model over the prompt, the LM head, then one token per cached forward."""
     model = ctxext.patch(tiny_model("llama", seed=3), setting["method"], **setting["ctxext_kwargs"])
-    ids = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        out = model.model(input_ids=ids, use_cache=True)
-        full = model.lm_head(out.last_hidden_state)[0]
-        cache, logits = out.cache, [full[-1]]
-        for _ in range(len(setting["tokens"]) - 1):
-            step = model(input_ids=logits[-1].argmax().view(1, 1), cache=cache, use_cache=True)
-            cache = step.cache
-            logits.append(step.logits[0, -1])
-    return {"full": full, "logits": torch.stack(logits), "tokens": [int(x.argmax()) for x in logits]}
+    return cached_greedy(model, len(setting["tokens"]))
 
 
 def test_at_g4_every_position_and_the_answer_are_the_references():

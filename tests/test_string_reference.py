@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ctxext
-from tests.helpers import tiny_model
+from tests.helpers import prefill_and_generate, tiny_model
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "string_reference.json").read_text())
 EXACT = 1e-5  # fp32 logits of two implementations of the same sums (observed 7e-7)
@@ -32,19 +32,7 @@ def ctxext_run():
         shifted_offset=settings["shifted_offset"],
         local_value=settings["small_local_value"],
     )
-    ids = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        prefill = model(ids).logits[0]
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=settings["new_tokens"],
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    return prefill, out.sequences[0, ids.shape[1] :].tolist(), torch.stack(out.scores)[:, 0]
+    return prefill_and_generate(model, settings["new_tokens"])
 
 
 def run(name):
