@@ -81,11 +81,13 @@ def write_patched_checkpoint(
     extra_record = dict(extra_record or {})
     if tokenizer is None:
         extra_record["tokenizer"] = NO_TOKENIZER
-    if pair_selection is not None:
+    planned = plan  # what check_source decided on the skeleton is carried out, not decided again
+    if pair_selection is not None:  # the pairs selected change the method's parameters: it is planned anew
         method_config, extra_record["pair_selection"] = with_selected_pairs(
             model, tokenizer, method_config, pair_selection, original_length
         )
-    method_config.apply(model)
+        planned = None
+    method_config.apply(model, planned)
     applied = applied_method(model)
 
     fields = method_config.to_dict()

@@ -100,7 +100,9 @@ class MethodConfig:
             )
         return self
 
-    def apply(self, model):
+    def apply(self, model, planned=None):
+        """Patch `model` with this config; `planned`: what `plan` returned for it on this model or on a meta-device
+        skeleton of its config, carried out instead of planned again."""
         from .patching import patch  # noqa: PLC0415 -- torch stays out of --help
 
         return patch(
@@ -111,6 +113,7 @@ class MethodConfig:
             logn=self.logn,
             layer_types=self.layer_types,
             query_temperature=self.query_temperature,
+            planned=planned,
             **self.extension,
             **self.sections,
             **self.params,

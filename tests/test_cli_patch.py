@@ -1,6 +1,7 @@
 """`ctxext patch`, `ctxext methods` and `ctxext plot-freqs` from the command line, good and bad input."""
 
 import hashlib
+import importlib
 import json
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import ctxext
 from tests.helpers import run_cli, save_tiny_checkpoint, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
+patch_module = importlib.import_module("ctxext.patching.patch")  # the package's `patch` is the function
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +51,26 @@ def test_patch_writes_a_complete_checkpoint_and_leaves_the_source_alone(source, 
     tokens = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(reloaded(tokens).logits, reference(tokens).logits)
+
+
+@pytest.mark.parametrize("method", ["yarn", "self_extend"])
+def test_patch_plans_once_and_writes_what_an_in_memory_patch_records(source, tmp_path, capsys, monkeypatch, method):
+    """The plan `ctxext patch` makes on the config's skeleton before any weights load is the one carried out on the
+    loaded model: one plan per patch, and the same config as `ctxext.patch` on a fresh model (which plans itself)."""
+    plans = []
+    planner = patch_module.plan_patch
+    monkeypatch.setattr(patch_module, "plan_patch", lambda *a, **k: plans.append(a[1]) or planner(*a, **k))
+    out = tmp_path / "out"
+    code, stdout, _ = run_cli(
+        capsys, "patch", source, "--method", method, "--factor", "2", "--format", "ctxext", "-o", out
+    )
+    assert code == 0, stdout
+    assert plans == [method]
+    monkeypatch.undo()
+    in_memory = ctxext.patch(AutoModelForCausalLM.from_pretrained(source), method, factor=2)
+    written = json.loads((out / "config.json").read_text())
+    assert written["rope_parameters"] == json.loads(json.dumps(in_memory.config.rope_parameters))
+    assert written["max_position_embeddings"] == in_memory.config.max_position_embeddings
 
 
 def test_flags_override_yaml_keys(source, tmp_path, capsys):

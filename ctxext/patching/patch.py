@@ -70,6 +70,7 @@ def patch(
     target_length: int | None = None,
     allow_shorter: bool = False,
     mrope_sections: str | list | None = None,
+    planned: PatchPlan | None = None,
     **params,
 ) -> nn.Module:
     """Apply `method` at scale `factor` to the model's rotary embedding (and attention, where the method needs it);
@@ -96,8 +97,11 @@ def patch(
     with one set per type (Gemma 3) has scaled; attention-level methods go only on the chosen layers that apply RoPE,
     a remapping method not on a sliding layer whose window is at most L (`RopeLayout`). `mrope_sections` scales only
     those sections of a multimodal RoPE (ctxext.patching.mrope_axes).
+
+    `planned`: the plan `plan_patch` made with these same arguments, on this model or on a meta-device skeleton of
+    its config (`ctxext patch` plans before any weights load); it is carried out as it is, not made again.
     """
-    plan = plan_patch(
+    plan = planned or plan_patch(
         model,
         method,
         factor,
@@ -110,20 +114,27 @@ def patch(
         mrope_sections=mrope_sections,
         **params,
     )
+    return _carry_out(model, plan, allow_shorter, locals())
+
+
+def _carry_out(model: nn.Module, plan: PatchPlan, allow_shorter: bool, arguments: dict) -> nn.Module:
+    """`patch`'s plan carried out on `model` (the plan may come from a skeleton of its config): a shorter context
+    warns, an earlier patch is undone, the plan is applied and the call kept (`_keep_call`)."""
+    plan = plan._replace(host=rotary_host(model))
     try:
         check_not_shorter(plan, allow_shorter)
     except CtxextError as error:  # in memory it may be an experiment; `ctxext patch` refuses to write it
-        warnings.warn(str(error), stacklevel=2)
+        warnings.warn(str(error), stacklevel=3)
     unpatch(model)
     apply_plan(plan)
-    _keep_call(model, locals())
+    _keep_call(model, arguments)
     return model
 
 
 def _keep_call(model: nn.Module, arguments: dict) -> None:
     """`patch`'s call, kept on the patched rotary as `patch_call`: an adapter's record repeats it on the base it
     loads on (ctxext.integrations.adapters)."""
-    call = {key: value for key, value in arguments.items() if key not in ("model", "params", "plan")}
+    call = {key: value for key, value in arguments.items() if key not in ("model", "params", "plan", "planned")}
     rotary_host(model).rotary_emb.patch_call = {**call, **arguments["params"]}
 
 
