@@ -13,11 +13,12 @@ from .outputs import atomic_output_dir, check_output_dir
 from .patching import applied_method
 from .patching.applicable import skeleton
 from .patching.families import rotary_host
+from .patching.forms import FORMATS, RopeForm
 from .patching.pair_selection import select_pairs, selection_record
 from .patching.patch import check_not_shorter, recorded_rope_parameters, shipped_rope
 from .patching.record import SOURCE_KEY, recorded_source
 from .record_file import CtxextRecord, read_record, write_record
-from .serving.forms import FORMATS, RopeForm, write_config_for_serving
+from .serving.forms import write_config_for_serving
 
 NO_TOKENIZER = "none in the source (no tokenizer files), none written"  # ctxext.yaml's `tokenizer` then
 
@@ -63,7 +64,7 @@ def write_patched_checkpoint(
     atomically. A source without tokenizer files (a training checkpoint) is written without them, and ctxext.yaml
     says so (`tokenizer: none in the source`); DPE's `pair_selection` needs one. The source is never
     written to; an existing non-empty `output` needs `overwrite`. config.json gets the method's exact native
-    rope form where one exists (`format='native'`, see ctxext.serving.forms), in both config spellings.
+    rope form where one exists (`format='native'`, see ctxext.patching.forms), in both config spellings.
     `pair_selection` (calibration text file, k): DPE's selected pairs, the top k per layer by |q||k| on the text
     (ctxext.patching.pair_selection), measured on the unpatched model and recorded with the method."""
     if format not in FORMATS:
@@ -195,7 +196,7 @@ def save_pretrained(model, output: str | Path, tokenizer=None, overwrite: bool =
     method's native rope form where one exists (so vLLM, SGLang and plain transformers load it; `format='ctxext'`
     keeps ctxext's own type), the tokenizer when given, and ctxext.yaml saying what was applied; atomically.
     `model.save_pretrained` instead writes the in-memory form, ctxext's own `ctxext_*` types for most methods.
-    Returns the rope form written (ctxext.serving.forms.RopeForm)."""
+    Returns the rope form written (ctxext.patching.forms.RopeForm)."""
     if format not in FORMATS:
         raise CtxextError(f"unknown format '{format}'; choose one of: {', '.join(FORMATS)}")
     applied = applied_method(model)

@@ -39,13 +39,15 @@ from ctxext.methods import get_method  # noqa: E402
 
 patch_module = importlib.import_module("ctxext.patching.patch")  # the package's `patch` is the function
 record_module = importlib.import_module("ctxext.patching.record")
-forms_module = importlib.import_module("ctxext.serving.forms")
+forms_module = importlib.import_module("ctxext.patching.forms")
+rope_types_module = importlib.import_module("ctxext.patching.rope_types")
 
 TRACED = {
     "rope record builds": record_module.rope_record,
     "plans": patch_module.plan_patch,
     "rope parameters written (patch)": patch_module.rope_parameters_to_write,
     "rope form (serving)": forms_module.model_rope_form,
+    "rope parameters computed (rope_parameters_for)": rope_types_module.rope_parameters_for,
     "method look-ups": get_method,
 }
 

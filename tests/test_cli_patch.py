@@ -17,6 +17,7 @@ from tests.helpers import run_cli, save_tiny_checkpoint, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 patch_module = importlib.import_module("ctxext.patching.patch")  # the package's `patch` is the function
+forms_module = importlib.import_module("ctxext.patching.forms")
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +57,20 @@ def test_patch_writes_a_complete_checkpoint_and_leaves_the_source_alone(source, 
 @pytest.mark.parametrize("method", ["yarn", "self_extend"])
 def test_patch_plans_once_and_writes_what_an_in_memory_patch_records(source, tmp_path, capsys, monkeypatch, method):
     """The plan `ctxext patch` makes on the config's skeleton before any weights load is the one carried out on the
-    loaded model: one plan per patch, and the same config as `ctxext.patch` on a fresh model (which plans itself)."""
-    plans = []
-    planner = patch_module.plan_patch
+    loaded model: one plan and one rope form per patch, and the same config as `ctxext.patch` on a fresh model (which plans itself)."""
+    plans, forms = [], []
+    planner, builder = patch_module.plan_patch, forms_module.rope_parameters_for
     monkeypatch.setattr(patch_module, "plan_patch", lambda *a, **k: plans.append(a[1]) or planner(*a, **k))
+    monkeypatch.setattr(
+        forms_module, "rope_parameters_for", lambda *a, **k: forms.append(a[0].name) or builder(*a, **k)
+    )
     out = tmp_path / "out"
     code, stdout, _ = run_cli(
         capsys, "patch", source, "--method", method, "--factor", "2", "--format", "ctxext", "-o", out
     )
     assert code == 0, stdout
     assert plans == [method]
+    assert forms == [method]  # the form decided once: config.json's is read from it (ctxext.patching.forms)
     monkeypatch.undo()
     in_memory = ctxext.patch(AutoModelForCausalLM.from_pretrained(source), method, factor=2)
     written = json.loads((out / "config.json").read_text())

@@ -33,7 +33,7 @@ MAY_READ = {
     "ctxext/patching/families.py": "the layout probe and the per-layer-type lookups the record builds on",
     "ctxext/patching/patch.py": "writes the patched config and restores it",
     "ctxext/patching/rope_types.py": "transformers' init hook for ctxext's rope types reads its own parameters",
-    "ctxext/serving/forms.py": "translates the written rope form for config.json",
+    "ctxext/patching/forms.py": "decides the rope form: in memory from the unpatched config, written from the patched one",
     "ctxext/serving/engines.py": "translates a written checkpoint's rope form per engine",
     "ctxext/verification/engine_rope.py": "builds the engines' rotary modules from a written checkpoint",
     "ctxext/serving/lengths.py": "derives each engine's length from a written config.json, as the engine reads it",

@@ -3,7 +3,9 @@ logits of the model patched in memory: every static frequency method, at its def
 on all four families, and a `ctxext search` result. The oracle is `ctxext.patch` in memory (ctxext's own
 formulas); the loaded model computes its frequencies with transformers' code from the written config.json."""
 
+import ast
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +14,8 @@ import ctxext
 from ctxext.checkpoint import write_patched_checkpoint
 from ctxext.config import load_method_config
 from ctxext.methods import get_method, per_pair_factors
-from ctxext.serving.forms import rope_form, with_both_spellings
+from ctxext.patching.forms import rope_form
+from ctxext.serving.forms import with_both_spellings
 from tests.helpers import (
     FAMILIES,
     load_in_plain_transformers,
@@ -189,3 +192,20 @@ def test_dynamic_ntk_carries_the_length_vllm_scales_its_base_from():
     assert rope["rope_type"] == "dynamic" and rope["max_trained_positions"] == 64
     assert type(rope["max_trained_positions"]) is int
     assert with_both_spellings({}, rope)["rope_scaling"]["max_trained_positions"] == 64
+
+
+FORM_BUILDERS = ("rope_parameters_for", "equal_sets_longrope", "longrope_form", "p_rope_form", "with_mscales")
+
+
+def test_the_rope_form_is_decided_in_one_module():
+    """Only ctxext/patching/forms.py turns a method into rope parameters (the builders of patching/rope_types.py):
+    patch, save_pretrained, export and fine-tuning all take the form from there, so no second writer can drift."""
+    package = Path(ctxext.__file__).parent
+    callers = sorted(
+        f"{path.relative_to(package)}:{node.lineno} {node.func.id}"
+        for path in package.rglob("*.py")
+        if path.name not in ("forms.py", "rope_types.py") or path.parent.name != "patching"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in FORM_BUILDERS
+    )
+    assert not callers, f"rope parameters built outside ctxext/patching/forms.py: {callers}"

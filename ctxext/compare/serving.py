@@ -11,17 +11,17 @@ from ..errors import CtxextError
 from ..methods import get_method
 from ..patching.applicable import skeleton
 from ..patching.families import rotary_host
+from ..patching.forms import model_rope_form, rope_form
 from ..patching.patch import patch
 from ..patching.record import rope_record
 from ..serving.engines import ServedModel, engine_table
-from ..serving.forms import model_rope_form, rope_form
 
 TARGETS = ("ctxext", "vllm", "sglang", "llama.cpp")
 TARGET_NAMES = {"ctxext": "ctxext runtime", "vllm": "vLLM", "sglang": "SGLang", "llama.cpp": "llama.cpp"}
 
 
 def compare_form(config: dict, model_config, L: int):
-    """The rope form (ctxext.serving.forms.RopeForm) `ctxext patch` writes for `config` (a method mapping) on a model
+    """The rope form (ctxext.patching.forms.RopeForm) `ctxext patch` writes for `config` (a method mapping) on a model
     with `model_config`, counting from L, on the full-attention layers' base and rotated width (the rope record)."""
     return _written(config, model_config, L)[0]
 

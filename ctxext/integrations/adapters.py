@@ -22,9 +22,9 @@ from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, 
 from ..errors import CtxextError
 from ..patching import ScaledRotaryEmbedding, applied_method, patch, rotary_host
 from ..patching.attention import CONFIG_KEY
+from ..patching.forms import model_rope_form
 from ..patching.patch import recorded_rope_parameters, shipped_rope
 from ..record_file import RECORD_FILE, CtxextRecord, read_record, write_record
-from ..serving.forms import model_rope_form
 
 WRITTEN_BY = "ctxext's hook on a PEFT save of an adapter on a base patched in memory (ctxext.patch)"
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from ..checkpoint import save_pretrained
 from ..errors import CtxextError
 from ..patching import applied_method
+from ..patching.forms import model_rope_form
 from ..serving.engines import engine_table, read_served_model, serving
-from ..serving.forms import model_rope_form
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ import copy
 import dataclasses
 import itertools
 import warnings
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -28,31 +27,22 @@ from .attention import (
 )
 from .compose import Extension, composed_rope_parameters, extension, factor_for, trained_frequencies
 from .families import (
-    FAMILY_ROPE_KEYS,
     RopeLayout,
     attention_of,
-    config_refusal,
     language_model_of,
     latent_attention_scale,
-    layer_rope_parameters,
     layer_rotaries,
-    own_partial_rotary_factor,
     per_base_rotaries,
     rope_layout,
     rope_parameters_of,
     rotary_dim,
     rotary_host,
 )
+from .forms import NATIVE_QUERY_TEMPERATURE, rope_parameters_to_write, with_written
 from .mrope_axes import axis_selective, describe_sections, parse_sections
 from .record import SOURCE_KEY, RopeRecord, host_rope_record, model_rope_record, recorded_source, rope_record
 from .rope_types import (
     keeps_p_rope,
-    longrope_form,
-    p_rope_form,
-    p_rope_share,
-    rope_parameters_for,
-    why_no_longrope_form,
-    with_mscales,
 )
 from .rotary import PatchUndo, ScaledRotaryEmbedding
 from .takes_effect import check_rotary_is_called
@@ -528,136 +518,6 @@ def kept_shipped_frequencies(record: RopeRecord, keys: tuple) -> tuple:
     records. Frequencies that follow the length (dynamic, longrope) are not kept: there the method rotates with
     plain RoPE at the base, as it does on a model that shipped none. Frequency methods always replace."""
     return tuple(key for key in keys if record.of(key).static)
-
-
-# Ministral 3's query temperature, one of the rope_parameters keys that belong to the family (FAMILY_ROPE_KEYS)
-NATIVE_QUERY_TEMPERATURE = "llama_4_scaling_beta"
-
-
-def rope_parameters_to_write(
-    host: nn.Module,
-    layout,
-    keys: tuple,
-    spec,
-    method_params,
-    L: int,
-    native_temperature: float | None,
-    shipped: tuple = (),
-    composed: dict | None = None,
-) -> dict:
-    """{layer type (None: the one set of frequencies): the rope parameters `patch` records for it}.
-
-    ctxext's own form (`rope_parameters_for`) where the family's config takes it; else, for a config that takes no
-    other scaled type than longrope (Phi-3, PhiMoE: `families.config_refusal`), the method as longrope with equal
-    factor sets (`longrope_form`), its attention factor as `attention_factor` or, where the config needs them, as
-    `short_mscale`/`long_mscale` too. A method no such form expresses is a one-line CtxextError: the checkpoint
-    would not save, or would not load as patched. The layer types in `shipped` keep the parameters they have (a
-    remapping method on shipped static scaling); those in `composed` get the parameters given there (a frequency
-    method composed with a shipped scaling, ctxext.patching.compose), and where the config refuses them, the patch is
-    refused. Read from the unpatched model's rope parameters."""
-    forms = RopeForms(
-        unpatched_rope_parameters(host),
-        layout,
-        keys,
-        spec,
-        method_params,
-        L,
-        native_temperature,
-        shipped,
-        composed or {},
-    )
-    written = forms.with_family_keys(forms.form(rope_parameters_for))
-    refusal = forms.refusal(host.config, written)
-    if refusal is None:
-        return written
-    if composed:
-        raise CtxextError(
-            f"{spec.name} composed with the shipped scaling cannot be recorded in this model's config ({refusal}); "
-            "use --replace-shipped to replace the shipped scaling instead"
-        )
-    return _written_another_way(host.config, forms, refusal)
-
-
-@dataclass(frozen=True)
-class RopeForms:
-    """The rope parameters of each chosen layer type in one form (`rope_parameters_to_write`): the types in
-    `shipped` as the unpatched model has them, those in `composed` as given there, the others as `write` says."""
-
-    unpatched: dict
-    layout: RopeLayout
-    keys: tuple
-    spec: Method
-    method_params: MethodParams
-    L: int
-    native_temperature: float | None
-    shipped: tuple
-    composed: dict
-
-    def form(self, write) -> dict:
-        return {key: self._one(key, write) for key in self.keys}
-
-    def _one(self, key, write) -> dict | None:
-        own = layer_rope_parameters(self.unpatched, key)
-        if key in self.shipped:
-            return copy.deepcopy(own)
-        if key in self.composed:
-            return copy.deepcopy(self.composed[key])
-        dims, base = self.layout.rotary_dims[key], self.layout.bases[key]
-        p = p_rope_share(own)
-        if p is not None:  # p-RoPE (Gemma 4's full layers): the method on the pairs that turn, in one form only
-            return p_rope_form(self.spec, self.method_params, dims, base, self.L, p)
-        return write(self.spec, self.method_params, dims, base, self.L, own_partial_rotary_factor(own))
-
-    def with_family_keys(self, written: dict) -> dict:
-        """What the family's own code reads beside the rope type stays (and its query temperature goes in)."""
-        for key, values in written.items():
-            kept = layer_rope_parameters(self.unpatched, key)
-            values.update({name: kept[name] for name in FAMILY_ROPE_KEYS if name in kept})
-            if self.native_temperature is not None:
-                values[NATIVE_QUERY_TEMPERATURE] = self.native_temperature
-        return written
-
-    def refusal(self, config, written: dict) -> str | None:
-        return config_refusal(config, with_written(self.unpatched, written))
-
-
-def _written_another_way(config, forms: RopeForms, refusal: str) -> dict:
-    """Where the config refuses ctxext's own form: a remapping method's plain frequencies as the family's own
-    'default' type; else the method as longrope with equal factor sets, with short/long mscales where needed."""
-    spec = forms.spec
-    if isinstance(forms.method_params, RemapParams):  # plain frequencies: the family's own 'default' type says so
-        plain = get_method("none")
-        as_plain = forms.form(lambda _, __, *rest: rope_parameters_for(plain, plain.make_params(), *rest))
-        written = forms.with_family_keys(as_plain)
-        if forms.refusal(config, written) is None:
-            return written
-    as_longrope = forms.form(longrope_form)
-    if any(values is None for values in as_longrope.values()):
-        raise CtxextError(
-            f"{spec.name} cannot be recorded in this model's config ({refusal}), and {why_no_longrope_form(spec)}, "
-            "so no longrope with equal factor sets expresses it; use a static frequency method"
-        )
-    for candidate in (as_longrope, {key: with_mscales(values) for key, values in as_longrope.items()}):
-        candidate = forms.with_family_keys(candidate)
-        if forms.refusal(config, candidate) is None:
-            return candidate
-    raise CtxextError(f"{spec.name} cannot be recorded in this model's config, even as longrope: {refusal}")
-
-
-def unpatched_rope_parameters(host: nn.Module) -> dict:
-    """The config's rope parameters before any patch (an in-memory patch is looked through)."""
-    current = host.rotary_emb
-    if isinstance(current, ScaledRotaryEmbedding):
-        return current.undo.rope_parameters or {}
-    return host.config.rope_parameters or {}
-
-
-def with_written(rope_parameters: dict, written: dict) -> dict:
-    """The config's rope parameters once `written` ({layer type or None: parameters}) replaces what it names: the
-    one flat dict, or the nesting by layer type, as transformers reads it, where the other types keep theirs."""
-    if list(written) == [None]:
-        return written[None]
-    return {key: written.get(key, value) for key, value in rope_parameters.items()}
 
 
 def rescale_latent_attention(host: nn.Module, config) -> list:

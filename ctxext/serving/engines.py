@@ -25,8 +25,9 @@ from ..methods import compute_inv_freq, get_method
 from ..methods.remapping import RemapParams
 from ..outputs import atomic_output_dir, check_output_dir
 from ..patching.families import is_nested, own_partial_rotary_factor
+from ..patching.forms import for_engines, rope_form
 from ..record_file import read_record, write_record
-from .forms import for_engines, rope_form, text_config_of, with_both_spellings, with_family_keys, with_text_config
+from .forms import text_config_of, with_both_spellings, with_text_config
 from .gguf import composition_refusal, describe, gguf_rope, is_gguf, read_gguf, self_extend_flags
 
 ENGINES = ("transformers", "vllm", "sglang", "llama.cpp")
@@ -849,7 +850,7 @@ def engine_rope(model: ServedModel, engine: str) -> tuple[dict, dict, str]:
     form = rope_form(
         spec, params, model.rotary_dim, base, L, own_partial_rotary_factor(model.rope_parameters), "native"
     )
-    form = with_family_keys(form, model.rope_parameters)
+    form = form.with_family_keys(model.rope_parameters)
     if engine == "sglang" and _equal_factor_sets(form.rope_parameters):
         return _longrope_switch_past(form, spec, params, model, L, base)
     if not form.native:

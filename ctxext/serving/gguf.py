@@ -39,7 +39,7 @@ from ..methods.frequency import yarn_mscale
 from ..methods.remapping import RemapParams
 from ..outputs import atomic_file
 from ..patching.compose import factor_for
-from .forms import no_native_form
+from ..patching.forms import no_native_form
 
 # GGUF names (gguf.MODEL_ARCH_NAMES): LLaMA, Mistral and Mixtral files say "llama"
 ARCHITECTURES = (
