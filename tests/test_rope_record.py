@@ -327,3 +327,37 @@ def test_the_rope_record_is_public_where_the_docs_import_it():
         isinstance(shipped, ctxext.RopeRecord)
         and shipped.trained_context == tiny_model("llama").config.max_position_embeddings
     )
+
+
+LOOKS_THROUGH = {("ctxext/patching/record.py", "as_shipped"), ("ctxext/patching/patch.py", "unpatch")}
+SHIPPED_FIELDS = ("rope_parameters", "max_position_embeddings", "original_max_position_embeddings")
+
+
+def reads_through_a_patch(tree: ast.AST) -> list[tuple[str, int]]:
+    """(function, line) for every read of what an in-memory patch saved (`<...>.undo.rope_parameters`, or
+    `undo.max_position_embeddings` on a local named undo)."""
+    found = []
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.Attribute) and node.attr in SHIPPED_FIELDS and isinstance(node.ctx, ast.Load):
+                owner = node.value
+                if getattr(owner, "attr", None) == "undo" or getattr(owner, "id", None) == "undo":
+                    found.append((function.name, node.lineno))
+    return found
+
+
+def test_one_function_looks_through_an_in_memory_patch():
+    """The rope a model shipped, under an in-memory patch, is read in `record.as_shipped` alone (`unpatch` puts it
+    back): the record, the source rope ctxext.yaml keeps and the form's unpatched parameters all come from it."""
+    found = sorted(
+        f"{name}:{function}:{line}"
+        for path in (ROOT / "ctxext").rglob("*.py")
+        for name in [path.relative_to(ROOT).as_posix()]
+        for function, line in reads_through_a_patch(ast.parse(path.read_text(encoding="utf-8")))
+        if (name, function) not in LOOKS_THROUGH
+    )
+    assert not found, f"read the shipped rope through record.as_shipped instead: {found}"
+    probe = ast.parse("def f(s):\n    return s.undo.rope_parameters, undo.max_position_embeddings")
+    assert [line for _, line in reads_through_a_patch(probe)] == [2, 2]  # the scan sees what it looks for

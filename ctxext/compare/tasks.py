@@ -10,7 +10,7 @@ import dataclasses
 from pathlib import Path
 
 from ..errors import CtxextError
-from ..eval.rows import mapping_row
+from ..eval.rows import mapping_row, shipped_record
 from ..eval.session import tokenizer_identity
 from ..runtime import Processes
 from ..tasks.harness import (
@@ -52,7 +52,7 @@ def tokenizer_name(model: str) -> str:
 
 def row_method(label: str, config: dict, model_config):
     """The row's configuration at one length as the EvalMethod the task cells patch in, under the row's label."""
-    return dataclasses.replace(mapping_row(config, model_config), label=label)
+    return dataclasses.replace(mapping_row(config, shipped_record(model_config)), label=label)
 
 
 def common_key(plan, lm_eval_version: str) -> dict:

@@ -19,7 +19,7 @@ from ..methods import METHODS, get_method
 from ..methods.remapping import DpeParams, RemapParams
 from ..patching import rotary_host, unpatch
 from ..patching.attention import installed_settings, set_attention_tuning
-from ..patching.record import rope_record
+from ..patching.record import RopeRecord, rope_record
 from ..patching.rope_types import stateless_method_for
 
 AS_LOADED = {"method": "none", "as_loaded": True}
@@ -125,54 +125,48 @@ def apply_overrides(mappings: list[dict], overrides: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- rows
-def _shipped_record(model_config):
-    """The model's rope record, or None for a model without RoPE (evaluated as loaded)."""
+def shipped_record(model_config) -> RopeRecord | None:
+    """The model's rope record, built once per set of rows, or None for a model without RoPE (evaluated as
+    loaded)."""
     try:
         return rope_record(model_config)
     except CtxextError:
         return None
 
 
-def _rope_parameters(model_config) -> dict:
-    """The full-attention layers' rope parameters as shipped, {} for a model without RoPE."""
-    record = _shipped_record(model_config)
-    return {} if record is None else dict(record.full.parameters)
-
-
-def _loaded_is_plain(model_config) -> bool:
-    record = _shipped_record(model_config)
+def _is_plain(record: RopeRecord | None) -> bool:
     return record is None or not record.shipped_scaling
 
 
-def as_loaded_row(model_config) -> EvalMethod:
+def as_loaded_row(record: RopeRecord | None) -> EvalMethod:
     """The model as loaded; a dynamic rope type through its stateless ctxext method (the same numbers whatever
     order the windows come in)."""
-    rope = _rope_parameters(model_config)
-    if _loaded_is_plain(model_config):
+    if _is_plain(record):
         return EvalMethod("none", None, dict(AS_LOADED))
+    rope = dict(record.full.parameters)
     factor = rope.get("factor")
     label = f"as loaded ({rope.get('rope_type')}{f' x{factor:g}' if factor else ''})"
     stateless = stateless_method_for(rope)
     if stateless is None:
         return EvalMethod(label, None, {"as_loaded": True, "rope_parameters": rope})
     name, params = stateless
-    original = rope.get("original_max_position_embeddings") or model_config.max_position_embeddings
-    config = MethodConfig.from_mapping({"method": name, **params, "original_max_position_embeddings": int(original)})
+    L0 = record.original_length
+    config = MethodConfig.from_mapping({"method": name, **params, "original_max_position_embeddings": L0})
     return EvalMethod(label, config, {"as_loaded": True, "rope_parameters": rope, "computed_as": config.to_dict()})
 
 
-def mapping_row(mapping: dict, model_config, source: str | None = None) -> EvalMethod:
+def mapping_row(mapping: dict, record: RopeRecord | None, source: str | None = None) -> EvalMethod:
     """One method mapping as a row; on a model that ships a scaling, the method extends from its trained context C
     as `ctxext patch` does (ctxext.patching.compose)."""
     config = MethodConfig.from_mapping(mapping, source=source)
-    if config.method == "none" and _loaded_is_plain(model_config):
+    if config.method == "none" and _is_plain(record):
         return EvalMethod("none", None, dict(AS_LOADED))
     return EvalMethod(config.label, config, config.to_dict())
 
 
-def baseline_row(model_config) -> EvalMethod:
+def baseline_row(record: RopeRecord | None) -> EvalMethod:
     """Plain RoPE: the model as loaded when it is plain, else `none` patched in."""
-    if _loaded_is_plain(model_config):
+    if _is_plain(record):
         return EvalMethod("none", None, dict(AS_LOADED))
     plain = MethodConfig("none", replace_shipped=True, allow_shorter=True)  # the shipped scaling replaced by none
     return EvalMethod("none", plain, plain.to_dict())
@@ -181,13 +175,13 @@ def baseline_row(model_config) -> EvalMethod:
 def method_rows(selection: MethodSelection, model_config) -> list[EvalMethod]:
     """The rows in order: the `none` baseline first (unless `selection.baseline` is False), then the methods
     asked for (the model as loaded when none is), with labels that tell every row apart."""
-    mappings = selection.mappings()
+    mappings, record = selection.mappings(), shipped_record(model_config)
     if mappings is None:
-        rows = [as_loaded_row(model_config)]
+        rows = [as_loaded_row(record)]
     else:
-        rows = [mapping_row(mapping, model_config, selection.source) for mapping in mappings]
+        rows = [mapping_row(mapping, record, selection.source) for mapping in mappings]
     if selection.baseline and not any(row.label == "none" for row in rows):
-        rows.insert(0, baseline_row(model_config))
+        rows.insert(0, baseline_row(record))
     distinguish_labels(rows)
     return rows
 

@@ -42,6 +42,7 @@ from .families import (
     own_partial_rotary_factor,
     rotary_host,
 )
+from .record import as_shipped
 from .rope_types import (
     equal_sets_longrope,
     longrope_form,
@@ -168,10 +169,7 @@ def _written_another_way(config, forms: RopeForms, refusal: str) -> dict:
 
 def unpatched_rope_parameters(host: nn.Module) -> dict:
     """The config's rope parameters before any patch (an in-memory patch is looked through)."""
-    current = host.rotary_emb
-    if isinstance(current, ScaledRotaryEmbedding):
-        return current.undo.rope_parameters or {}
-    return host.config.rope_parameters or {}
+    return as_shipped(host)["rope_parameters"] or {}
 
 
 def with_written(rope_parameters: dict, written: dict) -> dict:
@@ -289,7 +287,8 @@ def model_rope_form(model, format: str = "native") -> RopeForm:
     """The rope form of whatever `ctxext.patch` applied to `model` (its config's own parameters if unpatched)."""
     host = rotary_host(model)
     scaled = host.rotary_emb
-    kept = _kept_scaling(scaled) if isinstance(scaled, ScaledRotaryEmbedding) and scaled.shipped else ""
+    shipped = isinstance(scaled, ScaledRotaryEmbedding) and scaled.shipped
+    kept = _kept_scaling(scaled, as_shipped(host)["max_position_embeddings"]) if shipped else ""
     if is_nested(host.config.rope_parameters):  # one entry per layer type (Gemma 3): transformers' own form
         nested = dict(host.config.rope_parameters)
         native = all(not values["rope_type"].startswith("ctxext_") for values in nested.values())
@@ -323,9 +322,10 @@ def model_rope_form(model, format: str = "native") -> RopeForm:
     return form.with_family_keys(host.config.rope_parameters)
 
 
-def _kept_scaling(scaled) -> str:
-    """What a remapping method on shipped static scaling keeps, and how to count a longer trained reach than L."""
-    L, reach = scaled.original_max_position_embeddings, scaled.undo.max_position_embeddings
+def _kept_scaling(scaled, reach: int | None) -> str:
+    """What a remapping method on shipped static scaling keeps, and how to count a longer trained reach than L
+    (`reach`: the max_position_embeddings it shipped)."""
+    L = scaled.original_max_position_embeddings
     told = f"; {scaled.method.name} keeps the shipped scaling of {', '.join(str(k or 'every layer') for k in scaled.shipped)}"
     if reach and reach > L:  # a long-context stage the recorded L does not count
         told += (

@@ -40,7 +40,15 @@ from .families import (
 )
 from .forms import NATIVE_QUERY_TEMPERATURE, rope_parameters_to_write, with_written
 from .mrope_axes import axis_selective, describe_sections, parse_sections
-from .record import SOURCE_KEY, RopeRecord, host_rope_record, model_rope_record, recorded_source, rope_record
+from .record import (
+    SOURCE_KEY,
+    RopeRecord,
+    as_shipped,
+    host_rope_record,
+    model_rope_record,
+    recorded_source,
+    rope_record,
+)
 from .rope_types import (
     keeps_p_rope,
 )
@@ -643,21 +651,9 @@ def _recorded_attention_method(model: nn.Module) -> dict | None:
 
 
 def shipped_rope(model: nn.Module) -> dict:
-    """The model's rope as it shipped (an in-memory patch looked through), in the form `record.rope_record` reads
-    back as `saved`: its rope parameters, max_position_embeddings and, where the config has one, its top-level
-    original_max_position_embeddings (Phi-3). ctxext.yaml keeps it, so that a check can rebuild the source."""
-    host = rotary_host(model)
-    undo = host.rotary_emb.undo if isinstance(host.rotary_emb, ScaledRotaryEmbedding) else None
-    config = host.config
-    shipped = {
-        "rope_parameters": copy.deepcopy(undo.rope_parameters if undo else config.rope_parameters),
-        "max_position_embeddings": undo.max_position_embeddings if undo else config.max_position_embeddings,
-    }
-    if undo is not None and undo.has_top_level_original_length:
-        shipped["original_max_position_embeddings"] = undo.original_max_position_embeddings
-    elif undo is None and hasattr(config, "original_max_position_embeddings"):
-        shipped["original_max_position_embeddings"] = config.original_max_position_embeddings
-    return shipped
+    """The model's rope as it shipped, an in-memory patch looked through (`record.as_shipped`). ctxext.yaml keeps
+    it, so that a check can rebuild the source."""
+    return as_shipped(rotary_host(model))
 
 
 def recorded_rope_parameters(model: nn.Module) -> dict:

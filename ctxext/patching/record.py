@@ -207,11 +207,22 @@ def model_rope_record(model) -> RopeRecord:
 
 def host_rope_record(host) -> RopeRecord:
     """`model_rope_record` of the module that owns `rotary_emb` (families.rotary_host)."""
-    current = host.rotary_emb
-    if isinstance(current, ScaledRotaryEmbedding):
-        undo = current.undo
-        saved = {"rope_parameters": undo.rope_parameters, "max_position_embeddings": undo.max_position_embeddings}
-        if undo.has_top_level_original_length:
-            saved["original_max_position_embeddings"] = undo.original_max_position_embeddings
-        return rope_record(host.config, saved)
-    return rope_record(host.config)
+    return rope_record(host.config, as_shipped(host))
+
+
+def as_shipped(host) -> dict:
+    """The rope of the module that owns `rotary_emb` as it shipped, looking through an in-memory patch (the one
+    place that does): its rope parameters (a copy), max_position_embeddings and, where the config has one, its
+    top-level original_max_position_embeddings (Phi-3); the form `rope_record` reads as `saved` and ctxext.yaml
+    keeps as `source_rope`."""
+    undo = host.rotary_emb.undo if isinstance(host.rotary_emb, ScaledRotaryEmbedding) else None
+    config = host.config
+    shipped = {
+        "rope_parameters": copy.deepcopy(undo.rope_parameters if undo else config.rope_parameters),
+        "max_position_embeddings": undo.max_position_embeddings if undo else config.max_position_embeddings,
+    }
+    if undo is not None and undo.has_top_level_original_length:
+        shipped["original_max_position_embeddings"] = undo.original_max_position_embeddings
+    elif undo is None and hasattr(config, "original_max_position_embeddings"):
+        shipped["original_max_position_embeddings"] = config.original_max_position_embeddings
+    return shipped

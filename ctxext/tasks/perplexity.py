@@ -13,7 +13,7 @@ from pathlib import Path
 from ..errors import CtxextError
 from ..eval.data import tokenize_documents
 from ..eval.options import parse_stride
-from ..eval.rows import as_loaded_row, mapping_row
+from ..eval.rows import as_loaded_row, mapping_row, shipped_record
 from ..eval.runner import plan_lengths, run_perplexity
 from ..eval.setup import RuntimeOptions, bos_choice, load_model_and_tokenizer
 from ..runtime import Processes
@@ -61,9 +61,10 @@ def texts_perplexity(
 
 def method_row(method: dict | str | None, model_config):
     """The row `ctxext eval` would make: the model as loaded for None, else the method (a name or a mapping)."""
+    record = shipped_record(model_config)
     if method is None:
-        return as_loaded_row(model_config)
-    return mapping_row({"method": method} if isinstance(method, str) else dict(method), model_config)
+        return as_loaded_row(record)
+    return mapping_row({"method": method} if isinstance(method, str) else dict(method), record)
 
 
 def _load(name: str, device: str, dtype: str, attn_implementation: str):
