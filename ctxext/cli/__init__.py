@@ -24,6 +24,8 @@ from ..errors import CtxextError
 from .aliases import check_required
 from .common import Parser, split_method_params
 
+__all__ = ["COMMANDS", "build_parser", "main", "parse_args"]  # main: the `ctxext` console script
+
 # name -> (module, one-line help), in the order `ctxext --help` lists them.
 COMMANDS: dict[str, tuple[str, str]] = {
     "methods": (

@@ -5,7 +5,7 @@ from .families import RopeLayout, rope_layout, rotary_dim, rotary_host
 from .patch import applied_method, original_length, patch, unpatch
 from .record import RopeRecord, model_rope_record, rope_record
 from .rope_types import register_rope_types
-from .rotary import ScaledRotaryEmbedding, is_dynamic
+from .rotary import ScaledRotaryEmbedding, is_dynamic, original_rotary_within
 
 register_rope_types()
 register_load_hook()  # models built from a config with `ctxext_attention` come up patched
@@ -18,6 +18,7 @@ __all__ = [
     "is_dynamic",
     "model_rope_record",
     "original_length",
+    "original_rotary_within",
     "patch",
     "rope_layout",
     "rope_record",

@@ -18,7 +18,7 @@ attention function; the wrapper then:
   forward; each of its layers also keeps its keys as the method rotates them (`KeptKeys`), so that a decode
   step rotates only its new keys.
 
-`remove_attention` switches the implementation back. A checkpoint keeps the settings as `ctxext_attention` in
+`remove_attention` (in `install`) switches the implementation back. A checkpoint keeps the settings as `ctxext_attention` in
 config.json; `register_load_hook` (run at `import ctxext`) re-installs them on any model built from such a
 config, so plain `AutoModelForCausalLM.from_pretrained` works after `import ctxext`.
 
@@ -37,59 +37,40 @@ transformers' own dynamic types, which updates its frequencies in place (a dynam
 ctxext's stateless method): give each thread its own model there.
 """
 
-from .forward import ctxext_attention
+# The names used outside this package (ctxext.patching.patch, ctxext.eval, ctxext.verification, ctxext.serve,
+# ctxext.integrations, the docs, tests and benchmarks). The rest (`ctxext_attention`, `remove_attention`,
+# `ForwardPlan`, `AttentionState`, ...) is imported from its module: install, forward, memo, regions, state.
 from .install import (
     CONFIG_KEY,
     LAYERS_KEY,
-    PREFIX,
-    attention_modules,
     attention_request,
     check_can_install,
-    default_layers,
     install_attention,
     installed_layers,
     installed_settings,
     record_attention_in_config,
     register_load_hook,
-    register_wrapper,
-    remove_attention,
     set_attention_tuning,
     sync_attention_with_config,
-    wrapped_implementation,
     wrapper_name,
 )
-from .memo import ForwardMemo, ForwardPlan
-from .positions import key_positions
 from .regions import KeptKeys, kept_keys_bytes
-from .rotation import apply_rotation, undo_rotation
-from .state import AttentionState
+from .rotation import undo_rotation
 
 __all__ = [
     "CONFIG_KEY",
     "LAYERS_KEY",
-    "PREFIX",
-    "AttentionState",
-    "ForwardMemo",
-    "ForwardPlan",
     "KeptKeys",
-    "apply_rotation",
-    "attention_modules",
     "attention_request",
     "check_can_install",
-    "ctxext_attention",
-    "default_layers",
     "install_attention",
     "installed_layers",
     "installed_settings",
     "kept_keys_bytes",
-    "key_positions",
     "record_attention_in_config",
     "register_load_hook",
-    "register_wrapper",
-    "remove_attention",
     "set_attention_tuning",
     "sync_attention_with_config",
     "undo_rotation",
-    "wrapped_implementation",
     "wrapper_name",
 ]
