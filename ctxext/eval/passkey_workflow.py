@@ -9,12 +9,12 @@ from pathlib import Path
 
 from ..errors import CtxextError
 from ..outputs import atomic_output_dir, atomic_write_text, check_output_dir, provenance, write_json
+from ..run_options import Invocation, RuntimeOptions
 from .options import DEFAULT_LENGTHS, parse_lengths
 from .passkey import NEW_TOKENS, accuracy_rows, plan_trials, run_passkey
 from .report import passkey_table, plot_passkey_heatmap, write_csv
 from .rows import MethodSelection
 from .session import EvalSession
-from .setup import Invocation, RuntimeOptions
 
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 

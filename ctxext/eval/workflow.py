@@ -25,12 +25,12 @@ from ..outputs import (
     write_json,
     written_by_ctxext,
 )
+from ..run_options import DataOptions, Invocation, RuntimeOptions
 from .options import DEFAULT_LENGTHS, parse_lengths
 from .report import perplexity_table, plot_perplexity, write_csv
 from .rows import MethodSelection
 from .runner import iter_scores, plan_lengths
 from .session import EvalSession
-from .setup import DataOptions, Invocation, RuntimeOptions
 
 SHORT_DOCS = ("skip", "truncate")
 CSV_COLUMNS = [

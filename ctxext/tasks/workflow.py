@@ -13,9 +13,9 @@ from ..errors import CtxextError
 from ..eval.report import write_csv
 from ..eval.rows import MethodSelection
 from ..eval.session import EvalSession, model_identity, tokenizer_identity
-from ..eval.setup import Invocation, RuntimeOptions
 from ..loading import check_model_source
 from ..outputs import atomic_output_dir, atomic_write_text, check_output_dir, provenance, write_json
+from ..run_options import Invocation, RuntimeOptions
 from ..runtime import Processes, cpu_processes, on_main_first
 from .harness import (
     TaskCellCache,
