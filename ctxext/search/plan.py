@@ -28,7 +28,7 @@ from ..run_options import DataOptions, RuntimeOptions
 from ..runtime import Processes, inference_runtime
 from .longrope import DEFAULT_KNOTS, DEFAULT_SIGMA, LONGROPE_SPACES, critical_space, knot_positions, start_factors
 from .objective import check_objective, method_config
-from .session import SearchSettings
+from .output import SearchSettings
 from .space import build_space
 from .store import DEFAULT_STUDY
 
@@ -84,7 +84,7 @@ class SearchRequest:
 @dataclass
 class SearchPlan:
     request: SearchRequest
-    settings: object  # session.SearchSettings
+    settings: object  # output.SearchSettings
     calibration: list
     held_out: list
     passkey_trials: list
