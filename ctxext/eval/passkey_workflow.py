@@ -73,21 +73,21 @@ def passkey_protocol(request: PasskeyRequest, bos: dict) -> dict:
     }
 
 
-def evaluate_passkey(request: PasskeyRequest, report=None) -> PasskeyResult:
+def evaluate_passkey(request: PasskeyRequest, log=None) -> PasskeyResult:
     """Passkey accuracy of every method per length and depth; writes request.output (when given) on the main
-    process. `report(line)` is told what runs."""
+    process. `log(line)` is told what runs."""
     started = time.perf_counter()
     protected = request.check()
     session = EvalSession.open(request.model, request.methods, request.runtime)
     trials = plan_trials(request.lengths, request.depths, request.trials, request.seed)
     processes, methods = session.processes, session.methods
-    if processes.is_main and report is not None:
-        report(
+    if processes.is_main and log is not None:
+        log(
             f"ctxext passkey: {request.trials} trials x {len(request.depths)} depths x {len(request.lengths)} "
             f"lengths x {len(methods)} methods; {session.runtime_line()}"
         )
         for line in session.beyond_training_notes(request.lengths):
-            report(line)
+            log(line)
     progress = session.progress(len(trials[processes.rank :: processes.world_size]) * len(methods), "trial")
     try:
         records = run_passkey(session.model, session.tokenizer, trials, methods, session.bos_id, processes, progress)
