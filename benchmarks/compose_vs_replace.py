@@ -245,7 +245,7 @@ def main() -> int:
     from ctxext import assets
     from ctxext.eval.passkey import build_prompt, generate_answer, is_correct, plan_trials
     from ctxext.eval.perplexity import evaluation_mode, perplexity, plan_windows, sliding_window_nll
-    from ctxext.eval.setup import bos_choice
+    from ctxext.eval.session import bos_choice
     from ctxext.loading import load_model, load_tokenizer
     from ctxext.patching.patch import plan_patch
     from ctxext.runtime import machine_description

@@ -43,9 +43,9 @@ import ctxext
 from ctxext import assets
 from ctxext.cli import main
 from ctxext.compare import CompareRequest
-from ctxext.eval.setup import DataOptions, RuntimeOptions
 from ctxext.patching.reference import per_cell_attention
 from ctxext.patching.remap_kernel import remapped_attention
+from ctxext.run_options import DataOptions, RuntimeOptions
 from ctxext.train.pretrain_tiny import train_bpe_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ import torch
 from ctxext.compare import CompareRequest, RowNumbers, needle_tier, rank_rows, recommend, run_compare
 from ctxext.compare.ranking import mean_ratio
 from ctxext.compare.searches import better_half, fit_trials, rung_trials
-from ctxext.eval.setup import DataOptions, RuntimeOptions
+from ctxext.run_options import DataOptions, RuntimeOptions
 from tests.helpers import (
     compare_request,
     compare_table,

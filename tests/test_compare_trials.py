@@ -12,7 +12,7 @@ import pytest
 
 from ctxext.compare import CompareRequest, RowNumbers, run_compare
 from ctxext.compare.decide import decide
-from ctxext.eval.setup import DataOptions, RuntimeOptions
+from ctxext.run_options import DataOptions, RuntimeOptions
 from tests.helpers import save_tiny_checkpoint, tiny_model
 
 N = 16384

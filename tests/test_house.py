@@ -136,3 +136,40 @@ def test_the_code_map_names_every_package_and_only_existing_paths():
     packages = {str(p.parent.relative_to(REPO)) for p in PACKAGE.rglob("__init__.py")} - {"ctxext"}
     unnamed = sorted(packages - {p.rstrip("/") for p in named})
     assert not unnamed, f"packages the code map in CONTRIBUTING.md does not name: {unnamed}"
+
+
+def parameters() -> list[tuple[str, str, str, str, ast.expr | None]]:
+    """(file:line, function, parameter, its annotation as written, its default) for every parameter of every
+    function in ctxext/."""
+    found = []
+    for path in modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            args = node.args
+            positional = args.posonlyargs + args.args
+            defaults = [None] * (len(positional) - len(args.defaults)) + args.defaults + args.kw_defaults
+            for arg, default in zip(positional + args.kwonlyargs, defaults):
+                annotation = ast.unparse(arg.annotation) if arg.annotation else ""
+                found.append((f"{path.relative_to(REPO)}:{node.lineno}", node.name, arg.arg, annotation, default))
+    return found
+
+
+def test_one_name_for_a_progress_text_callback():
+    """The callable that receives a line of progress text is `log` everywhere. No parameter is named `report` (its
+    old name, beside `log` and `progress`); one named `progress` is a flag or a tqdm bar, never annotated as a
+    Callable nor defaulting to a lambda or `print`; and one annotated `Callable[[str], None]` (or `... | None`) or
+    defaulting to `print` is named `log`."""
+    wrong = []
+    for where, function, name, annotation, default in parameters():
+        callable_default = isinstance(default, ast.Lambda) or (isinstance(default, ast.Name) and default.id == "print")
+        text_line = annotation.startswith("Callable[[str], None]") or (
+            isinstance(default, ast.Name) and default.id == "print"
+        )
+        if (
+            name == "report"
+            or (name == "progress" and ("Callable" in annotation or callable_default))
+            or (text_line and name != "log")
+        ):
+            wrong.append(f"{where} {function}({name})")
+    assert not wrong, "text-line callbacks not named log: " + ", ".join(wrong)

@@ -216,7 +216,7 @@ def test_the_library_refuses_an_unknown_space(tiny_source, tmp_path):
 def test_a_cma_search_records_the_settings_of_before_the_spaces(tiny_source, tmp_path):
     """--space cma's search.json has no "space" key and the same longrope record as before, so a stored study
     resumes; its objective is still ppl by default."""
-    from ctxext.eval.setup import DataOptions
+    from ctxext.run_options import DataOptions
     from ctxext.search import SearchRequest, plan_search
 
     source, docs = tiny_source

@@ -155,7 +155,7 @@ def gemma3(tmp_path_factory):
 def test_compare_plans_with_the_full_attention_base(gemma3, tmp_path):
     from ctxext.compare.plan import plan_compare
     from ctxext.compare.request import CompareRequest
-    from ctxext.eval.setup import DataOptions, RuntimeOptions
+    from ctxext.run_options import DataOptions, RuntimeOptions
 
     request = CompareRequest(
         model=str(gemma3 / "model"),
@@ -174,7 +174,7 @@ def test_compare_plans_with_the_full_attention_base(gemma3, tmp_path):
 
 def test_search_spaces_use_the_full_attention_base(gemma3, tmp_path):
     pytest.importorskip("optuna")
-    from ctxext.eval.setup import DataOptions
+    from ctxext.run_options import DataOptions
     from ctxext.search import SearchRequest, plan_search
 
     request = SearchRequest(

@@ -100,7 +100,7 @@ def run(args) -> int:
     from ..eval.workflow import evaluate_perplexity
 
     try:
-        result = evaluate_perplexity(request(args), report=lambda line: print(line, flush=True))
+        result = evaluate_perplexity(request(args), log=lambda line: print(line, flush=True))
     except BaseException:
         _tell_what_was_kept(args, sys.stderr)
         raise

@@ -1,5 +1,5 @@
 """The arguments `ctxext eval`, `ctxext passkey` and `ctxext tasks` share -> the library's option dataclasses
-(ctxext.eval.setup, ctxext.eval.rows). Imported by their `run` only."""
+(ctxext.run_options, ctxext.eval.rows). Imported by their `run` only."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from .common import method_selection  # noqa: F401  (the commands' method rows)
 
 def runtime_options(args):
     from ..dispatch import check_tensor_parallel
-    from ..eval.setup import RuntimeOptions
+    from ..run_options import RuntimeOptions
 
     placement = placement_from_args(args)
     # the flags alone, before anything is launched or loaded
@@ -33,7 +33,7 @@ def placement_from_args(args):
 
 
 def data_options(args):
-    from ..eval.setup import DataOptions
+    from ..run_options import DataOptions
 
     return DataOptions(
         text_files=args.text_file,
@@ -48,6 +48,6 @@ def data_options(args):
 
 def invocation(args):
     """The command line and its parsed arguments, recorded in results.json."""
-    from ..eval.setup import Invocation
+    from ..run_options import Invocation
 
     return Invocation(arguments=dict(vars(args)))

@@ -74,7 +74,7 @@ def request(args):
 def run(args) -> int:
     from ..eval.passkey_workflow import evaluate_passkey
 
-    result = evaluate_passkey(request(args), report=lambda line: print(line, flush=True))
+    result = evaluate_passkey(request(args), log=lambda line: print(line, flush=True))
     if not result.main_process:
         return 0
     print()

@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     from ..tasks.report import EFFECTIVE_RULE
     from ..tasks.workflow import run_tasks
 
-    result = run_tasks(request(args), report=lambda line: print(line, flush=True))
+    result = run_tasks(request(args), log=lambda line: print(line, flush=True))
     if not result.main_process:
         return 0
     print()

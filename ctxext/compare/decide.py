@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
+from .numbers import baseline_accuracy, cost_numbers, row_numbers, serving_table, table_numbers
 from .plan import passkey_seconds
 from .ranking import RowNumbers, tied_rows, wilson_interval
-from .report import baseline_accuracy, cost_numbers, row_numbers, serving_table, table_numbers
 
 SEPARATED, TRIAL_CAP, BUDGET, MISSING = "separated", "trial cap", "budget", "cells missing"
 

@@ -4,7 +4,8 @@ defaults, then its searched rows), perplexity / native and rank per length, pass
 held-out change a search made; the searched parameters; perplexity per document; the run time; the missing cells.
 PAGE, PAGE.json (the numbers) and PAGE.png (ratio to native per row and length) are written from the cells so far.
 
-The numbers are pure functions of the cells (`page_numbers`, `page_missing`); `page_markdown` only formats them.
+The numbers are report.md's (`ctxext.compare.numbers`) and what is missing (`page_missing`), pure functions of the
+cells; `page_state` gathers them and `page_markdown` only formats them.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from pathlib import Path
 
 from ..outputs import atomic_write_text, new_figure, save_figure, write_json
 from ..tasks.report import EFFECTIVE_RULE
-from .ranking import recommend, recommendation_notes, tied_rows
-from .report import (
+from .numbers import (
     baseline_accuracy,
     cost_numbers,
     describe_params,
@@ -31,6 +31,7 @@ from .report import (
     spread_text,
     table_numbers,
 )
+from .ranking import recommend, recommendation_notes, tied_rows
 from .searches import read_history
 from .serving import TARGET_NAMES, TARGETS
 

@@ -20,7 +20,7 @@ from ..cost import prefill_flops
 from ..dispatch import check_placement
 from ..errors import CtxextError
 from ..eval.perplexity import text_tokens_per_window
-from ..eval.setup import bos_choice
+from ..eval.session import bos_choice
 from ..loading import check_model_source, load_config, load_tokenizer
 from ..methods import METHODS, get_method
 from ..outputs import check_output_dir, check_overlap, content_fingerprint

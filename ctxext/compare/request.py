@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CtxextError, did_you_mean
-from ..eval.setup import DataOptions, RuntimeOptions
 from ..methods import METHODS
+from ..run_options import DataOptions, RuntimeOptions
 
 DEFAULT_OBJECTIVE = "ppl+needle-ppl"  # keeps retrieval: a perplexity search alone can cost the needle
 DEFAULT_TRIALS = 8  # trials of the last rung of successive halving, without --budget

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CtxextError
-from ..eval.setup import DataOptions, RuntimeOptions
 from ..outputs import write_json
+from ..run_options import DataOptions, RuntimeOptions
 from ..search.loop import best_trial
 from ..search.plan import SearchRequest
 from ..search.space import collapse_elements

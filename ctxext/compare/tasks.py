@@ -84,7 +84,7 @@ def row_cells(plan, rows, skip: dict) -> list[tuple[str, int, list]]:
     return planned
 
 
-def run_task_cells(plan, rows, model_loader, compute: bool, measured, report) -> None:
+def run_task_cells(plan, rows, model_loader, compute: bool, measured, log) -> None:
     """Find (and, when `compute`, run) every row's task cells at every length into `measured.tasks[(label,
     length)]` (score rows: task, metric, value, samples); a cell not found is listed in `measured.missing`. The model
     is loaded only when a cell has to run."""
@@ -98,7 +98,7 @@ def run_task_cells(plan, rows, model_loader, compute: bool, measured, report) ->
         run_cells(cells, model, plan.tokenizer, managers, cache, lengths=[length],
                   tokenizer_name=tokenizer_name(plan.request.model), common_key=key, limit=plan.request.task_limit,
                   batch_size=BATCH_SIZE, apply_chat_template=False, processes=processes, cached_only=cached_only,
-                  quiet=True, report=lambda line: None)  # fmt: skip
+                  quiet=True, log=lambda line: None)  # fmt: skip
 
     for label, length, cells in row_cells(plan, rows, measured.failed):
         run(cells, length, None, cached_only=True)
@@ -109,6 +109,6 @@ def run_task_cells(plan, rows, model_loader, compute: bool, measured, report) ->
                 measured.missing.append(f"task: {label} {cell.task.name} at {length}")
                 continue
             if not cell.cached:
-                report(f"  task {cell.task.name}: {label} @ {length} ({cell.result['seconds']:.1f} s)")
+                log(f"  task {cell.task.name}: {label} @ {length} ({cell.result['seconds']:.1f} s)")
             scores = [{**s, "length": length} for s in cell_scores(cell)]
             measured.tasks.setdefault((label, length), []).extend(scores)

@@ -18,9 +18,10 @@ _EXPORTS = {
     "EvalMethod": "rows",
     "MethodSelection": "rows",
     "method_rows": "rows",
-    "DataOptions": "setup",
-    "RuntimeOptions": "setup",
-    "Invocation": "setup",
+    # the options every workflow shares live in ctxext.run_options (a leading dot: relative to ctxext)
+    "DataOptions": ".run_options",
+    "RuntimeOptions": ".run_options",
+    "Invocation": ".run_options",
     "PerplexityRequest": "workflow",
     "PerplexityResult": "workflow",
     "evaluate_perplexity": "workflow",

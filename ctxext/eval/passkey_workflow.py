@@ -9,12 +9,12 @@ from pathlib import Path
 
 from ..errors import CtxextError
 from ..outputs import atomic_output_dir, atomic_write_text, check_output_dir, provenance, write_json
+from ..run_options import Invocation, RuntimeOptions
 from .options import DEFAULT_LENGTHS, parse_lengths
 from .passkey import NEW_TOKENS, accuracy_rows, plan_trials, run_passkey
 from .report import passkey_table, plot_passkey_heatmap, write_csv
 from .rows import MethodSelection
 from .session import EvalSession
-from .setup import Invocation, RuntimeOptions
 
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -73,21 +73,21 @@ def passkey_protocol(request: PasskeyRequest, bos: dict) -> dict:
     }
 
 
-def evaluate_passkey(request: PasskeyRequest, report=None) -> PasskeyResult:
+def evaluate_passkey(request: PasskeyRequest, log=None) -> PasskeyResult:
     """Passkey accuracy of every method per length and depth; writes request.output (when given) on the main
-    process. `report(line)` is told what runs."""
+    process. `log(line)` is told what runs."""
     started = time.perf_counter()
     protected = request.check()
     session = EvalSession.open(request.model, request.methods, request.runtime)
     trials = plan_trials(request.lengths, request.depths, request.trials, request.seed)
     processes, methods = session.processes, session.methods
-    if processes.is_main and report is not None:
-        report(
+    if processes.is_main and log is not None:
+        log(
             f"ctxext passkey: {request.trials} trials x {len(request.depths)} depths x {len(request.lengths)} "
             f"lengths x {len(methods)} methods; {session.runtime_line()}"
         )
         for line in session.beyond_training_notes(request.lengths):
-            report(line)
+            log(line)
     progress = session.progress(len(trials[processes.rank :: processes.world_size]) * len(methods), "trial")
     try:
         records = run_passkey(session.model, session.tokenizer, trials, methods, session.bos_id, processes, progress)

@@ -1,31 +1,32 @@
-"""One loaded model ready to be evaluated: the processes, the model and tokenizer on their runtime, the method
-rows (ctxext.eval.rows), BOS; what eval, passkey and tasks do before they score and record after."""
+"""One model loaded to be evaluated, what eval, passkey and tasks do before they score and record after: the model
+and tokenizer loaded on their runtime, the method rows (ctxext.eval.rows) checked against its config first, BOS, the
+description of the model written to results.json, and what names its weights in each cell's key."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
+from .. import patching
 from ..compat import hub_commit
-from ..dispatch import check_tensor_parallel_model, placement_summary
+from ..dispatch import Placement, check_tensor_parallel_model, input_device, placement_summary
 from ..errors import CtxextError
-from ..loading import load_config
+from ..loading import check_model_source, load_config, load_model, load_tokenizer
 from ..outputs import content_fingerprint
 from ..patching.applicable import skeleton
 from ..patching.families import rotary_wavelengths
-from ..runtime import Processes, cpu_processes
+from ..patching.record import rope_record
+from ..run_options import RuntimeOptions
+from ..runtime import Processes, cpu_processes, inference_runtime
+from .data import tokenizer_adds_bos
+from .options import check_bos
 from .rows import MethodSelection, beyond_training_notes, method_rows
-from .setup import (
-    RuntimeOptions,
-    bos_choice,
-    load_model_and_tokenizer,
-    model_description,
-    original_length,
-    progress_bar,
-)
 
 
 @dataclass
@@ -101,6 +102,107 @@ def check_methods_apply(name: str, selection: MethodSelection) -> None:
             row.config.plan(model)
         except CtxextError as error:
             raise CtxextError(f"{row.label}: {error}") from None
+
+
+def load_model_and_tokenizer(name: str, runtime: RuntimeOptions, processes) -> tuple:
+    """(model, tokenizer, runtime dict) for a checkpoint or hub id on the device, dtype and attention the
+    runtime picks (ctxext.runtime.inference_runtime)."""
+    check_model_source(name)
+    resolved = inference_runtime(
+        runtime.device, runtime.dtype, runtime.attn_implementation, processes, runtime.placement
+    )
+    tokenizer = load_tokenizer(name)
+    model = load_model(
+        name,
+        dtype=resolved["dtype"],
+        device=resolved["device"],
+        attn_implementation=resolved["attn_implementation"],
+        progress=runtime.progress,
+        placement=runtime.placement,
+        tp=resolved["tp"],
+    )
+    return model, tokenizer, resolved
+
+
+def bos_choice(bos: str, tokenizer) -> tuple[int | None, dict]:
+    """(the BOS id each window starts with or None, the protocol's description of that choice)."""
+    adds = tokenizer_adds_bos(tokenizer)
+    want = adds if check_bos(bos) == "auto" else bos == "yes"
+    if want and tokenizer.bos_token_id is None:
+        raise CtxextError("--bos yes, but the tokenizer has no BOS token")
+    bos_id = tokenizer.bos_token_id if want else None
+    return bos_id, {
+        "tokenizer_adds_bos": adds,
+        "setting": bos,
+        "windows_start_with_bos": want,
+        "bos_token_id": bos_id,
+        "bos_scored": False,
+        "note": "each window is BOS + (window - 1) text tokens; BOS is context only"
+        if want
+        else "windows are text tokens only; the first token of a document is never scored",
+    }
+
+
+def model_description(name: str, model, runtime: dict) -> dict:
+    config = model.config
+    return {
+        "path": str(Path(name).resolve()) if Path(name).exists() else name,
+        "model_type": getattr(config, "model_type", None),
+        "architecture": type(model).__name__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "max_position_embeddings": getattr(config, "max_position_embeddings", None),
+        "original_max_position_embeddings": original_length(model),
+        "rotary_dim": _rotary_dim(config),
+        "rope_parameters": rope_parameters(config),
+        "dtype": str(runtime["dtype"]).removeprefix("torch."),
+        "dtype_reason": runtime["dtype_reason"],
+        "device": str(runtime["device"]),
+        "attn_implementation": runtime["attn_implementation"],
+        **placement_description(model, runtime.get("placement")),
+        **({"tensor_parallel": runtime["tp"]} if runtime.get("tp", 1) > 1 else {}),
+    }
+
+
+def placement_description(model, placement: Placement | None) -> dict:
+    """For a model accelerate placed (--device-map): the placement asked for and the map it placed (a strategy that
+    found room on one device places the whole model there: {"": device}); {} without a placement."""
+    if placement is None:
+        return {}
+    placed = getattr(model, "hf_device_map", None) or {"": str(input_device(model))}
+    return {"placement": {**placement.describe(), "placed": dict(placed)}}
+
+
+def rope_parameters(config) -> dict:
+    """The config's rope parameters as its rope record reads them (one dict, or one per layer type: Gemma 3); {}
+    for a model without RoPE (evaluated as loaded)."""
+    try:
+        record = rope_record(config)
+    except CtxextError:
+        return {}
+    if None in record.types:
+        return record.types[None].parameters
+    return {key: rope.parameters for key, rope in record.types.items()}
+
+
+def _rotary_dim(config) -> int | None:
+    try:
+        return patching.rotary_dim(config)
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return None
+
+
+def original_length(model) -> int | None:
+    """L as patch() reads it; for a model ctxext cannot patch (evaluated as loaded), its max_position_embeddings."""
+    try:
+        return patching.original_length(model)
+    except CtxextError:
+        return getattr(model.config, "max_position_embeddings", None)
+
+
+def progress_bar(runtime: RuntimeOptions, processes, total: int, unit: str):
+    if not runtime.progress or not processes.is_main:
+        return None
+    return tqdm(total=total, unit=unit, unit_scale=True, dynamic_ncols=True, file=sys.stderr)
 
 
 def model_identity(name: str, model) -> dict:

@@ -25,12 +25,12 @@ from ..outputs import (
     write_json,
     written_by_ctxext,
 )
+from ..run_options import DataOptions, Invocation, RuntimeOptions
 from .options import DEFAULT_LENGTHS, parse_lengths
 from .report import perplexity_table, plot_perplexity, write_csv
 from .rows import MethodSelection
 from .runner import iter_scores, plan_lengths
 from .session import EvalSession
-from .setup import DataOptions, Invocation, RuntimeOptions
 
 SHORT_DOCS = ("skip", "truncate")
 CSV_COLUMNS = [
@@ -151,8 +151,8 @@ def mode_line(stride: int | None, plans: list) -> str:
     return mode
 
 
-def evaluate_perplexity(request: PerplexityRequest, report=None) -> PerplexityResult:
-    """Sliding-window perplexity of every method at every length, on the same tokens; `report(line)` is told
+def evaluate_perplexity(request: PerplexityRequest, log=None) -> PerplexityResult:
+    """Sliding-window perplexity of every method at every length, on the same tokens; `log(line)` is told
     what runs. Writes request.output (when given) on the main process, also after a failure that leaves
     finished cells (then with the error, and the error is raised again)."""
     started = time.perf_counter()
@@ -160,14 +160,14 @@ def evaluate_perplexity(request: PerplexityRequest, report=None) -> PerplexityRe
     session = EvalSession.open(request.model, request.methods, request.runtime)
     docs = request.data.load(session.tokenizer)
     plans = plan_lengths(docs.documents, request.lengths, request.stride, session.bos_id, request.short_docs)
-    if session.processes.is_main and report is not None:
-        report(
+    if session.processes.is_main and log is not None:
+        log(
             f"ctxext eval: {len(docs.documents)} documents ({sum(len(d) for d in docs.documents)} tokens), "
             f"{mode_line(request.stride, plans)}, {len(session.methods)} methods x {len(request.lengths)} lengths; "
             f"{session.runtime_line()}"
         )
         for line in session.beyond_training_notes(request.lengths):
-            report(line)
+            log(line)
     scores, error = _score_all(request, session, docs.documents, plans)
     result = _result(request, session, docs, plans, scores, error, started)
     if session.processes.is_main and request.output is not None and (scores or error is None):

@@ -9,8 +9,8 @@ The workflow: `run_search(SearchRequest(...)) -> SearchResult` (what `ctxext sea
 - `loop`      TPE (Optuna) over scalar ranges and CMA-ES (pycma) over LongRoPE's per-pair factors, slot by slot
 - `space`     the ranges searched: declared next to each parameter (`param(..., search=(low, high, ...))`) or a YAML
 - `longrope`  the starting curve and the monotone knot parametrisation of LongRoPE's factors
-- `objective` calibration perplexity, passkey accuracy, or both
-- `session`   the output directory, held-out re-scoring, results.json, plots
+- `objective` calibration perplexity, passkey accuracy, or both; the held-out re-scoring
+- `output`    the output directory a search resumes from: search.json's settings, results.json, the plots
 
 Importing this package is cheap; Optuna and cma (the `search` extra) are imported only when a search runs.
 """

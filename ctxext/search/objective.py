@@ -27,7 +27,8 @@ from ..methods import get_method
 from ..methods.attention import AttentionSettings
 from ..patching import unpatch
 from ..patching.patch import check_shape, original_length
-from .loop import InvalidParams
+from .loop import InvalidParams, best_trial
+from .output import SearchSettings
 from .space import collapse_elements
 
 OBJECTIVES = ("ppl", "passkey", "ppl+passkey", "needle-ppl", "ppl+needle-ppl")
@@ -141,3 +142,38 @@ def combine(kind: str, metrics: dict) -> float:
     if kind == "ppl+needle-ppl":
         return math.log(metrics["perplexity"]) + metrics["needle_nll"]
     return metrics["perplexity"] * 2.0 ** (1.0 - metrics["passkey_accuracy"])
+
+
+def held_out_scores(
+    settings: SearchSettings, history: list[dict], model, documents, bos_token_id, baseline: bool = True, progress=None
+) -> dict:
+    """Perplexity of the defaults (trial 0), LongRoPE's starting curve (trial 1), the best trial and (optionally)
+    the model as loaded on `documents`."""
+    best = best_trial(history)
+    rows, done = {}, {}
+    candidates = (
+        [("defaults", history[0])]
+        + [("start", t) for t in history[1:2] if t["role"] == "start"]
+        + ([("best", best)] if best is not None else [])
+    )
+    for name, trial in candidates:
+        if trial["state"] != "complete":
+            rows[name] = None
+            continue
+        if trial["number"] in done:
+            rows[name] = rows[done[trial["number"]]]
+            continue
+        done[trial["number"]] = name
+        rows[name] = score_perplexity(
+            model,
+            method_config(settings.base, trial["params"]),
+            documents,
+            settings.length,
+            settings.stride,
+            bos_token_id,
+        )
+        if progress is not None:
+            progress.update(1)
+    if baseline:
+        rows["none"] = score_perplexity(model, None, documents, settings.length, settings.stride, bos_token_id)
+    return rows

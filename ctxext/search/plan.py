@@ -18,16 +18,17 @@ from ..errors import CtxextError
 from ..eval.data import tokens_fingerprint
 from ..eval.passkey import plan_trials
 from ..eval.perplexity import text_tokens_per_window
-from ..eval.setup import DataOptions, RuntimeOptions, bos_choice
+from ..eval.session import bos_choice
 from ..extras import require
 from ..loading import load_config, load_tokenizer
 from ..methods import get_method
 from ..patching.pair_selection import check_pair_selection, check_top_pairs, selection_record
 from ..patching.record import rope_record
+from ..run_options import DataOptions, RuntimeOptions
 from ..runtime import Processes, inference_runtime
 from .longrope import DEFAULT_KNOTS, DEFAULT_SIGMA, LONGROPE_SPACES, critical_space, knot_positions, start_factors
 from .objective import check_objective, method_config
-from .session import SearchSettings
+from .output import SearchSettings
 from .space import build_space
 from .store import DEFAULT_STUDY
 
@@ -83,7 +84,7 @@ class SearchRequest:
 @dataclass
 class SearchPlan:
     request: SearchRequest
-    settings: object  # session.SearchSettings
+    settings: object  # output.SearchSettings
     calibration: list
     held_out: list
     passkey_trials: list

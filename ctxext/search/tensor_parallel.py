@@ -15,9 +15,8 @@ import contextlib
 
 from ..errors import CtxextError
 from ..runtime import Processes, alone, cpu_processes
-from . import session
 from .loop import InvalidParams
-from .objective import Objective
+from .objective import Objective, held_out_scores
 
 STOP = None  # the message that ends the others' `follow`
 
@@ -82,10 +81,8 @@ class Leader:
 
 
 def held_out_scorer(plan, model, baseline: bool):
-    """history -> the held-out scores (`session.held_out_scores`) on `plan`'s held-out documents."""
-    return lambda history: session.held_out_scores(
-        plan.settings, history, model, plan.held_out, plan.bos_id, baseline=baseline
-    )
+    """history -> the held-out scores (`ctxext.search.objective.held_out_scores`) on `plan`'s held-out documents."""
+    return lambda history: held_out_scores(plan.settings, history, model, plan.held_out, plan.bos_id, baseline=baseline)
 
 
 def follow(processes: Processes, plan, model) -> None:

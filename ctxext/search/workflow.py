@@ -15,17 +15,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from ..checkpoint import write_patched_checkpoint
 from ..errors import CtxextError
 from ..loading import load_config, load_model
+from ..methods import get_method
 from ..outputs import provenance, write_json
 from ..patching import pair_selection
 from ..patching.record import model_rope_record, rope_record
-from . import session
+from . import output
+from .longrope import critical_space, start_factors
+from .loop import best_trial, critical_search, longrope_search, scalar_search
 from .objective import method_config
+from .output import SearchSettings
 from .plan import SearchPlan, SearchRequest, plan_search
+from .space import element_default
 from .store import TrialStore, read_trials, storage_url
 from .tensor_parallel import Leader, follow, held_out_scorer, make_objective, tensor_parallel_processes
 
@@ -35,7 +41,7 @@ class SearchResult:
     """A finished search: where it was written, its settings (its protocol), results.json and every trial."""
 
     output: Path
-    settings: object  # session.SearchSettings
+    settings: object  # output.SearchSettings
     results: dict
     history: list[dict] = field(default_factory=list)
     resumed: bool = False
@@ -59,26 +65,26 @@ def run_search(
     plan = plan_search(request)  # every check that needs no model: bad input fails here, before anything is written
     out = Path(request.output)
     settings = plan.settings.to_dict()
-    mode = session.check_output(out, settings, request.resume, request.overwrite, plan.protected)
+    mode = output.check_output(out, settings, request.resume, request.overwrite, plan.protected)
     study = {"storage": storage_url(request.storage, out) if request.storage else None, "name": request.study_name}
-    session.check_study(out, study, mode)
+    output.check_study(out, study, mode)
     store = open_store(request, settings) if request.storage else None  # a study elsewhere is checked first
     model = model if model is not None else load_search_model(plan)
-    session.start_output(out, settings, mode)
-    write_json(out / session.STUDY_FILE, study)
+    output.start_output(out, settings, mode)
+    write_json(out / output.STUDY_FILE, study)
     store = store or open_store(request, settings)
-    if not store.frozen() and (out / session.TRIALS_FILE).is_file():
-        store.import_records(read_trials(out / session.TRIALS_FILE))  # a search from before the studies
+    if not store.frozen() and (out / output.TRIALS_FILE).is_file():
+        store.import_records(read_trials(out / output.TRIALS_FILE))  # a search from before the studies
     plan = with_selected_pairs(plan, model, store)
     if plan.settings.selected_pairs is not None:
-        write_json(out / session.SEARCH_FILE, plan.settings.to_dict())  # search.json records the pairs measured
-    store.export_to = out / session.TRIALS_FILE
+        write_json(out / output.SEARCH_FILE, plan.settings.to_dict())  # search.json records the pairs measured
+    store.export_to = out / output.TRIALS_FILE
     say(header(plan, mode))
     history = run_with_workers(plan, model, store, leader)
-    best = session.best_trial(history)
+    best = best_trial(history)
     if best is None:
-        raise CtxextError(f"no trial of the search in '{out}' gave a score (see {session.TRIALS_FILE})")
-    store.export(out / session.TRIALS_FILE)
+        raise CtxextError(f"no trial of the search in '{out}' gave a score (see {output.TRIALS_FILE})")
+    store.export(out / output.TRIALS_FILE)
     held_out = {}
     if plan.held_out:
         say(f"re-scoring on {len(plan.held_out)} held-out documents ...")
@@ -168,7 +174,49 @@ def search_trials(plan: SearchPlan, model, store, progress=None, leader: Leader 
     if leader is not None:
         objective = leader.objective(objective)
     record = model_rope_record(model)
-    return session.run_trials(settings, objective, store, plan.request.trials, record.rotary_dim, record.base, progress)
+    return run_trials(settings, objective, store, plan.request.trials, record.rotary_dim, record.base, progress)
+
+
+def run_trials(settings: SearchSettings, objective, store, trials: int, rotary_dim: int, base: float, progress=None):
+    """Run (or join, or continue) the search in `store` until `trials` trials are finished; every finished trial."""
+    if settings.method == "longrope" and settings.longrope.get("space") == "critical":
+        lr = settings.longrope
+        space = critical_space_of(settings, rotary_dim, base)
+        return critical_search(space, objective, store, trials, settings.seed, lr["sigma"], lr.get("popsize"), progress)
+    if settings.method == "longrope":
+        start, defaults, upper = longrope_curves(settings, rotary_dim, base)
+        lr = settings.longrope
+        return longrope_search(
+            start, defaults, objective, store, trials, settings.seed, lr["knots"], lr["sigma"], upper,
+            lr.get("popsize"), progress,
+        )  # fmt: skip
+    start = {r.name: settings.start.get(r.name, _default(settings.method, r.name)) for r in settings.space}
+    return scalar_search(
+        settings.space, start, objective, store, trials, settings.seed, settings.startup_trials, progress
+    )
+
+
+def _default(method_name: str, name: str):
+    return element_default(get_method(method_name), name)
+
+
+def longrope_curves(settings: SearchSettings, rotary_dim: int, base: float):
+    """(starting factors, the defaults' factors, the upper bound) of a LongRoPE search."""
+    lr = settings.longrope
+    L, s = settings.original_max_position_embeddings, settings.factor
+    if lr.get("space") == "critical":
+        space = critical_space_of(settings, rotary_dim, base)
+        return space.factors_of(np.zeros(space.dimension))[1], [float(s)] * (rotary_dim // 2), space.upper
+    start = np.maximum.accumulate(start_factors(lr["start_method"], s, rotary_dim, base, L))
+    upper = float(lr.get("upper") or max(2.0 * s, float(start.max())))
+    return start, [float(s)] * (rotary_dim // 2), upper
+
+
+def critical_space_of(settings: SearchSettings, rotary_dim: int, base: float):
+    """LongRoPE2's space (`ctxext.search.longrope.CriticalSpace`) of a `--space critical` search."""
+    lr = settings.longrope
+    L = settings.original_max_position_embeddings
+    return critical_space(rotary_dim, base, settings.factor, L, lr["knots"], lr.get("upper"))
 
 
 def run_with_workers(plan: SearchPlan, model, store, leader: Leader | None = None) -> list[dict]:
@@ -221,7 +269,7 @@ def write_checkpoint(plan: SearchPlan, best: dict, out: Path) -> dict:
     written = write_patched_checkpoint(
         plan.request.model,
         method_config(settings.base, best["params"]),
-        out / session.CHECKPOINT_DIR,
+        out / output.CHECKPOINT_DIR,
         overwrite=True,
         written_by="ctxext search",
         extra_record={
@@ -245,24 +293,24 @@ def write_checkpoint(plan: SearchPlan, best: dict, out: Path) -> dict:
 def write_results(plan: SearchPlan, store, history, held_out: dict, checkpoint, seconds: float) -> dict:
     """results.json, objective.png and (longrope) factors.png; returns results.json's content."""
     settings, out = plan.settings, Path(plan.request.output)
-    results = session.summarize(settings, history, held_out, seconds, provenance(), checkpoint)
+    results = output.summarize(settings, history, held_out, seconds, provenance(), checkpoint)
     results["study"] = {"storage": store.url, "name": store.study.study_name}
-    write_json(out / session.RESULTS_FILE, results)
+    write_json(out / output.RESULTS_FILE, results)
     title = (
         f"{Path(plan.request.model).name}: {settings.method} x{settings.factor:g} at {settings.length} "
         f"(L={settings.original_max_position_embeddings})"
     )
-    session.plot_objective(history, out / session.OBJECTIVE_PLOT, title, settings.objective)
+    output.plot_objective(history, out / output.OBJECTIVE_PLOT, title, settings.objective)
     if settings.method == "longrope":
         best = results["best"]
         pairs = len(best["params"]["long_factor"])
-        start, defaults, _ = session.longrope_curves(settings, 2 * pairs, _rope_base(plan.request.model))
+        start, defaults, _ = longrope_curves(settings, 2 * pairs, _rope_base(plan.request.model))
         curves = {
             "defaults (every pair / s)": defaults,
             f"start ({settings.longrope['start_method']})": [float(f) for f in start],
             f"best (trial {best['number']})": best["params"]["long_factor"],
         }
-        session.plot_factors(curves, out / session.FACTORS_PLOT, title)
+        output.plot_factors(curves, out / output.FACTORS_PLOT, title)
     return results
 
 

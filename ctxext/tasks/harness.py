@@ -486,16 +486,16 @@ def run_cells(
     processes,
     cached_only: bool = False,
     quiet: bool = False,
-    report=print,
+    log=print,
 ) -> list[Cell]:
-    """Run (or read from the cache) every cell; `report(line)` is called on the main process after each one."""
+    """Run (or read from the cache) every cell; `log(line)` is called on the main process after each one."""
     for cell in cells:
         cell.key = cell_key(cell, common_key, max_length_for(cell, lengths))
     found = [cache.load(cell.key) for cell in cells] if processes.is_main else None
     found = processes.from_main(found)
     todo = sum(f is None for f in found)
     if processes.is_main and todo < len(cells):
-        report(f"{len(cells) - todo} of {len(cells)} cells from the cache ({cache.folder})")
+        log(f"{len(cells) - todo} of {len(cells)} cells from the cache ({cache.folder})")
     for index, (cell, result) in enumerate(zip(cells, found), 1):
         if result is not None:
             cell.result, cell.cached = result, True
@@ -516,7 +516,7 @@ def run_cells(
         if processes.is_main:
             cache.save(cell.key, cell.result)
             cache.drop_requests(cell.key)  # every process is past simple_evaluate's final gather
-            report(f"[{index}/{len(cells)}] {cell.name}: {cell_summary(cell)} ({cell.result['seconds']:.0f} s)")
+            log(f"[{index}/{len(cells)}] {cell.name}: {cell_summary(cell)} ({cell.result['seconds']:.0f} s)")
     return cells
 
 

@@ -15,7 +15,8 @@ from ..eval.data import tokenize_documents
 from ..eval.options import parse_stride
 from ..eval.rows import as_loaded_row, mapping_row, shipped_record
 from ..eval.runner import plan_lengths, run_perplexity
-from ..eval.setup import RuntimeOptions, bos_choice, load_model_and_tokenizer
+from ..eval.session import bos_choice, load_model_and_tokenizer
+from ..run_options import RuntimeOptions
 from ..runtime import Processes
 
 

@@ -13,9 +13,9 @@ from ..errors import CtxextError
 from ..eval.report import write_csv
 from ..eval.rows import MethodSelection
 from ..eval.session import EvalSession, model_identity, tokenizer_identity
-from ..eval.setup import Invocation, RuntimeOptions
 from ..loading import check_model_source
 from ..outputs import atomic_output_dir, atomic_write_text, check_output_dir, provenance, write_json
+from ..run_options import Invocation, RuntimeOptions
 from ..runtime import Processes, cpu_processes, on_main_first
 from .harness import (
     TaskCellCache,
@@ -147,9 +147,9 @@ def _prepare_tasks(request: TasksRequest, processes):
     return lm_eval, managers, specs
 
 
-def run_tasks(request: TasksRequest, report=None) -> TasksResult:
+def run_tasks(request: TasksRequest, log=None) -> TasksResult:
     """Every (method, task, length) cell through lm-eval, each cached when done; writes request.output (when
-    given) on the main process. `report(line)` is told what runs and each finished cell."""
+    given) on the main process. `log(line)` is told what runs and each finished cell."""
     started = time.perf_counter()
     protected = request.check()
     processes = Processes(cpu=cpu_processes(request.runtime.device), tp=request.runtime.tp)
@@ -157,15 +157,15 @@ def run_tasks(request: TasksRequest, report=None) -> TasksResult:
     session = EvalSession.open(request.model, request.methods, request.runtime, processes)
     cells = plan_cells(session.methods, specs, request.lengths)
     cache = TaskCellCache(request.cell_folder())
-    if session.processes.is_main and report is not None:
-        report(
+    if session.processes.is_main and log is not None:
+        log(
             f"ctxext tasks: {', '.join(s.name for s in specs)} x {len(session.methods)} methods x lengths "
             f"{', '.join(str(n) for n in request.lengths)} = {len(cells)} cells, "
             f"{'all' if request.limit is None else request.limit} samples each; lm-eval {lm_eval.__version__}; "
             f"{session.runtime_line()}"
         )
         for line in session.beyond_training_notes(request.lengths):
-            report(line)
+            log(line)
     try:
         run_cells(
             cells,
@@ -182,7 +182,7 @@ def run_tasks(request: TasksRequest, report=None) -> TasksResult:
             processes=session.processes,
             cached_only=request.cached_only,
             quiet=not request.runtime.progress,
-            report=report or (lambda line: None),
+            log=log or (lambda line: None),
         )
     except KeyboardInterrupt:
         if session.processes.is_main and cache.folder is not None:

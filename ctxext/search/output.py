@@ -1,4 +1,6 @@
-"""One search end to end, in an output directory that a later run can resume:
+"""The output directory of a search, which a later run resumes from: its files, what search.json holds
+(`SearchSettings`, which a resume must match), the checks before anything is written, results.json's content
+(`summarize`) and the plots. `ctxext.search.workflow` runs the search that fills it.
 
     OUT/search.json     what the search is (model, method, s, N, L, space, objective, data, dtype); a resume must match
     OUT/study.journal   the trials, as an Optuna study (the default storage; see `store`; --storage puts it elsewhere)
@@ -20,16 +22,12 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
 from ..errors import CtxextError
-from ..methods import get_method
 from ..outputs import check_overlap, new_figure, save_figure, write_json
-from .longrope import critical_space, start_factors
-from .loop import best_trial, critical_search, longrope_search, scalar_search
-from .objective import method_config, score_perplexity
-from .space import Range, element_default
+from .loop import best_trial
+from .space import Range
 from .store import DERIVED, JOURNAL_FILE, differing
 
 SEARCH_FILE = "search.json"
@@ -156,85 +154,7 @@ def start_output(out: Path, settings: dict, mode: str) -> None:
     write_json(out / SEARCH_FILE, settings)
 
 
-# ------------------------------------------------------------------------------------------- the trials
-def run_trials(settings: SearchSettings, objective, store, trials: int, rotary_dim: int, base: float, progress=None):
-    """Run (or join, or continue) the search in `store` until `trials` trials are finished; every finished trial."""
-    if settings.method == "longrope" and settings.longrope.get("space") == "critical":
-        lr = settings.longrope
-        space = critical_space_of(settings, rotary_dim, base)
-        return critical_search(space, objective, store, trials, settings.seed, lr["sigma"], lr.get("popsize"), progress)
-    if settings.method == "longrope":
-        start, defaults, upper = longrope_curves(settings, rotary_dim, base)
-        lr = settings.longrope
-        return longrope_search(
-            start, defaults, objective, store, trials, settings.seed, lr["knots"], lr["sigma"], upper,
-            lr.get("popsize"), progress,
-        )  # fmt: skip
-    start = {r.name: settings.start.get(r.name, _default(settings.method, r.name)) for r in settings.space}
-    return scalar_search(
-        settings.space, start, objective, store, trials, settings.seed, settings.startup_trials, progress
-    )
-
-
-def _default(method_name: str, name: str):
-    return element_default(get_method(method_name), name)
-
-
-def longrope_curves(settings: SearchSettings, rotary_dim: int, base: float):
-    """(starting factors, the defaults' factors, the upper bound) of a LongRoPE search."""
-    lr = settings.longrope
-    L, s = settings.original_max_position_embeddings, settings.factor
-    if lr.get("space") == "critical":
-        space = critical_space_of(settings, rotary_dim, base)
-        return space.factors_of(np.zeros(space.dimension))[1], [float(s)] * (rotary_dim // 2), space.upper
-    start = np.maximum.accumulate(start_factors(lr["start_method"], s, rotary_dim, base, L))
-    upper = float(lr.get("upper") or max(2.0 * s, float(start.max())))
-    return start, [float(s)] * (rotary_dim // 2), upper
-
-
-def critical_space_of(settings: SearchSettings, rotary_dim: int, base: float):
-    """LongRoPE2's space (`ctxext.search.longrope.CriticalSpace`) of a `--space critical` search."""
-    lr = settings.longrope
-    L = settings.original_max_position_embeddings
-    return critical_space(rotary_dim, base, settings.factor, L, lr["knots"], lr.get("upper"))
-
-
 # ------------------------------------------------------------------------------------------ the results
-def held_out_scores(
-    settings: SearchSettings, history: list[dict], model, documents, bos_token_id, baseline: bool = True, progress=None
-) -> dict:
-    """Perplexity of the defaults (trial 0), LongRoPE's starting curve (trial 1), the best trial and (optionally)
-    the model as loaded on `documents`."""
-    best = best_trial(history)
-    rows, done = {}, {}
-    candidates = (
-        [("defaults", history[0])]
-        + [("start", t) for t in history[1:2] if t["role"] == "start"]
-        + ([("best", best)] if best is not None else [])
-    )
-    for name, trial in candidates:
-        if trial["state"] != "complete":
-            rows[name] = None
-            continue
-        if trial["number"] in done:
-            rows[name] = rows[done[trial["number"]]]
-            continue
-        done[trial["number"]] = name
-        rows[name] = score_perplexity(
-            model,
-            method_config(settings.base, trial["params"]),
-            documents,
-            settings.length,
-            settings.stride,
-            bos_token_id,
-        )
-        if progress is not None:
-            progress.update(1)
-    if baseline:
-        rows["none"] = score_perplexity(model, None, documents, settings.length, settings.stride, bos_token_id)
-    return rows
-
-
 def summarize(
     settings: SearchSettings,
     history: list[dict],
