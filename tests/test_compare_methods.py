@@ -96,6 +96,10 @@ def page_script():
     return module
 
 
+def record_of(page):
+    return json.loads(page.with_suffix(".json").read_text())
+
+
 def test_the_page_rebuilt_from_the_committed_cells_is_the_committed_page(tmp_path, smollm2_path, monkeypatch):
     """`ctxext compare` with the page's settings, report-only, from docs/comparison_cells: every table row and
     searched parameter of docs/comparison.md, number for number, without loading the model."""
@@ -120,11 +124,16 @@ def test_the_page_rebuilt_from_the_committed_cells_is_the_committed_page(tmp_pat
     written, committed = page.read_text(), (REPO / "docs" / "comparison.md").read_text()
     assert page_numbers(written) == page_numbers(committed)
     assert len(page_numbers(committed)) > 100
-    # the page says where the evidence does not separate its pick from another row (3 passkey trials a length)
-    assert "- **Not separated:** rerope (searched) and leaky_rerope (searched) are not separated" in committed
+    # the page says where the evidence separates its pick from the next row and where it does not: rerope (searched)
+    # 8/12 against leaky_rerope (searched) 0/12 after the decide stage; llama3 (searched) stopped at the trial cap
+    found = {(r["label"], r["length"]): (r["correct"], r["trials"]) for r in record_of(page)["passkey"]}
+    assert found[("rerope (searched)", 16384)] == (8, 12) and found[("leaky_rerope (searched)", 16384)] == (0, 12)
+    assert "- **Separated:** rerope (searched) is separated from leaky_rerope (searched) after 12" in committed
+    assert "- **Not separated:** llama3 (searched) and yarn are not separated by 12 passkey trials" in committed
+    assert "stopped at the cap, 12 a length" in committed
     assert "| 2/3 [0.21, 0.94] |" in committed  # passkey counts with their Wilson interval
     assert list(CELLS.glob("**/*.md")) == []  # nothing written among the cells
-    record = json.loads(page.with_suffix(".json").read_text())
+    record = record_of(page)
     assert record["table"] == json.loads((REPO / "docs" / "comparison.json").read_text())["table"]
     # what is missing is only what no cell holds yet: a row's column the page shows as '...', never a cached cell's
     lines = committed.splitlines()

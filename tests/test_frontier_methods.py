@@ -258,18 +258,23 @@ def test_ctxext_patch_writes_proportional_as_transformers_type(source, tmp_path)
     "transformers 5.19 and older keep a loaded config.json's top-level partial_rotary_factor as an attribute and write it "
     "back, and their loader folds it into the new rope parameters (compat.py names it)",
 )
-def test_a_saved_proportional_checkpoint_patched_again_scales_the_whole_head(source, tmp_path):
-    """Its partial_rotary_factor is p, not a share of the head: yarn on top writes no partial rotary factor, and
-    plain transformers reloads it with the logits of yarn on the unpatched model."""
+def test_a_saved_proportional_checkpoint_patched_again_keeps_its_p_rope_pairs(source, tmp_path):
+    """Its partial_rotary_factor is p, not a share of the head: yarn on top is turned over the whole head's pairs,
+    keeps the p-RoPE pairs that do not turn (as on Gemma 4's full layers), and the checkpoint written reloads with
+    the logits of that patch in memory. Transformers' types would turn every pair (a longrope with equal factor
+    sets has no factor for a frequency of 0), so it is written as ctxext's type with the p it keeps."""
     first = write(source, tmp_path / "p", "proportional", factor=2.0, rope_proportion=0.5)
     again = write(first, tmp_path / "y", "yarn", factor=4.0)
     rope = json.loads((again / "config.json").read_text())["rope_parameters"]
-    assert rope["rope_type"] == "yarn" and "partial_rotary_factor" not in rope
-    reference = ctxext.patch(tiny_model("llama"), "yarn", factor=4.0)
+    assert rope["rope_type"] == "ctxext_yarn" and rope["rope_proportion"] == 0.5
+    assert "partial_rotary_factor" not in rope
+    in_memory = ctxext.patch(AutoModelForCausalLM.from_pretrained(first).eval(), "yarn", factor=4.0)
+    whole_head = ctxext.patch(tiny_model("llama"), "yarn", factor=4.0)
     tokens = torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reloaded = AutoModelForCausalLM.from_pretrained(again).eval()(tokens).logits
-        torch.testing.assert_close(reloaded, reference(tokens).logits, **LOGIT_TOLERANCE)
+        torch.testing.assert_close(reloaded, in_memory(tokens).logits, **LOGIT_TOLERANCE)
+        assert (reloaded - whole_head(tokens).logits).abs().max() > 1e-4  # the pairs that do not turn matter
 
 
 def levels(rows):

@@ -44,6 +44,7 @@ from .families import (
 )
 from .record import as_shipped
 from .rope_types import (
+    ROPE_PROPORTION,
     equal_sets_longrope,
     longrope_form,
     p_rope_form,
@@ -240,6 +241,8 @@ def rope_form(
     if format == "ctxext":
         return RopeForm(ctxext_parameters, False, f"ctxext's '{rope_type}' type (--format ctxext)")
     reason = no_native_form(method, params)
+    if ROPE_PROPORTION in ctxext_parameters:  # p-RoPE's frequency-0 pairs: no theta_i/theta'_i factor keeps them
+        reason = "a p-RoPE layer's pairs that do not turn, which transformers' types would turn"
     if reason is not None:
         return RopeForm(ctxext_parameters, False, f"ctxext's '{rope_type}' type: {reason}")
 
