@@ -78,14 +78,14 @@ def write_patched_checkpoint(
     check_tokenizer_for_pairs(tokenizer, pair_selection, source)
     model = load_model(source, dtype="auto", device="cpu")
     with_source_rope(rotary_host(model).config, source)
-    original_length = plan.record.trained_context
+    trained_context = plan.record.trained_context
     extra_record = dict(extra_record or {})
     if tokenizer is None:
         extra_record["tokenizer"] = NO_TOKENIZER
     planned = plan  # what check_source decided on the skeleton is carried out, not decided again
     if pair_selection is not None:  # the pairs selected change the method's parameters: it is planned anew
         method_config, extra_record["pair_selection"] = with_selected_pairs(
-            model, tokenizer, method_config, pair_selection, original_length
+            model, tokenizer, method_config, pair_selection, trained_context
         )
         planned = None
     method_config.apply(model, planned)
@@ -168,10 +168,10 @@ def with_source_rope(config, source: str):
     return config
 
 
-def with_selected_pairs(model, tokenizer, method_config, pair_selection: tuple[str, int], original_length: int):
+def with_selected_pairs(model, tokenizer, method_config, pair_selection: tuple[str, int], trained_context: int):
     """(`method_config` with DPE's `selected_pairs` measured on the unpatched `model`, the record of how)."""
     text, k = pair_selection
-    how = selection_record(text, k, method_config.original_max_position_embeddings or original_length)
+    how = selection_record(text, k, method_config.original_max_position_embeddings or trained_context)
     chosen = select_pairs(model, tokenizer, Path(text).read_text(encoding="utf-8"), k, how["max_tokens"])
     method_config = dataclasses.replace(method_config, params={**method_config.params, "selected_pairs": chosen})
     return method_config, how

@@ -594,10 +594,10 @@ def main(argv=None) -> int:
     curve = {w: {str(r["step"]): r["perplexity"][w] for r in evals} for w in windows}
     before_by = {(r["method"], r["length"]): r["perplexity"] for r in before}
     target_curve = {int(s): v for s, v in curve[str(recipe.seq_len)].items()}
-    checks = shape_checks(base["perplexity"], target_curve, before_by, setup.original_length, recipe.seq_len)
+    checks = shape_checks(base["perplexity"], target_curve, before_by, setup.method_length, recipe.seq_len)
     run = json.loads((setup.output / "run.json").read_text())
     notes = []
-    step0_pi = before_by.get((f"PI x{recipe.seq_len / setup.original_length:g}", recipe.seq_len))
+    step0_pi = before_by.get((f"PI x{recipe.seq_len / setup.method_length:g}", recipe.seq_len))
     if step0_pi is not None:
         notes.append(
             f"Consistency: {recipe.method.label} at {recipe.seq_len} before fine-tuning is {fmt(step0_pi)} in the evaluator "
@@ -627,7 +627,7 @@ def main(argv=None) -> int:
         "fine_tuning": {
             "label": recipe.method.label,
             "target": recipe.seq_len,
-            "original": setup.original_length,
+            "original": setup.method_length,
             "perplexity": curve,
             "output_dir": str(setup.output),
         },
@@ -698,7 +698,7 @@ def run_mixed_window(recipe, recipe_path: str, work: Path, docs: Path, run_info:
         "torch_threads": torch.get_num_threads(),
         "precision": run["precision"],
         "label": recipe.method.label,
-        "original": setup.original_length,
+        "original": setup.method_length,
         "target": recipe.seq_len,
         "short_fraction": recipe.mixed_window.short_fraction,
         "short_length": setup.short_length,

@@ -803,7 +803,7 @@ def test_a_shipped_scaling_is_read_and_replaced_when_asked_counting_from_its_L_a
         before = scaled(tokens).logits
         layout = rope_layout(scaled)  # reading it changes nothing
         assert torch.equal(before, scaled(tokens).logits)
-        assert ctxext.patching.record.model_rope_record(scaled).original_length == original
+        assert ctxext.patching.record.model_rope_record(scaled).pretraining_length == original
         assert layout.bases[None] == base
         ctxext.patch(scaled, "yarn", factor=8.0, replace_shipped=True)
         inv_freq = ctxext.patching.rotary_host(scaled).rotary_emb.inv_freq

@@ -109,7 +109,7 @@ def test_the_trained_context_is_what_the_model_serves(rope_parameters, max_lengt
     if rope_parameters["rope_type"] in ("llama3", "yarn"):
         rope_parameters = {**rope_parameters, "original_max_position_embeddings": L0}
     record = rope_record(llama_config(rope_parameters, max_length))
-    assert (record.original_length, record.trained_context) == (L0, C)
+    assert (record.pretraining_length, record.trained_context) == (L0, C)
     assert record.base == 500000.0 and record.rotary_dim == 16
 
 
@@ -313,7 +313,7 @@ def test_the_table_is_what_patch_asks():
     request = attention.attention_request(families.rotary_host(model), refused_settings(model), layout, (0, 1), 64)
     assert first_refusal(request) == str(refused.value)
     rope = model_rope_record(model)  # the default gpt-oss config's yarn x32 over 4096 reaches 131072
-    assert (rope.original_length, rope.trained_context) == (4096, 32 * 4096)
+    assert (rope.pretraining_length, rope.trained_context) == (4096, 32 * 4096)
 
 
 def test_the_rope_record_is_public_where_the_docs_import_it():

@@ -130,7 +130,7 @@ def tokens(n: int) -> torch.Tensor:
 def test_the_record_reads_the_trained_context(name):
     family, rope, _, C = SHAPES[name]
     record = model_rope_record(shipped(name))
-    assert record.trained_context == C and record.original_length == rope.get("original_max_position_embeddings", C)
+    assert record.trained_context == C and record.pretraining_length == rope.get("original_max_position_embeddings", C)
     assert record.full.rope_type == rope["rope_type"]
     assert record.base == (1e6 if family == "gemma3_text" else shipped(name).config.rope_parameters["rope_theta"])
 
@@ -209,7 +209,7 @@ def test_a_remapping_method_keeps_the_shipped_frequencies_and_remaps_past_C(name
     model = shipped(name)
     C = SHAPES[name][3]
     plan = plan_patch(model, "self_extend", 2.0)
-    assert plan.original_length == C and "remaps past C" in plan.describe()
+    assert plan.method_length == C and "remaps past C" in plan.describe()
     ctxext.patch(model, "self_extend", factor=2.0)
     assert ctxext.applied_method(model)["original_max_position_embeddings"] == C
     assert model.config.max_position_embeddings == 2 * C

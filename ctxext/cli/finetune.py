@@ -184,7 +184,7 @@ def summary(setup, records: list[dict]) -> str:
     if setup.mixed_window:
         lines[0] += (
             f", mixed-window: {setup.recipe.mixed_window.short_fraction:g} of the micro-batches at "
-            f"{setup.short_length} tokens with the original rotary (scored so at lengths <= {setup.original_length})"
+            f"{setup.short_length} tokens with the original rotary (scored so at lengths <= {setup.method_length})"
         )
     base = [r for r in records if r.get("kind") == "base_reference"]
     if base:

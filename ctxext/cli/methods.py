@@ -148,7 +148,7 @@ def _describe_model(model_name: str, layer_types, json_path) -> int:
     if json_path:
         written = {
             "model": model_name,
-            "original_max_position_embeddings": record.original_length,
+            "original_max_position_embeddings": record.pretraining_length,
             "trained_context": record.trained_context,
             "shipped_scaling": {str(key): text for key, text in record.shipped_scaling.items()},
             "layout": rows,

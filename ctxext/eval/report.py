@@ -68,7 +68,7 @@ def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
 
 
 def plot_perplexity(
-    rows: list[dict], methods: list[str], path: Path, title: str, original_length: int | None = None
+    rows: list[dict], methods: list[str], path: Path, title: str, trained_context: int | None = None
 ) -> None:
     """Perplexity against evaluated length, one line per method (log y: unscaled RoPE blows up past L)."""
     fig = new_figure(figsize=(7.5, 4.8))
@@ -79,9 +79,16 @@ def plot_perplexity(
         )
         if points:
             ax.plot(*zip(*points), marker="o", label=method)
-    if original_length:
-        ax.axvline(original_length, color="grey", lw=0.8, ls="--")
-        ax.text(original_length, ax.get_ylim()[1], " original context L", va="top", fontsize=8, color="grey")
+    if trained_context:
+        ax.axvline(trained_context, color="grey", lw=0.8, ls="--")
+        ax.text(
+            trained_context,
+            ax.get_ylim()[1],
+            f" trained context C = {trained_context}",
+            va="top",
+            fontsize=8,
+            color="grey",
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
 

@@ -150,7 +150,7 @@ def as_loaded_row(record: RopeRecord | None) -> EvalMethod:
     if stateless is None:
         return EvalMethod(label, None, {"as_loaded": True, "rope_parameters": rope})
     name, params = stateless
-    L0 = record.original_length
+    L0 = record.pretraining_length
     config = MethodConfig.from_mapping({"method": name, **params, "original_max_position_embeddings": L0})
     return EvalMethod(label, config, {"as_loaded": True, "rope_parameters": rope, "computed_as": config.to_dict()})
 
@@ -187,7 +187,7 @@ def method_rows(selection: MethodSelection, model_config) -> list[EvalMethod]:
 
 
 def beyond_training_notes(
-    rows: list[EvalMethod], lengths: list[int], model_original_length: int | None, wavelengths: list | None = None
+    rows: list[EvalMethod], lengths: list[int], model_trained_context: int | None, wavelengths: list | None = None
 ) -> list[str]:
     """One line per row whose method is meant to keep relative positions below L but, as set, uses a larger one
     at some of `lengths` (e.g. SelfExtend's default G 4 at 8x): what it reaches, and the setting that stays
@@ -196,7 +196,7 @@ def beyond_training_notes(
     notes = []
     for row in rows:
         config = row.config
-        L = config and (config.original_max_position_embeddings or model_original_length)
+        L = config and (config.original_max_position_embeddings or model_trained_context)
         if not L:
             continue
         params = get_method(config.method).make_params(factor=config.factor, **config.params)

@@ -67,7 +67,9 @@ class EvalSession:
         )
 
     def beyond_training_notes(self, lengths: list[int]) -> list[str]:
-        return beyond_training_notes(self.methods, lengths, original_length(self.model), rotary_wavelengths(self.model))
+        return beyond_training_notes(
+            self.methods, lengths, trained_context_of(self.model), rotary_wavelengths(self.model)
+        )
 
     def description(self) -> dict:
         return model_description(self.name, self.model, self.runtime)
@@ -151,7 +153,7 @@ def model_description(name: str, model, runtime: dict) -> dict:
         "architecture": type(model).__name__,
         "parameters": sum(p.numel() for p in model.parameters()),
         "max_position_embeddings": getattr(config, "max_position_embeddings", None),
-        "original_max_position_embeddings": original_length(model),
+        "original_max_position_embeddings": trained_context_of(model),
         "rotary_dim": _rotary_dim(config),
         "rope_parameters": rope_parameters(config),
         "dtype": str(runtime["dtype"]).removeprefix("torch."),
@@ -191,10 +193,11 @@ def _rotary_dim(config) -> int | None:
         return None
 
 
-def original_length(model) -> int | None:
-    """L as patch() reads it; for a model ctxext cannot patch (evaluated as loaded), its max_position_embeddings."""
+def trained_context_of(model) -> int | None:
+    """C, the trained context patch() counts from by default; for a model ctxext cannot patch (evaluated as
+    loaded), its max_position_embeddings."""
     try:
-        return patching.original_length(model)
+        return patching.trained_context_of(model)
     except CtxextError:
         return getattr(model.config, "max_position_embeddings", None)
 

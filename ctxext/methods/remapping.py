@@ -169,11 +169,11 @@ class RemapParams(MethodParams):
         move past L on purpose, on well-trained or selected dimensions)."""
         return None
 
-    def setting_within(self, length: int, original_length: int) -> str:
+    def setting_within(self, length: int, method_length: int) -> str:
         """The change of setting that keeps r' below L at `length` tokens, in words ('' when none does)."""
         return ""
 
-    def reach(self, original_length: int) -> int | None:
+    def reach(self, method_length: int) -> int | None:
         """The most tokens this setting (resolved at L) keeps every remapped relative position within the trained
         range 0..L-1: the length its checkpoint declares when no --factor says otherwise. None where every length
         stays within it (the positions are capped by construction)."""
@@ -221,16 +221,16 @@ class ReRopeParams(RemapParams):
     def largest_relative_position(self, length: int) -> float | None:
         return float(rerope_relative_position(torch.tensor(length - 1), self.window, self.leak))
 
-    def setting_within(self, length: int, original_length: int) -> str:
-        w, last, L = self.window, length - 1, original_length
+    def setting_within(self, length: int, method_length: int) -> str:
+        w, last, L = self.window, length - 1, method_length
         if self.leak == 0:  # r' = min(r, w)
             return f"a window below {L}"
         if w >= L - 1:
             return f"a window below {L - 1}"
         return f"k >= {math.ceil((last - w) / (L - 1 - w))}"
 
-    def reach(self, original_length: int) -> int | None:
-        w, L = self.window, original_length
+    def reach(self, method_length: int) -> int | None:
+        w, L = self.window, method_length
         if w >= L:  # the window itself runs past L
             return L
         if self.leak == 0:  # r' = min(r, w) < L at any length
@@ -344,32 +344,32 @@ class SelfExtendParams(RemapParams):
             return float(last)
         return float(grouped_query_position(last, G, w) - grouped_key_position(torch.tensor(0), G))
 
-    def setting_within(self, length: int, original_length: int) -> str:
+    def setting_within(self, length: int, method_length: int) -> str:
         """LongLM's rule: the smallest G whose largest r' is below L (found by trying each G in turn)."""
-        last, w, L = length - 1, self.window, original_length
+        last, w, L = length - 1, self.window, method_length
         if w >= L:
             return f"a window below {L}"
         return f"group_size >= {smallest_group_within(last, w, L)}"
 
-    def reach(self, original_length: int) -> int | None:
-        return self_extend_reach(self.group_size, self.window, original_length)
+    def reach(self, method_length: int) -> int | None:
+        return self_extend_reach(self.group_size, self.window, method_length)
 
     def reach_rule(self) -> str:
         return "G (L - w + floor(w / G))"
 
 
-def self_extend_reach(G: int, window: int, original_length: int) -> int:
+def self_extend_reach(G: int, window: int, method_length: int) -> int:
     """The most tokens whose largest SelfExtend r' (the last query on key 0: floor((N-1)/G) + w - floor(w/G)) stays
     below L: N = G (L - w + floor(w/G)); L itself where the window reaches L."""
-    if window >= original_length:
-        return original_length
-    return G * (original_length - window + window // G)
+    if window >= method_length:
+        return method_length
+    return G * (method_length - window + window // G)
 
 
-def smallest_group_within(last: int, window: int, original_length: int) -> int:
+def smallest_group_within(last: int, window: int, method_length: int) -> int:
     """LongLM's rule: the smallest G whose largest r' (query `last` on key 0) is below L (window < L), found by
     trying each G in turn through the closed form of r', for speed."""
-    return next(G for G in range(1, last + 2) if last // G + window - window // G < original_length)
+    return next(G for G in range(1, last + 2) if last // G + window - window // G < method_length)
 
 
 def grouped_query_position(i: torch.Tensor, G: int, window: int) -> torch.Tensor:
@@ -489,10 +489,10 @@ class DpeParams(RemapParams):
         G = min(int(self.pair_scales(n_pairs, layer)[pairs].min()) for layer in range(self._layer_count()))
         return float(grouped_query_position(torch.tensor(last), G, w) - grouped_key_position(torch.tensor(0), G))
 
-    def setting_within_on(self, length: int, pairs: list[int], n_pairs: int, original_length: int) -> str:
+    def setting_within_on(self, length: int, pairs: list[int], n_pairs: int, method_length: int) -> str:
         """The group scales that keep `pairs`' r' below L at `length` tokens: each group holding one of them
         raised to LongLM's smallest G, in words ('' when no scale does, e.g. for pairs left out of selected_pairs)."""
-        last, w, L = length - 1, self.window, original_length
+        last, w, L = length - 1, self.window, method_length
         if w >= L:
             return f"a window below {L}"
         G = smallest_group_within(last, w, L)
@@ -504,11 +504,11 @@ class DpeParams(RemapParams):
             return ""
         return f"group_scales {scales}"
 
-    def reach(self, original_length: int) -> int | None:
+    def reach(self, method_length: int) -> int | None:
         """SelfExtend's reach at the smallest scale the grouped pairs have (pairs left out of `selected_pairs` keep
         r' = r and run past L by design, as DPE means them to)."""
-        resolved = self.resolved(original_length)
-        return self_extend_reach(min(resolved.scales), resolved.window, original_length)
+        resolved = self.resolved(method_length)
+        return self_extend_reach(min(resolved.scales), resolved.window, method_length)
 
     def reach_rule(self) -> str:
         return "G (L - w + floor(w / G)) at the smallest group scale G"
@@ -611,7 +611,7 @@ class GaliParams(RemapParams):
         """min(length, R) - 1, below L by construction; None before R is resolved (it is L then)."""
         return None if self.position_range is None else float(min(length, self.position_range) - 1)
 
-    def reach(self, original_length: int) -> int | None:
+    def reach(self, method_length: int) -> int | None:
         return None
 
     def reach_rule(self) -> str:
@@ -738,7 +738,7 @@ class DualChunkParams(RemapParams):
     def plain_up_to(self) -> int:
         return self.chunk
 
-    def reach(self, original_length: int) -> int | None:
+    def reach(self, method_length: int) -> int | None:
         return None
 
     def reach_rule(self) -> str:
@@ -797,9 +797,9 @@ class StringParams(RemapParams):
     def plain_up_to(self) -> int:
         return self.shifted_offset
 
-    def reach(self, original_length: int) -> int | None:
-        resolved = self.resolved(original_length)
-        return original_length + resolved.shifted_offset - resolved.local_value
+    def reach(self, method_length: int) -> int | None:
+        resolved = self.resolved(method_length)
+        return method_length + resolved.shifted_offset - resolved.local_value
 
     def reach_rule(self) -> str:
         return "L + S - W"

@@ -28,11 +28,11 @@ from .rope_types import keeps_p_rope
 class Extension:
     """Where a patch counts from and what it does with the scaling the model shipped, decided once (`extension`).
 
-    `original_length`: the L the method is given (C, or L0 where the shipped scaling is replaced or gives way to
+    `method_length`: the L the method is given (C, or L0 where the shipped scaling is replaced or gives way to
     plain RoPE). `composed`: the layer types whose shipped scaling a frequency method composes with. `how`: one line
     saying what happens to the shipped scaling, for the user ('' where the model ships none)."""
 
-    original_length: int
+    method_length: int
     composed: tuple = ()
     how: str = ""
 
@@ -56,7 +56,7 @@ def extension(
         original_max_position_embeddings = None
     shipped = {key: record.of(key) for key in keys if record.of(key).rope_type != "default"}
     scaled = {key: rope for key, rope in shipped.items() if rope.scaled}
-    C, L0 = record.trained_context, record.original_length
+    C, L0 = record.trained_context, record.pretraining_length
     if original_max_position_embeddings is not None or replace_shipped:
         L = original_max_position_embeddings or L0
         kept = {key: rope for key, rope in shipped.items() if rope.static}
@@ -124,7 +124,7 @@ def composed_rope_parameters(
     params: MethodParams,
     trained: tuple[torch.Tensor, float],
     trained_context: int,
-    original_length: int,
+    pretraining_length: int,
     new_context: int,
 ) -> dict | None:
     """The rope parameters of `method` composed with the layer type's shipped scaling (see the module's text), or
@@ -151,8 +151,8 @@ def composed_rope_parameters(
     written = {
         "rope_type": "longrope",
         "rope_theta": float(shipped["rope_theta"]),
-        "factor": new_context / original_length,
-        "original_max_position_embeddings": original_length,
+        "factor": new_context / pretraining_length,
+        "original_max_position_embeddings": pretraining_length,
         "short_factor": [float(f) for f in shipped.get("short_factor", factors)]
         if rope.rope_type == "longrope"
         else [float(f) for f in factors],

@@ -339,16 +339,16 @@ class RopeLayout:
             )
         return tuple(name for name in self.types if name in names)
 
-    def attention_layers(self, chosen: tuple | None = None, original_length: int | None = None) -> tuple[int, ...]:
+    def attention_layers(self, chosen: tuple | None = None, method_length: int | None = None) -> tuple[int, ...]:
         """The layers an attention-level method goes on: those that apply RoPE, of a chosen layer type (None:
-        every type), and that can see past L (`original_length`; None: whatever their window)."""
+        every type), and that can see past L (`method_length`; None: whatever their window)."""
         return tuple(
             i
             for i, layer_type in enumerate(self.layer_types)
             if self.attention[i]
             and self.uses_rope[i]
             and (chosen is None or layer_type in chosen)
-            and (original_length is None or self.sees_past(i, original_length))
+            and (method_length is None or self.sees_past(i, method_length))
         )
 
     def sees_past(self, layer: int, length: int) -> bool:

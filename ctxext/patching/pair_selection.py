@@ -79,13 +79,13 @@ def check_pair_selection(text: str | None, k: int | None, method: str, params: d
     return text, k
 
 
-def selection_record(text: str, k: int, original_length: int) -> dict:
+def selection_record(text: str, k: int, method_length: int) -> dict:
     """How the pairs are chosen, as ctxext.yaml and search.json record it (the text by path and content)."""
     return {
         "text": str(text),
         "text_sha256": hashlib.sha256(Path(text).read_bytes()).hexdigest(),
         "top_pairs": k,
-        "max_tokens": min(SELECTION_TOKENS, original_length),
+        "max_tokens": min(SELECTION_TOKENS, method_length),
         "rule": "top k pairs per layer by mean |q_p||k_p| over tokens and heads",
     }
 

@@ -173,7 +173,7 @@ def _write_config(plan: PatchPlan) -> PatchUndo:
         # first (standardize_rope_params in modeling_rope_utils.py copies it over the rope parameters' own)
         undo.original_max_position_embeddings = config.original_max_position_embeddings
         composed = plan.extension.composed
-        config.original_max_position_embeddings = plan.record.original_length if composed else plan.original_length
+        config.original_max_position_embeddings = plan.record.pretraining_length if composed else plan.method_length
     return undo
 
 
@@ -186,7 +186,7 @@ def _scaled_rotary(plan: PatchPlan) -> ScaledRotaryEmbedding:
         plan.spec,
         plan.params,
         {key: (layout.rotary_dims[key], layout.bases[key]) for key in keys},
-        plan.original_length,
+        plan.method_length,
         original=host.rotary_emb,
         angles=layout.angles,
         sections=layout.sections,
@@ -235,7 +235,7 @@ class PatchPlan(NamedTuple):
     chosen: tuple | None  # the layer types whose frequencies are scaled (None: the one shared set)
     spec: Method
     params: MethodParams
-    original_length: int  # L the method is given
+    method_length: int  # L the method is given
     attention: AttentionSettings
     layers: tuple  # the attention layers an attention-level method goes on
     native_query_temperature: float | None  # beta written for the family's own code to apply (Ministral 3)
@@ -254,7 +254,7 @@ class PatchPlan(NamedTuple):
     def describe(self) -> str:
         """One line on what the patch does to the model's context, e.g. 'yarn x2 composes with the shipped llama3
         x8: 131072 -> 262144'."""
-        how = f" {self.extension.how}" if self.extension.how else f" counts from L = {self.original_length}"
+        how = f" {self.extension.how}" if self.extension.how else f" counts from L = {self.method_length}"
         told = (
             f"{self.spec.name} x{self.params.factor:g}{how}{self.part}: {self.context_before} -> "
             f"{self.max_position_embeddings}"
@@ -262,7 +262,7 @@ class PatchPlan(NamedTuple):
         if self.left_alone:
             told += (
                 f"; {', '.join(self.left_alone)} left as shipped (their layers slide within L = "
-                f"{self.original_length}, so they never see a distance to remap)"
+                f"{self.method_length}, so they never see a distance to remap)"
             )
         return told + self.reach_note + self.layer_types_note()
 
@@ -306,7 +306,7 @@ def plan_patch(
     ext, method_params = _extension_and_params(
         record, layout, spec, keys, factor, target_length, original_max_position_embeddings, replace_shipped, params
     )
-    L = ext.original_length
+    L = ext.method_length
     spec, method_params, on_sections = _on_mrope_sections(layout, ext, spec, method_params, L, mrope_sections)
     if logn:
         check_original_length_for_logn(L)
@@ -421,7 +421,7 @@ def _extension_and_params(
     remaps = issubclass(spec.params_cls, RemapParams)
     given = spec.make_params(factor=1.0 if target_length is not None else factor, **params)
     ext = extension(record, spec, given, keys, remaps, given_L, replace)
-    method_params = spec.make_params(factor=factor_for(target_length, factor, ext.original_length), **params)
+    method_params = spec.make_params(factor=factor_for(target_length, factor, ext.method_length), **params)
     if ext.composed and layout.latent_attention:
         return _latent_attention_yarn(record, spec, ext.composed, method_params, params)
     return ext, method_params
@@ -446,7 +446,7 @@ def _latent_attention_yarn(record: RopeRecord, spec: Method, keys: tuple, method
             "(its softmax scale is built from the shipped yarn's factor); use yarn, which extends it as one yarn "
             "over L0, or --replace-shipped"
         )
-    C, L0, kept = record.trained_context, record.original_length, shipped[0].parameters
+    C, L0, kept = record.trained_context, record.pretraining_length, shipped[0].parameters
     given = {**{name: kept[name] for name in LATENT_YARN_KEYS if name in kept}, **params}
     how = (
         f"over L0 = {L0} replaces the shipped {shipped[0].describe()} (x{method_params.factor:g} of C = {C}; on "
@@ -485,7 +485,7 @@ def _composed_rope_parameters(host: nn.Module, record: RopeRecord, keys: tuple, 
             method_params,
             trained_frequencies(_unpatched_rotary(host), record.of(key)),
             record.trained_context,
-            record.original_length,
+            record.pretraining_length,
             int(round(L * method_params.factor)),
         )
         for key in keys
@@ -507,7 +507,7 @@ def check_not_shorter(plan: PatchPlan, allow_shorter: bool = False) -> None:
     if follows_length(plan.written) or allow_shorter or plan.max_position_embeddings >= plan.record.trained_context:
         return
     raise CtxextError(
-        f"{plan.spec.name} x{plan.params.factor:g} from L = {plan.original_length} gives the model "
+        f"{plan.spec.name} x{plan.params.factor:g} from L = {plan.method_length} gives the model "
         f"{plan.max_position_embeddings} tokens of context, shorter than the {plan.record.trained_context} it has "
         f"now ({plan.record.describe()}); drop the explicit L / --replace-shipped to extend from there, or give "
         "--allow-shorter to write it anyway"
@@ -579,7 +579,7 @@ def check_shape(config, method_params, original_max_position_embeddings: int) ->
         )
 
 
-def original_length(model: nn.Module) -> int | None:
+def trained_context_of(model: nn.Module) -> int | None:
     """The length a patch counts from by default: the trained context C of the model's rope record (what the model
     serves now; an in-memory patch is looked through, so patching again counts from the same C)."""
     return model_rope_record(model).trained_context

@@ -86,7 +86,7 @@ class LayerTypeRope:
 class RopeRecord:
     """What a model ships about its RoPE, read once (`rope_record`). Plain data.
 
-    `types`: {layer type (None: the one set): LayerTypeRope}. `original_length` L0: the pre-training length (what
+    `types`: {layer type (None: the one set): LayerTypeRope}. `pretraining_length` L0: the pre-training length (what
     a scaled config records as original_max_position_embeddings, else max_position_embeddings).
     `trained_context` C: the length the model serves now: `max_position_embeddings`, or, where a shipped linear or
     yarn reaches farther (Qwen's card recipe leaves max_position_embeddings at 32768 under yarn x4), factor x L0.
@@ -94,7 +94,7 @@ class RopeRecord:
 
     model_type: str | None
     types: dict
-    original_length: int
+    pretraining_length: int
     max_position_embeddings: int
     trained_context: int
 
@@ -131,7 +131,7 @@ class RopeRecord:
         shipped = self.shipped_scaling
         names = ", ".join(text if key is None else f"{text} on {key}" for key, text in shipped.items())
         return (
-            f"L0 {self.original_length}, trained context C {self.trained_context}, "
+            f"L0 {self.pretraining_length}, trained context C {self.trained_context}, "
             f"shipped scaling: {names or 'none (plain RoPE)'}"
         )
 
@@ -170,16 +170,16 @@ def rope_record(config, saved: dict | None = None) -> RopeRecord:
     full = record.full.parameters
     L0 = int(full.get("original_max_position_embeddings") or top_level_L0 or max_position_embeddings)
     return dataclasses.replace(
-        record, original_length=L0, trained_context=trained_context(full, L0, int(max_position_embeddings or L0))
+        record, pretraining_length=L0, trained_context=trained_context(full, L0, int(max_position_embeddings or L0))
     )
 
 
-def trained_context(parameters: dict, original_length: int, max_position_embeddings: int) -> int:
+def trained_context(parameters: dict, pretraining_length: int, max_position_embeddings: int) -> int:
     """C: max_position_embeddings, or factor x L0 where a shipped linear or yarn reaches farther."""
     rope_type = parameters.get("rope_type", parameters.get("type", "default"))
     factor = parameters.get("factor")
     if rope_type in REACH_BY_FACTOR and factor and "original_max_position_embeddings" in parameters:
-        return max(max_position_embeddings, int(round(float(factor) * original_length)))
+        return max(max_position_embeddings, int(round(float(factor) * pretraining_length)))
     return max_position_embeddings
 
 

@@ -26,7 +26,7 @@ from ..eval.rows import EvalMethod
 from ..methods import get_method
 from ..methods.attention import AttentionSettings
 from ..patching import unpatch
-from ..patching.patch import check_shape, original_length
+from ..patching.patch import check_shape, trained_context_of
 from .loop import InvalidParams, best_trial
 from .output import SearchSettings
 from .space import collapse_elements
@@ -89,7 +89,7 @@ def check_params(model, config) -> None:
     parameters themselves (validation, the length-dependent values resolved against L, DPE's groups against the
     rotary pairs). What `patch` refuses about the model (its attention implementation, a sliding window, ...) is
     not a parameter's fault: it stops the search."""
-    L = config.original_max_position_embeddings or original_length(model)
+    L = config.original_max_position_embeddings or trained_context_of(model)
     try:
         params = get_method(config.method).make_params(factor=config.factor, **config.params)
         AttentionSettings.for_method(config.method, params, config.logn, L)

@@ -128,13 +128,13 @@ def gguf_rope(
     arch: str,
     rotary_dim: int,
     base: float,
-    original_length: int,
+    method_length: int,
     logn: bool = False,
     sliding: bool = False,
 ) -> GgufRope:
     """The GGUF keys and tensor that make llama.cpp compute `method` exactly, or a one-line CtxextError naming
     the nearest thing llama.cpp can express. `sliding`: the file has sliding-window layers."""
-    rope = _gguf_rope(method, params, arch, rotary_dim, base, original_length, logn)
+    rope = _gguf_rope(method, params, arch, rotary_dim, base, method_length, logn)
     if not (sliding and arch in SLIDING_LAYERS_UNSCALED) or not (rope.keys or rope.rope_freqs):
         return rope
     return _on_full_attention_layers_only(rope, arch)
@@ -157,10 +157,10 @@ def _on_full_attention_layers_only(rope: GgufRope, arch: str) -> GgufRope:
     return GgufRope(rope.keys, rope.rope_freqs, f"{rope.how}, on the full-attention layers (sliding: {kept})")
 
 
-def _gguf_rope(method, params, arch, rotary_dim, base, original_length, logn) -> GgufRope:
+def _gguf_rope(method, params, arch, rotary_dim, base, method_length, logn) -> GgufRope:
     refuse_what_llama_cpp_cannot_run(method, params, logn)
     name = method.name
-    L = int(original_length)
+    L = int(method_length)
     s = float(params.factor)
     scaled = {"rope.scaling.original_context_length": L}
     if name == "none" or s == 1 and method.new_base is None:

@@ -221,14 +221,14 @@ def method_record(setup: Setup) -> dict:
         "source_model": setup.recipe.model,
         "model_path": setup.model_path,
         **setup.recipe.method.to_dict(),
-        "original_max_position_embeddings": setup.original_length,
+        "original_max_position_embeddings": setup.method_length,
         "seq_len": setup.recipe.seq_len,
     }
     if setup.mixed_window:
         record["mixed_window"] = {
             "short_fraction": setup.recipe.mixed_window.short_fraction,
             "short_length": setup.short_length,
-            "inference": MIXED_WINDOW_INFERENCE.format(L=setup.original_length),
+            "inference": MIXED_WINDOW_INFERENCE.format(L=setup.method_length),
         }
     return record
 

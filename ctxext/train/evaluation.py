@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .state import Setup
 
 
-def load_eval_documents(recipe: Recipe, tokenizer, original_length: int, train_names: list[str]):
+def load_eval_documents(recipe: Recipe, tokenizer, method_length: int, train_names: list[str]):
     """(documents, lengths, bos_token_id) of the held-out evaluation; checked against the training documents."""
     ev = recipe.eval
     if not ev.every:
@@ -43,7 +43,7 @@ def load_eval_documents(recipe: Recipe, tokenizer, original_length: int, train_n
         for doc in documents:
             doc.ids = doc.ids[: ev.max_tokens_per_doc]
     check_held_out(train_names, [d.name for d in documents])
-    lengths = sorted(set(ev.lengths or [recipe.seq_len, original_length]), reverse=True)
+    lengths = sorted(set(ev.lengths or [recipe.seq_len, method_length]), reverse=True)
     bos = tokenizer.bos_token_id if tokenizer_adds_bos(tokenizer) else None
     for length in lengths:  # fails now if no document is long enough
         plan_length(documents, length, ev.stride, bos)
@@ -64,7 +64,7 @@ def evaluate_before_training(setup: Setup, model, log: MetricsLog) -> None:
             {
                 "kind": "base_reference",
                 "step": 0,
-                "length": setup.original_length,
+                "length": setup.method_length,
                 "perplexity": base,
                 "seconds": round(time.perf_counter() - started, 2),
             }
@@ -104,7 +104,7 @@ def evaluate(setup: Setup, model, lengths: list[int], switch: bool = True) -> di
     # mode they would be inference tensors, which training may not write. Under FSDP, no_grad instead.
     no_inference_mode = torch.inference_mode(False) if fsdp else contextlib.nullcontext()
     results = {}
-    switched = rotary_switch(setup.mixed_window and switch, model, setup.original_length)
+    switched = rotary_switch(setup.mixed_window and switch, model, setup.method_length)
     with accelerator.autocast(), evaluation_mode(model), no_inference_mode, torch.no_grad(), switched:
         for plan in [
             plan_length(setup.eval_documents, n, setup.recipe.eval.stride, setup.bos_token_id) for n in lengths
@@ -141,7 +141,7 @@ def base_reference(setup: Setup, model) -> float:
     """The unpatched model's perplexity at the original length (LoRA's B starts at zero, so this is the base)."""
     unpatch(model)
     try:
-        return evaluate(setup, model, [setup.original_length])[setup.original_length]
+        return evaluate(setup, model, [setup.method_length])[setup.method_length]
     finally:
         setup.recipe.method.apply(model)
 
@@ -149,7 +149,7 @@ def base_reference(setup: Setup, model) -> float:
 def mixed_window_scores(setup: Setup, model) -> dict:
     """For a mixed-window run: which rotary scored each length, and the windows of at most L scored with the
     patched rotary too (what the model does when the switch is not used)."""
-    label, original = setup.recipe.method.label, setup.original_length
+    label, original = setup.recipe.method.label, setup.method_length
     short = [n for n in setup.eval_lengths if n <= original]
     patched = evaluate(setup, model, short, switch=False) if short else {}
     return {

@@ -100,7 +100,7 @@ def train_step(setup: Setup, model, optimizer, step: int) -> float:
     unwrapped = accelerator.unwrap_model(model)
     for micro in range(runtime.accumulation):
         inputs = micro_batch(setup, step, micro)
-        switched = rotary_switch(setup.mixed_window, unwrapped, setup.original_length)
+        switched = rotary_switch(setup.mixed_window, unwrapped, setup.method_length)
         with accelerator.accumulate(model), switched:
             loss, sequence_loss = forward_loss(setup, model, unwrapped, inputs)
             accelerator.backward(loss)

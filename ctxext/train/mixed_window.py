@@ -43,12 +43,12 @@ def cut_into_short_sequences(batch: torch.Tensor, short_length: int) -> torch.Te
     return batch[:, : pieces * short_length].reshape(-1, short_length)
 
 
-def short_length_for(mixed, original_length: int) -> int:
+def short_length_for(mixed, method_length: int) -> int:
     """The short sequences' length: mixed_window.short_length, or the original length L; never past L."""
-    length = mixed.short_length or original_length
-    if length > original_length:
+    length = mixed.short_length or method_length
+    if length > method_length:
         raise CtxextError(
-            f"mixed_window.short_length ({length}) must not exceed the model's original length ({original_length}): "
+            f"mixed_window.short_length ({length}) must not exceed the model's original length ({method_length}): "
             "short sequences train with the original rotary, which is only meant for positions below it"
         )
     return length
@@ -66,11 +66,11 @@ def check_switchable(model, method_label: str) -> None:
         )
 
 
-def rotary_switch(enabled: bool, model, original_length: int):
+def rotary_switch(enabled: bool, model, method_length: int):
     """The block a training step or an evaluation runs in: the original rotary below L when mixed-window is on."""
-    return original_rotary_within(model, original_length) if enabled else contextlib.nullcontext(model)
+    return original_rotary_within(model, method_length) if enabled else contextlib.nullcontext(model)
 
 
-def rotary_used(length: int, original_length: int, method_label: str) -> str:
+def rotary_used(length: int, method_length: int, method_label: str) -> str:
     """Which rotary a mixed-window model uses for a window of `length` tokens (for the metrics record)."""
-    return "original" if length <= original_length else method_label
+    return "original" if length <= method_length else method_label

@@ -141,7 +141,7 @@ def write_run_record(setup: Setup, model, resume: bool, start_step: int) -> None
         "model": setup.recipe.model,
         "model_path": setup.model_path,
         "method": setup.recipe.method.to_dict(),
-        "original_length": setup.original_length,
+        "method_length": setup.method_length,
         "seq_len": setup.recipe.seq_len,
         "train_sequence_length": setup.recipe.train_sequence_length,
         "mixed_window": {"short_length": setup.short_length, "short_fraction": setup.recipe.mixed_window.short_fraction}
@@ -215,5 +215,5 @@ def plot_title(setup: Setup) -> str:
     recipe = setup.recipe
     return (
         f"{Path(setup.recipe.model).name}: {recipe.method.label}, LoRA r={recipe.lora.r}, "
-        f"{setup.original_length} -> {recipe.seq_len}"
+        f"{setup.method_length} -> {recipe.seq_len}"
     )

@@ -101,11 +101,11 @@ def prepare(recipe: Recipe, resume: bool, progress: bool = True, report_to=None)
     output = check_run_directory(recipe, resume)
     runtime = make_runtime(recipe, output, trackers)
     set_seed(recipe.seed)  # the same LoRA init on every process and every run
-    model_path, tokenizer, model, original_length = load_patched_model(recipe, runtime, progress)
-    short_length = mixed_window_length(recipe, model, original_length)
+    model_path, tokenizer, model, method_length = load_patched_model(recipe, runtime, progress)
+    short_length = mixed_window_length(recipe, model, method_length)
     model = with_lora(model, recipe)
     train_data, info = load_training_data(recipe, runtime, tokenizer, progress)
-    documents, lengths, bos = load_eval_documents(recipe, tokenizer, original_length, info.get("names", []))
+    documents, lengths, bos = load_eval_documents(recipe, tokenizer, method_length, info.get("names", []))
     return Setup(
         recipe=recipe,
         runtime=runtime,
@@ -116,7 +116,7 @@ def prepare(recipe: Recipe, resume: bool, progress: bool = True, report_to=None)
         eval_documents=documents,
         eval_lengths=lengths,
         bos_token_id=bos,
-        original_length=original_length,
+        method_length=method_length,
         output=output,
         model_path=model_path,
         short_length=short_length,
@@ -139,7 +139,7 @@ def check_run_directory(recipe: Recipe, resume: bool) -> Path:
 
 
 def load_patched_model(recipe: Recipe, runtime: Runtime, progress: bool = True):
-    """(model path, tokenizer, model patched with the recipe's method, original context length)."""
+    """(model path, tokenizer, model patched with the recipe's method, the L the method counts from)."""
     on_main_first(runtime.processes, lambda: resolve_model_name(recipe.model))  # builds the tiny model once, if named
     model_path = resolve_model_name(recipe.model)
     tokenizer = load_tokenizer(model_path)
@@ -150,18 +150,18 @@ def load_patched_model(recipe: Recipe, runtime: Runtime, progress: bool = True):
         attn_implementation=runtime.attn_implementation,
         progress=progress,
     )
-    original_length = int(model.config.max_position_embeddings)
+    method_length = int(model.config.max_position_embeddings)
     recipe.method.apply(model)
     check_model(model, recipe.parallel.sp_size, compat.attention_implementation(model.config))
-    original_length = applied_method(model)["original_max_position_embeddings"] or original_length
+    method_length = applied_method(model)["original_max_position_embeddings"] or method_length
     limit = supported_length(model)
     if limit is not None and recipe.seq_len > limit:
         raise CtxextError(
             f"seq_len {recipe.seq_len} is beyond what the model patched with {recipe.method.label} supports "
-            f"({limit} = {original_length} x {recipe.method.factor:g}); raise method.factor to at least "
-            f"{math.ceil(recipe.seq_len / original_length)} or lower seq_len"
+            f"({limit} = {method_length} x {recipe.method.factor:g}); raise method.factor to at least "
+            f"{math.ceil(recipe.seq_len / method_length)} or lower seq_len"
         )
-    return model_path, tokenizer, model, original_length
+    return model_path, tokenizer, model, method_length
 
 
 def supported_length(model) -> int | None:
@@ -171,12 +171,12 @@ def supported_length(model) -> int | None:
     return int(model.config.max_position_embeddings)
 
 
-def mixed_window_length(recipe: Recipe, model, original_length: int) -> int | None:
+def mixed_window_length(recipe: Recipe, model, method_length: int) -> int | None:
     """The short sequences' length under mixed_window (checked against the patched model), else None."""
     if not recipe.mixed_window.enabled:
         return None
     check_switchable(model, recipe.method.label)
-    short = short_length_for(recipe.mixed_window, original_length)
+    short = short_length_for(recipe.mixed_window, method_length)
     if short % recipe.parallel.sp_size:
         raise CtxextError(
             f"parallel.sp_size={recipe.parallel.sp_size} must divide the mixed window's short sequences ({short} "

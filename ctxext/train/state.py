@@ -45,7 +45,7 @@ class Setup:
     eval_documents: list
     eval_lengths: list[int]
     bos_token_id: int | None
-    original_length: int
+    method_length: int
     output: Path
     model_path: str
     short_length: int | None = None  # mixed_window: tokens per short sequence (None: mixed-window is off)

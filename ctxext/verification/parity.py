@@ -86,7 +86,7 @@ def _unscaled(config, model: ServedModel) -> str:
         config.rope_parameters = rope_parameters_of(source, lambda rope: copy.deepcopy(rope.parameters))
         config.max_position_embeddings = source.max_position_embeddings
         if hasattr(config, "original_max_position_embeddings"):  # Phi-3's top-level L0
-            config.original_max_position_embeddings = source.original_length
+            config.original_max_position_embeddings = source.pretraining_length
         return f"the source's rope as shipped ({source.describe()})"
     config.rope_parameters = rope_parameters_of(recorded_rope(config, model), plain_rope)
     config.max_position_embeddings = int(model.record["original_max_position_embeddings"])
