@@ -119,15 +119,15 @@ def save_tiny_checkpoint(path, model):
 
 
 def save_smollm2_llama(
-    path, smollm2_path, method_length: int, tie_word_embeddings: bool = False, attention_std: float | None = None
+    path, smollm2_path, pretraining_length: int, tie_word_embeddings: bool = False, attention_std: float | None = None
 ):
-    """A random tiny LLaMA (L = `method_length`, seed 0) with SmolLM2's tokenizer, saved to `path`; its attention
+    """A random tiny LLaMA (L = `pretraining_length`, seed 0) with SmolLM2's tokenizer, saved to `path`; its attention
     projections drawn with `attention_std` where given (sharp attention that depends on positions)."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
     config = tiny_config(
         "llama",
         vocab_size=len(tokenizer),
-        max_position_embeddings=method_length,
+        max_position_embeddings=pretraining_length,
         tie_word_embeddings=tie_word_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -147,6 +147,7 @@ def report_results(session, rows, written: Path | None = None) -> dict:
             "name": session.request.model,
             "display_name": session.request.display_name,
             "L": plan.L,
+            "trained_context": plan.L,  # C, the length compare's rows extend from (L kept for older readers)
             "fingerprint": plan.fingerprint,
         },
         "machine": session.machine,

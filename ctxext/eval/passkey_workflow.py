@@ -101,7 +101,7 @@ def evaluate_passkey(request: PasskeyRequest, log=None) -> PasskeyResult:
         "arguments": request.invocation.arguments,
         "model": session.description(),
         "protocol": passkey_protocol(request, session.bos_info),
-        "methods": [{"label": m.label, **m.description} for m in methods],
+        "methods": [m.record(session.model) for m in methods],
         "notes": session.beyond_training_notes(request.lengths),
         "lengths": request.lengths,
         "accuracy_by_length": by_length,

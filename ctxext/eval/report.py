@@ -67,6 +67,12 @@ def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
             writer.writerow({k: (";".join(v) if isinstance(v, list) else v) for k, v in row.items()})
 
 
+def trained_context_in(model: dict) -> int | None:
+    """C, the trained context, from a results.json `model` block: its `trained_context`, or, in a file written
+    before that key, `original_max_position_embeddings` (which held C there)."""
+    return model.get("trained_context", model.get("original_max_position_embeddings"))
+
+
 def plot_perplexity(
     rows: list[dict], methods: list[str], path: Path, title: str, trained_context: int | None = None
 ) -> None:

@@ -9,6 +9,7 @@ The command line validates the flags with `MethodSelection.mappings` before any 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,6 +53,17 @@ class EvalMethod:
 
     def remove(self, model) -> None:
         unpatch(model)
+
+    def record(self, model) -> dict:
+        """The row as results.json records it: its label and description, and, where the row patches a method in,
+        `method_length`: the L the method counts from on `model` (PatchPlan.method_length: the trained context C,
+        the pre-training length L0 where the shipped scaling is replaced, or the L given); left out where the patch
+        cannot be planned."""
+        record = {"label": self.label, **self.description}
+        if self.config is not None:
+            with contextlib.suppress(CtxextError):
+                record["method_length"] = self.config.plan(model).method_length
+        return record
 
 
 @dataclass

@@ -116,7 +116,8 @@ def model_description(name: str, model, runtime: dict) -> dict:
         "architecture": type(model).__name__,
         "parameters": sum(p.numel() for p in model.parameters()),
         "max_position_embeddings": getattr(config, "max_position_embeddings", None),
-        "original_max_position_embeddings": trained_context_of(model),
+        "pretraining_length": pretraining_length_of(model),  # L0
+        "trained_context": trained_context_of(model),  # C
         "rotary_dim": _rotary_dim(config),
         "rope_parameters": rope_parameters(config),
         "dtype": str(runtime["dtype"]).removeprefix("torch."),
@@ -161,6 +162,15 @@ def trained_context_of(model) -> int | None:
     loaded), its max_position_embeddings."""
     try:
         return patching.trained_context_of(model)
+    except CtxextError:
+        return getattr(model.config, "max_position_embeddings", None)
+
+
+def pretraining_length_of(model) -> int | None:
+    """L0, the pre-training length of the model's rope record; for a model ctxext cannot patch (evaluated as
+    loaded), its max_position_embeddings."""
+    try:
+        return patching.model_rope_record(model).pretraining_length
     except CtxextError:
         return getattr(model.config, "max_position_embeddings", None)
 

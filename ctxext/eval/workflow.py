@@ -27,7 +27,7 @@ from ..outputs import (
 )
 from ..run_options import DataOptions, Invocation, RuntimeOptions
 from .options import DEFAULT_LENGTHS, parse_lengths
-from .report import perplexity_table, plot_perplexity, write_csv
+from .report import perplexity_table, plot_perplexity, trained_context_in, write_csv
 from .rows import MethodSelection
 from .runner import iter_scores, plan_lengths
 from .session import EvalSession
@@ -208,7 +208,7 @@ def _result(request, session, docs, plans, scores, error, started) -> Perplexity
         "model": session.description(),
         "protocol": perplexity_protocol(request.stride, plans, request.short_docs, session.bos_info),
         "dataset": docs.describe(),
-        "methods": [{"label": m.label, **m.description} for m in session.methods],
+        "methods": [m.record(session.model) for m in session.methods],
         "notes": session.beyond_training_notes(request.lengths),
         "lengths": request.lengths,
         "results": rows,
@@ -255,7 +255,7 @@ def write_perplexity_outputs(result: PerplexityResult, request, protected, model
                 f"{model_name}, {source.get('name') or source.get('kind')}\n"
                 f"{'one pass per document (stride = window)' if stride is None else f'stride {stride}'}, "
                 f"{result.payload['model']['dtype']}",
-                result.payload["model"]["original_max_position_embeddings"],
+                trained_context_in(result.payload["model"]),
             )
     if result.complete and request.use_cache and request.cache_dir is None and request.cell_folder() is not None:
         shutil.rmtree(request.cell_folder(), ignore_errors=True)

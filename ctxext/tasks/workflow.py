@@ -223,7 +223,7 @@ def _result(request, session, specs, cells, cache, lm_eval_version, started) -> 
         "arguments": request.invocation.arguments,
         "model": session.description(),
         "protocol": tasks_protocol(request, specs),
-        "methods": [{"label": m.label, **m.description} for m in session.methods],
+        "methods": [m.record(session.model) for m in session.methods],
         "notes": session.beyond_training_notes(request.lengths),
         "scores": rows,
         "effective_length": {"rule": EFFECTIVE_RULE, "panels": effective},
