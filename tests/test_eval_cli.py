@@ -1,7 +1,9 @@
 """`ctxext eval` end to end on a tiny checkpoint: numbers against the naive HF-docs loop, outputs, bad input."""
 
+import ast
 import csv
 import json
+import shutil
 import subprocess
 import sys
 
@@ -12,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ctxext import patch
 from ctxext.cli import main
-from tests.helpers import naive_nll, run_cli, save_smollm2_llama, self_extend_relative, write_hamlet_texts
+from tests.helpers import REPO, naive_nll, run_cli, save_smollm2_llama, self_extend_relative, write_hamlet_texts
 
 
 @pytest.fixture(scope="module")
@@ -309,3 +311,41 @@ def test_bad_input_from_the_real_command(tiny_checkpoint, tmp_path, bad_input_fi
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "--stride" in result.stderr
     assert not out.exists()
+
+
+def test_results_name_each_length_by_what_it_is(tiny_checkpoint, texts, tmp_path, capsys):
+    """A checkpoint shipping yarn x2 over L0 = 128 (served at C = 256): results.json's model block has L0 as
+    pretraining_length and C as trained_context (and C under the older key); each method row its method_length L,
+    C by default and L0 with --replace-shipped (METHODS.md: a scaling on a scaling counts from what it replaces)."""
+    shipped = tmp_path / "shipped"
+    shutil.copytree(tiny_checkpoint, shipped)
+    config = json.loads((shipped / "config.json").read_text())
+    L0 = config["max_position_embeddings"] // 2
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": L0}
+    config["rope_parameters"] = {**config["rope_parameters"], **yarn}
+    (shipped / "config.json").write_text(json.dumps(config))
+    C = int(yarn["factor"] * L0)
+    for flags, L in (([], C), (["--replace-shipped"], L0)):
+        argv = ["eval", shipped, "--method", "linear", "--factor", "2", *flags, "--no-baseline", "--lengths", "128",
+                "--text-file", texts / "a.txt", "--no-progress", "-o", tmp_path / str(L)]  # fmt: skip
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 0, err
+        results = json.loads((tmp_path / str(L) / "results.json").read_text())
+        model = results["model"]
+        assert (model["pretraining_length"], model["trained_context"]) == (L0, C)
+        assert model["original_max_position_embeddings"] == C  # the key older readers read
+        assert [row["method_length"] for row in results["methods"]] == [L]
+
+
+def test_no_identifier_is_named_original_length():
+    """One name for each length: pretraining_length (L0), trained_context (C), method_length (L). The ambiguous
+    `original_length` (it named all three) is no identifier, argument or attribute in ctxext/."""
+    found = []
+    for path in sorted((REPO / "ctxext").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [getattr(node, field, None) for field in ("id", "arg", "attr", "name")]
+            if "original_length" in names or "model_original_length" in names:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, found
+    probe = ast.parse("def f(original_length): return x.original_length")
+    assert sum("original_length" in (getattr(n, "arg", None), getattr(n, "attr", None)) for n in ast.walk(probe)) == 2

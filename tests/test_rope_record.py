@@ -39,6 +39,9 @@ MAY_READ = {
     "ctxext/serving/lengths.py": "derives each engine's length from a written config.json, as the engine reads it",
     "ctxext/integrations/adapters.py": "compares a base's written rope parameters with an adapter's record, verbatim",
     "ctxext/compare/serving.py": "records a planned row's source rope as written, as ctxext.yaml's source_rope does",
+    "ctxext/patching/rotary.py": "is_dynamic reads an unpatched model's own rope type (the record imports rotary)",
+    "ctxext/methods/native.py": "builds transformers' own rope function from the parameters it is given",
+    "ctxext/serving/forms.py": "writes config.json from the rope form it is given, in both spellings",
 }
 
 
@@ -58,9 +61,25 @@ def config_rope_reads(tree: ast.AST) -> list[int]:
             if getattr(func, "id", None) == "getattr" and named and named[0] in ("rope_parameters", "rope_theta"):
                 lines.append(node.lineno)
             first = [a.value for a in args[:1] if isinstance(a, ast.Constant)]
-            if isinstance(func, ast.Attribute) and func.attr == "get" and first == ["rope_theta"]:
+            is_get = isinstance(func, ast.Attribute) and func.attr == "get" and bool(first)
+            if is_get and (first == ["rope_theta"] or reads_rope_key(func.value, first[0])):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+            key = node.slice.value if isinstance(node.slice, ast.Constant) else None
+            if reads_rope_key(node.value, key):
                 lines.append(node.lineno)
     return lines
+
+
+ROPE_KEYS = ("rope_type", "rope_theta", "factor", "original_max_position_embeddings")
+
+
+def reads_rope_key(owner: ast.AST, key) -> bool:
+    """`rope_parameters.get(KEY)`, `rope_scaling[KEY]` or `rope_parameters_of(config)[KEY]`: a rope key read
+    from a config's raw rope dict (what the record reads; its values are `record.full.parameters`)."""
+    if isinstance(owner, ast.Call):
+        return key in ROPE_KEYS and getattr(owner.func, "id", "") == "rope_parameters_of"
+    return key in ROPE_KEYS and getattr(owner, "id", "") in ("rope_parameters", "rope_scaling")
 
 
 def test_nothing_outside_the_record_reads_the_configs_rope():
@@ -71,8 +90,12 @@ def test_nothing_outside_the_record_reads_the_configs_rope():
         if lines and name not in MAY_READ:
             found[name] = lines
     assert not found, f"read the rope record (ctxext.patching.record) instead: {found}"
-    tree = ast.parse("b = model.config.rope_parameters['rope_theta']\nc = getattr(cfg, 'rope_parameters', None)")
-    assert sorted(config_rope_reads(tree)) == [1, 2]  # the scan sees what it looks for
+    tree = ast.parse(
+        "b = model.config.rope_parameters['rope_theta']\nc = getattr(cfg, 'rope_parameters', None)\n"
+        "d = rope_parameters.get('original_max_position_embeddings')\ne = rope_parameters_of(cfg)['factor']\n"
+        "f = mapping.get('factor')"
+    )
+    assert sorted(config_rope_reads(tree)) == [1, 2, 3, 4]  # the scan sees what it looks for, and only that
 
 
 # ------------------------------------------------------------------------------------------ the record

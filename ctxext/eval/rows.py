@@ -187,7 +187,12 @@ def baseline_row(record: RopeRecord | None) -> EvalMethod:
 def method_rows(selection: MethodSelection, model_config) -> list[EvalMethod]:
     """The rows in order: the `none` baseline first (unless `selection.baseline` is False), then the methods
     asked for (the model as loaded when none is), with labels that tell every row apart."""
-    mappings, record = selection.mappings(), shipped_record(model_config)
+    return rows_for_record(selection, shipped_record(model_config))
+
+
+def rows_for_record(selection: MethodSelection, record: RopeRecord | None) -> list[EvalMethod]:
+    """`method_rows` from the model's rope record, where the caller has built it already."""
+    mappings = selection.mappings()
     if mappings is None:
         rows = [as_loaded_row(record)]
     else:

@@ -21,12 +21,12 @@ from ..loading import check_model_source, load_config, load_model, load_tokenize
 from ..outputs import content_fingerprint
 from ..patching.applicable import skeleton
 from ..patching.families import rotary_wavelengths
-from ..patching.record import rope_record
+from ..patching.record import RopeRecord
 from ..run_options import RuntimeOptions
 from ..runtime import Processes, cpu_processes, inference_runtime
 from .data import tokenizer_adds_bos
 from .options import check_bos
-from .rows import MethodSelection, beyond_training_notes, method_rows
+from .rows import MethodSelection, beyond_training_notes, method_rows, rows_for_record, shipped_record
 
 
 @dataclass
@@ -40,6 +40,7 @@ class EvalSession:
     methods: list
     bos_id: int | None
     bos_info: dict
+    record: RopeRecord | None  # the loaded model's rope record, built once (None: no RoPE ctxext reads)
 
     @classmethod
     def open(cls, name: str, selection: MethodSelection, options: RuntimeOptions, processes=None) -> EvalSession:
@@ -52,9 +53,11 @@ class EvalSession:
                 f"--tp {options.tp}, but these processes were set up without it (ctxext.runtime.Processes)"
             )
         model, tokenizer, runtime = load_model_and_tokenizer(name, options, processes)
-        methods = [dataclasses.replace(m, kept_keys=options.kept_keys) for m in method_rows(selection, model.config)]
+        record = shipped_record(model.config)  # the model as loaded: unpatched
+        rows = rows_for_record(selection, record)
+        methods = [dataclasses.replace(m, kept_keys=options.kept_keys) for m in rows]
         bos_id, bos_info = bos_choice(options.bos, tokenizer)
-        return cls(name, model, tokenizer, runtime, options, processes, methods, bos_id, bos_info)
+        return cls(name, model, tokenizer, runtime, options, processes, methods, bos_id, bos_info, record)
 
     def runtime_line(self) -> str:
         runtime, world, tp = self.runtime, self.processes.world_size, self.processes.tp
@@ -68,11 +71,18 @@ class EvalSession:
 
     def beyond_training_notes(self, lengths: list[int]) -> list[str]:
         return beyond_training_notes(
-            self.methods, lengths, trained_context_of(self.model), rotary_wavelengths(self.model)
+            self.methods, lengths, self.lengths()["trained_context"], rotary_wavelengths(self.model)
         )
 
+    def lengths(self) -> dict:
+        """L0 and C of the loaded model (its max_position_embeddings for both where ctxext reads no RoPE)."""
+        if self.record is None:
+            reach = getattr(self.model.config, "max_position_embeddings", None)
+            return {"pretraining_length": reach, "trained_context": reach}
+        return {"pretraining_length": self.record.pretraining_length, "trained_context": self.record.trained_context}
+
     def description(self) -> dict:
-        return model_description(self.name, self.model, self.runtime)
+        return model_description(self.name, self.model, self.runtime, self.record, self.lengths())
 
     def progress(self, total: int, unit: str):
         return progress_bar(self.options, self.processes, total, unit)
@@ -145,7 +155,9 @@ def bos_choice(bos: str, tokenizer) -> tuple[int | None, dict]:
     }
 
 
-def model_description(name: str, model, runtime: dict) -> dict:
+def model_description(name: str, model, runtime: dict, record: RopeRecord | None, lengths: dict) -> dict:
+    """results.json's `model` block. `lengths`: L0 as `pretraining_length` and C as `trained_context`; the old key
+    `original_max_position_embeddings` (which held C) is kept for older readers."""
     config = model.config
     return {
         "path": str(Path(name).resolve()) if Path(name).exists() else name,
@@ -153,9 +165,10 @@ def model_description(name: str, model, runtime: dict) -> dict:
         "architecture": type(model).__name__,
         "parameters": sum(p.numel() for p in model.parameters()),
         "max_position_embeddings": getattr(config, "max_position_embeddings", None),
-        "original_max_position_embeddings": trained_context_of(model),
+        **lengths,
+        "original_max_position_embeddings": lengths["trained_context"],
         "rotary_dim": _rotary_dim(config),
-        "rope_parameters": rope_parameters(config),
+        "rope_parameters": rope_parameters(record),
         "dtype": str(runtime["dtype"]).removeprefix("torch."),
         "dtype_reason": runtime["dtype_reason"],
         "device": str(runtime["device"]),
@@ -174,12 +187,10 @@ def placement_description(model, placement: Placement | None) -> dict:
     return {"placement": {**placement.describe(), "placed": dict(placed)}}
 
 
-def rope_parameters(config) -> dict:
-    """The config's rope parameters as its rope record reads them (one dict, or one per layer type: Gemma 3); {}
+def rope_parameters(record: RopeRecord | None) -> dict:
+    """The rope parameters as the model's rope record reads them (one dict, or one per layer type: Gemma 3); {}
     for a model without RoPE (evaluated as loaded)."""
-    try:
-        record = rope_record(config)
-    except CtxextError:
+    if record is None:
         return {}
     if None in record.types:
         return record.types[None].parameters
@@ -191,15 +202,6 @@ def _rotary_dim(config) -> int | None:
         return patching.rotary_dim(config)
     except (AttributeError, TypeError, ZeroDivisionError):
         return None
-
-
-def trained_context_of(model) -> int | None:
-    """C, the trained context patch() counts from by default; for a model ctxext cannot patch (evaluated as
-    loaded), its max_position_embeddings."""
-    try:
-        return patching.trained_context_of(model)
-    except CtxextError:
-        return getattr(model.config, "max_position_embeddings", None)
 
 
 def progress_bar(runtime: RuntimeOptions, processes, total: int, unit: str):

@@ -34,7 +34,8 @@ from accelerate.utils import DeepSpeedSequenceParallelConfig
 from ..compat import attention_implementation
 from ..errors import CtxextError
 from ..extras import require
-from ..patching.families import rope_parameters_of, rotary_host
+from ..patching.families import rotary_host
+from ..patching.record import model_rope_record
 from ..patching.rotary import ScaledRotaryEmbedding
 from ..runtime import launched_deepspeed
 
@@ -85,7 +86,7 @@ def check_model(model, sp_size: int, attn_implementation: str) -> None:
             "parallel.sp_size needs train.attn_implementation sdpa or flash_attention_2 (Ulysses builds no "
             "attention mask, and eager attention needs one)"
         )
-    own = rope_parameters_of(rotary_host(model).config).get("rope_type", "default")
+    own = model_rope_record(model).full.parameters.get("rope_type", "default")
     if not isinstance(rotary_host(model).rotary_emb, ScaledRotaryEmbedding) and ("dynamic" in own or own == "longrope"):
         raise CtxextError(
             f"parallel.sp_size: the model's own '{own}' rotary reads the length from each process's slice of the "
