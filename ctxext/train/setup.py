@@ -17,7 +17,7 @@ from .. import compat
 from ..errors import CtxextError
 from ..loading import load_model, load_tokenizer
 from ..outputs import check_overlap
-from ..patching import applied_method, is_dynamic
+from ..patching import is_dynamic
 from ..runtime import (
     Processes,
     attention_implementation,
@@ -150,10 +150,10 @@ def load_patched_model(recipe: Recipe, runtime: Runtime, progress: bool = True):
         attn_implementation=runtime.attn_implementation,
         progress=progress,
     )
-    method_length = int(model.config.max_position_embeddings)
-    recipe.method.apply(model)
+    planned = recipe.method.plan(model)  # the one place the L the method counts from is decided
+    recipe.method.apply(model, planned)
     check_model(model, recipe.parallel.sp_size, compat.attention_implementation(model.config))
-    method_length = applied_method(model)["original_max_position_embeddings"] or method_length
+    method_length = planned.method_length
     limit = supported_length(model)
     if limit is not None and recipe.seq_len > limit:
         raise CtxextError(
