@@ -70,19 +70,11 @@ class EvalSession:
         )
 
     def beyond_training_notes(self, lengths: list[int]) -> list[str]:
-        return beyond_training_notes(
-            self.methods, lengths, self.lengths()["trained_context"], rotary_wavelengths(self.model)
-        )
-
-    def lengths(self) -> dict:
-        """L0 and C of the loaded model (its max_position_embeddings for both where ctxext reads no RoPE)."""
-        if self.record is None:
-            reach = getattr(self.model.config, "max_position_embeddings", None)
-            return {"pretraining_length": reach, "trained_context": reach}
-        return {"pretraining_length": self.record.pretraining_length, "trained_context": self.record.trained_context}
+        C = model_lengths(self.record, self.model.config)["trained_context"]
+        return beyond_training_notes(self.methods, lengths, C, rotary_wavelengths(self.model))
 
     def description(self) -> dict:
-        return model_description(self.name, self.model, self.runtime, self.record, self.lengths())
+        return model_description(self.name, self.model, self.runtime, self.record)
 
     def progress(self, total: int, unit: str):
         return progress_bar(self.options, self.processes, total, unit)
@@ -155,10 +147,20 @@ def bos_choice(bos: str, tokenizer) -> tuple[int | None, dict]:
     }
 
 
-def model_description(name: str, model, runtime: dict, record: RopeRecord | None, lengths: dict) -> dict:
-    """results.json's `model` block. `lengths`: L0 as `pretraining_length` and C as `trained_context`; the old key
+def model_lengths(record: RopeRecord | None, config) -> dict:
+    """L0 as `pretraining_length` and C as `trained_context`, from the rope record (the config's
+    max_position_embeddings for both where ctxext reads no RoPE)."""
+    if record is None:
+        reach = getattr(config, "max_position_embeddings", None)
+        return {"pretraining_length": reach, "trained_context": reach}
+    return {"pretraining_length": record.pretraining_length, "trained_context": record.trained_context}
+
+
+def model_description(name: str, model, runtime: dict, record: RopeRecord | None) -> dict:
+    """results.json's `model` block, with the model's lengths (`model_lengths`); the old key
     `original_max_position_embeddings` (which held C) is kept for older readers."""
     config = model.config
+    lengths = model_lengths(record, config)
     return {
         "path": str(Path(name).resolve()) if Path(name).exists() else name,
         "model_type": getattr(config, "model_type", None),
